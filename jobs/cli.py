@@ -1,0 +1,50 @@
+"""The `overnight` command: a Click group whose commands live one per module."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+import click
+
+from overnight.jobs.inspect import inspect_cmd
+from overnight.jobs.models import models
+from overnight.jobs.run import run
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.option("-v", "--verbose", is_flag=True, help="Debug logging, including vLLM's own start-up logs.")
+@click.version_option(package_name="overnight")
+def cli(verbose: bool) -> None:
+    """Offline bulk LLM inference over Parquet, on vLLM.
+
+    \b
+    Example:
+        overnight models prepare
+        overnight run prompts.parquet --out results/
+        overnight inspect results/ --sql "select status, count(*) from results group by 1"
+    """
+    setup_logging(verbose)
+
+
+def setup_logging(verbose: bool) -> None:
+    if verbose:
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "INFO")
+    logger = logging.getLogger("overnight")
+    logger.setLevel(logging.DEBUG if verbose else logging.INFO)
+    if not logger.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(asctime)s overnight %(levelname)s %(message)s",
+                                               datefmt="%Y-%m-%dT%H:%M:%S"))
+        logger.addHandler(handler)
+        logger.propagate = False
+
+
+cli.add_command(run)
+cli.add_command(inspect_cmd)
+cli.add_command(models)
+
+
+def main() -> None:
+    cli(prog_name="overnight")

@@ -1,0 +1,127 @@
+"""Option groups shared by commands, and the mapping from options to the config dict."""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable
+
+import click
+
+from overnight.pipeline.checkpoint import OutputError
+from overnight.pipeline.config import ConfigError
+from overnight.pipeline.engine import EngineError
+from overnight.pipeline.models import ModelError
+from overnight.pipeline.source import InputError
+from overnight.pipeline.storage import StorageError
+
+# Library exceptions whose message is already written for the user.
+USER_ERRORS = (ConfigError, InputError, OutputError, ModelError, StorageError, EngineError)
+
+
+def _stack(*decorators: Callable) -> Callable:
+    def apply(f):
+        for d in reversed(decorators):
+            f = d(f)
+        return f
+    return apply
+
+
+input_options = _stack(
+    click.option("--config", "config_file", type=click.Path(dir_okay=False),
+                 help="YAML config; keys map 1:1 onto the config dataclasses. Options given here override it."),
+    click.option("--model", help="Model alias (see `overnight models list`), local HF folder, or hub id. "
+                                 "[default: smollm2-135m]"),
+    click.option("--prompt-column", help="Column holding the prompt text. [default: prompt]"),
+    click.option("--messages-column", help="Column holding chats as lists of {role, content}. [default: messages]"),
+    click.option("--id-column", help="Column holding row ids. Without it ids are '<file>#<row>'. [default: id]"),
+    click.option("--limit", type=click.IntRange(min=0), help="Process at most this many input rows."),
+    click.option("--system-prompt", help="System message prepended to every chat."),
+    click.option("--chat/--no-chat", default=None,
+                 help="Apply the model's chat template. [default: on when the model has one]"),
+)
+
+sampling_options = _stack(
+    click.option("--max-tokens", type=click.IntRange(min=1), help="Most output tokens per row."),
+    click.option("--temperature", type=float, help="Sampling temperature; 0 is greedy."),
+    click.option("--top-p", type=float, help="Nucleus sampling probability mass."),
+    click.option("--top-k", type=int, help="Sample from the k most likely tokens; -1 is off."),
+    click.option("--repetition-penalty", type=float, help="Above 1 discourages repetition; 1 is off."),
+    click.option("--seed", type=int, help="Per-row sampling seed, for reproducible outputs."),
+    click.option("--stop", multiple=True, help="Stop string (repeatable)."),
+)
+
+engine_options = _stack(
+    click.option("--max-model-len", type=int, help="Longest prompt + output in tokens."),
+    click.option("--max-num-seqs", type=int, help="Most sequences the engine decodes at once."),
+    click.option("--max-num-batched-tokens", type=int, help="Token budget of one engine step."),
+    click.option("--gpu-memory-utilization", type=float, help="GPU: fraction of memory vLLM may use."),
+    click.option("--kv-cache-space", "kv_cache_space_gib", type=float, help="CPU: GiB of RAM for the KV cache."),
+    click.option("--enforce-eager/--no-enforce-eager", default=None,
+                 help="Skip graph capture. [default: on for CPU, off on GPU]"),
+    click.option("--tensor-parallel-size", type=int, help="GPUs to shard the model over."),
+    click.option("--prefix-caching/--no-prefix-caching", "enable_prefix_caching", default=None,
+                 help="Reuse KV cache of shared prompt prefixes. [default: on]"),
+    click.option("--trust-remote-code", is_flag=True, default=None,
+                 help="Allow a hub model's own Python code to run. Off unless given."),
+)
+
+
+def passthrough_value(text):
+    if text is None:
+        return None
+    if text in ("all", "none"):
+        return text
+    return [c.strip() for c in text.split(",") if c.strip()]
+
+
+def config_layer(input_path=None, out=None, **o) -> dict:
+    """The command line as a config dict; unset options are None and do not override."""
+    return {
+        "input": {
+            "path": input_path,
+            "prompt_column": o.get("prompt_column"),
+            "messages_column": o.get("messages_column"),
+            "id_column": o.get("id_column"),
+            "limit": o.get("limit"),
+            "passthrough": passthrough_value(o.get("passthrough")),
+        },
+        "prompt": {"chat": o.get("chat"), "system_prompt": o.get("system_prompt")},
+        "sampling": {
+            "max_tokens": o.get("max_tokens"),
+            "temperature": o.get("temperature"),
+            "top_p": o.get("top_p"),
+            "top_k": o.get("top_k"),
+            "repetition_penalty": o.get("repetition_penalty"),
+            "seed": o.get("seed"),
+            "stop": list(o["stop"]) if o.get("stop") else None,
+        },
+        "engine": {
+            "model": o.get("model"),
+            "max_model_len": o.get("max_model_len"),
+            "max_num_seqs": o.get("max_num_seqs"),
+            "max_num_batched_tokens": o.get("max_num_batched_tokens"),
+            "gpu_memory_utilization": o.get("gpu_memory_utilization"),
+            "kv_cache_space_gib": o.get("kv_cache_space_gib"),
+            "enforce_eager": o.get("enforce_eager"),
+            "tensor_parallel_size": o.get("tensor_parallel_size"),
+            "enable_prefix_caching": o.get("enable_prefix_caching"),
+            "trust_remote_code": o.get("trust_remote_code"),
+        },
+        "output": {
+            "path": out,
+            "flush_rows": o.get("flush_rows"),
+            "flush_seconds": o.get("flush_seconds"),
+            "log_every_seconds": o.get("log_every"),
+        },
+    }
+
+
+def user_errors(f: Callable) -> Callable:
+    """Turn the library's own exceptions into clean `Error: ...` messages."""
+    @functools.wraps(f)
+    def wrapper(*args, **kwargs):
+        try:
+            return f(*args, **kwargs)
+        except USER_ERRORS as e:
+            raise click.ClickException(str(e)) from None
+    return wrapper

@@ -1,0 +1,53 @@
+"""`overnight run`: parse options, build the config, run the job, report."""
+
+from __future__ import annotations
+
+import json
+
+import click
+
+from overnight.jobs.options import (config_layer, engine_options, input_options, sampling_options,
+                                    user_errors)
+
+
+@click.command()
+@click.argument("input_path", metavar="INPUT", required=False)
+@click.option("--out", "out", help="Output folder (local or fsspec URL). Rerunning resumes it.")
+@input_options
+@sampling_options
+@engine_options
+@click.option("--passthrough", help="Input columns copied to the output: all, none, or a comma list. [default: all]")
+@click.option("--flush-rows", type=click.IntRange(min=1), help="Write a Parquet part every N finished rows.")
+@click.option("--flush-seconds", type=float, help="... or every T seconds, whichever comes first.")
+@click.option("--log-every", type=float, help="Seconds between progress log lines when stderr is not a terminal.")
+@click.option("--fresh", is_flag=True, help="Discard the results already in OUT and start over.")
+@click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON on stdout.")
+@user_errors
+def run(input_path, out, config_file, fresh, as_json, **options):
+    """Run a bulk inference job over INPUT (Parquet file, folder or glob; local or fsspec URL).
+
+    Finished rows are written to OUT/parts/ as they complete; rerunning the same
+    command after a kill processes only the rows not yet written. INPUT may also
+    be a YAML config file, as in `overnight run nightly.yaml`.
+
+    Exit codes: 0 done, 1 failed, 2 bad usage, 75 stopped early (rerun to continue).
+
+    \b
+    Example:
+        overnight run prompts.parquet --out results/
+        overnight run 's3://bucket/prompts/*.parquet' --out s3://bucket/results/ --max-tokens 256
+        overnight run --config nightly.yaml --limit 100
+    """
+    from overnight.pipeline.api import run_job
+    from overnight.pipeline.configio import resolve
+
+    if input_path and input_path.endswith((".yaml", ".yml")) and not config_file:
+        config_file, input_path = input_path, None
+    cfg = resolve(config_layer(input_path, out, **options), config_file)
+    summary = run_job(cfg, fresh=fresh)
+    if as_json:
+        from dataclasses import asdict
+        click.echo(json.dumps(asdict(summary), indent=2))
+    else:
+        click.echo(summary.line())
+    click.get_current_context().exit(summary.exit_code)

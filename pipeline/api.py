@@ -1,0 +1,30 @@
+"""Library entry point: ``run_job(config)`` does what ``overnight run`` does.
+
+    from overnight.pipeline.api import run_job
+    from overnight.pipeline.configio import resolve
+    summary = run_job(resolve({"input": {"path": "prompts.parquet"}, "output": {"path": "results/"}}))
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+from overnight.pipeline.config import JobConfig
+from overnight.pipeline.engine import get_engine
+from overnight.pipeline.job import open_job
+from overnight.pipeline.runner import Runner, Summary
+
+log = logging.getLogger("overnight")
+
+
+def run_job(cfg: JobConfig, fresh: bool = False, engine=None, is_tty: Optional[bool] = None) -> Summary:
+    """Run (or resume) a job. Job-level problems raise before the engine starts."""
+    job = open_job(cfg, fresh=fresh)
+    if job.scan.num_done:
+        log.info("resuming %s: %d rows already done in %d parts", job.run_id, job.scan.num_done, job.scan.num_parts)
+    if engine is None:
+        log.info("starting vLLM with %s", job.model.path)
+        engine = get_engine(cfg.engine, job.model.path)
+    summary = Runner(job, engine, is_tty=is_tty).run()
+    return summary

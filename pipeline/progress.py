@@ -1,0 +1,91 @@
+"""Progress: a tqdm bar on a terminal, plain log lines elsewhere (cron, Airflow)."""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from collections import deque
+from typing import Callable, Optional
+
+log = logging.getLogger("overnight")
+
+
+def fmt_duration(seconds: Optional[float]) -> str:
+    if seconds is None:
+        return "?"
+    seconds = int(max(0, seconds))
+    h, rem = divmod(seconds, 3600)
+    m, s = divmod(rem, 60)
+    return f"{h}h{m:02d}m{s:02d}s" if h else (f"{m}m{s:02d}s" if m else f"{s}s")
+
+
+class Rate:
+    """Events per second over a sliding window."""
+
+    def __init__(self, window: float = 30.0):
+        self.window = window
+        self.points: deque[tuple[float, int]] = deque()
+
+    def add(self, t: float, total: int) -> None:
+        self.points.append((t, total))
+        while len(self.points) > 2 and t - self.points[0][0] > self.window:
+            self.points.popleft()
+
+    def per_second(self) -> float:
+        if len(self.points) < 2:
+            return 0.0
+        (t0, v0), (t1, v1) = self.points[0], self.points[-1]
+        return (v1 - v0) / (t1 - t0) if t1 > t0 else 0.0
+
+
+class Progress:
+    def __init__(self, total: int, initial: int, log_every: float, is_tty: Optional[bool] = None,
+                 clock: Callable[[], float] = time.monotonic):
+        self.total = total
+        self.done = initial
+        self.initial = initial
+        self.tokens = 0
+        self.clock = clock
+        self.started = clock()
+        self.log_every = log_every
+        self.last_log = self.started
+        self.row_rate = Rate()
+        self.token_rate = Rate()
+        self.is_tty = sys.stderr.isatty() if is_tty is None else is_tty
+        self.bar = None
+        if self.is_tty:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, initial=initial, unit="row", dynamic_ncols=True, smoothing=0.1,
+                            file=sys.stderr, desc="overnight")
+
+    def update(self, num_rows: int, num_tokens: int) -> None:
+        now = self.clock()
+        self.done += num_rows
+        self.tokens += num_tokens
+        self.row_rate.add(now, self.done)
+        self.token_rate.add(now, self.tokens)
+        if self.bar is not None:
+            self.bar.update(num_rows)
+            self.bar.set_postfix_str(f"{self.token_rate.per_second():.0f} tok/s", refresh=False)
+        elif now - self.last_log >= self.log_every:
+            self.last_log = now
+            log.info(self.line())
+
+    def eta_seconds(self) -> Optional[float]:
+        rate = self.row_rate.per_second()
+        remaining = max(0, self.total - self.done)
+        if remaining == 0:
+            return 0.0
+        return remaining / rate if rate > 0 else None
+
+    def line(self) -> str:
+        pct = 100.0 * self.done / self.total if self.total else 100.0
+        return (f"{self.done}/{self.total} rows ({pct:.0f}%), {self.token_rate.per_second():.0f} output tok/s, "
+                f"ETA {fmt_duration(self.eta_seconds())}")
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None

@@ -1,0 +1,111 @@
+"""The record types that cross stage boundaries: a Row goes into the scheduler, a Result comes out."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+
+@dataclass(slots=True)
+class Row:
+    """One valid input row, tokenized and ready for the engine."""
+
+    # The row's id as it appears in the output (input id value, or "<file>#<row>").
+    id: Any
+    # Prompt after the chat template, as token ids.
+    prompt_token_ids: list[int]
+    # Sampling parameters for this row (defaults merged with per-row columns).
+    sampling: dict
+    # Input columns copied to the output.
+    passthrough: dict
+    # Where the row came from, for messages: "<file>#<row>".
+    origin: str
+    # Predicted output tokens and its bucket (filled by buckets/; None when no predictor ran).
+    predicted_tokens: Optional[int] = None
+    bucket: Optional[int] = None
+    # Lower runs sooner, as in vLLM's priority scheduling.
+    priority: int = 0
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def max_tokens(self) -> int:
+        return self.sampling["max_tokens"]
+
+
+@dataclass(slots=True)
+class Finished:
+    """What the engine reports for one finished request."""
+
+    request_id: str
+    text: str
+    # "stop" (EOS or a stop string), "length" (max_tokens or the context) or "abort".
+    finish_reason: Optional[str]
+    num_prompt_tokens: int
+    num_output_tokens: int
+    # Wall-clock seconds since the epoch; first_token_at is None when the engine does not report it.
+    first_token_at: Optional[float]
+    finished_at: float
+
+
+@dataclass(slots=True)
+class Result:
+    """One output row, ok or error."""
+
+    id: Any
+    passthrough: dict
+    status: str  # "ok" | "error"
+    text: Optional[str] = None
+    finish_reason: Optional[str] = None
+    prompt_tokens: Optional[int] = None
+    output_tokens: Optional[int] = None
+    predicted_tokens: Optional[int] = None
+    bucket: Optional[int] = None
+    queued_at: Optional[float] = None
+    first_token_at: Optional[float] = None
+    finished_at: Optional[float] = None
+    error: Optional[str] = None
+
+    @classmethod
+    def failed(cls, id: Any, passthrough: dict, error: str, at: Optional[float] = None) -> "Result":
+        return cls(id=id, passthrough=passthrough, status="error", error=error, finished_at=at)
+
+    @classmethod
+    def from_engine(cls, row: Row, fin: Finished, queued_at: float) -> "Result":
+        return cls(
+            id=row.id,
+            passthrough=row.passthrough,
+            status="ok",
+            text=fin.text,
+            finish_reason=fin.finish_reason,
+            prompt_tokens=fin.num_prompt_tokens,
+            output_tokens=fin.num_output_tokens,
+            predicted_tokens=row.predicted_tokens,
+            bucket=row.bucket,
+            queued_at=queued_at,
+            first_token_at=fin.first_token_at,
+            finished_at=fin.finished_at,
+        )
+
+
+RESULT_FIELDS = (
+    "text", "finish_reason", "prompt_tokens", "output_tokens", "predicted_tokens", "bucket",
+    "queued_at", "first_token_at", "finished_at", "status", "error", "run_id", "model",
+)
+
+
+@dataclass
+class Counts:
+    """Running totals of a job."""
+
+    num_ok: int = 0
+    num_error: int = 0
+    num_output_tokens: int = 0
+    num_prompt_tokens: int = 0
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def num_done(self) -> int:
+        return self.num_ok + self.num_error

@@ -1,0 +1,100 @@
+"""All file access goes through here, so local paths, memory:// and s3:// share one code path.
+
+Credentials for remote stores come from the environment or the store's
+standard config files (e.g. AWS_* variables, ~/.aws), never from arguments.
+"""
+
+from __future__ import annotations
+
+import os
+import posixpath
+import uuid
+from typing import Optional
+
+import fsspec
+from fsspec.implementations.local import LocalFileSystem
+
+
+class StorageError(Exception):
+    "A path could not be read or written; the message names it and the fix."
+
+
+def url_to_fs(url: str):
+    """Return ``(fs, path)`` for a local path or fsspec URL."""
+    fs, path = fsspec.core.url_to_fs(url)
+    return fs, path
+
+
+def is_local(fs) -> bool:
+    return isinstance(fs, LocalFileSystem)
+
+
+def unstrip(fs, path: str) -> str:
+    """Turn an fs-internal path back into a URL a user (or DuckDB) recognises."""
+    return path if is_local(fs) else fs.unstrip_protocol(path)
+
+
+def join(*parts: str) -> str:
+    return posixpath.join(*parts)
+
+
+def open_file(url: str, mode: str = "rb"):
+    fs, path = url_to_fs(url)
+    return fs.open(path, mode)
+
+
+def arrow_fs(fs):
+    """A pyarrow filesystem over an fsspec one (native for local paths)."""
+    import pyarrow.fs as pafs
+
+    if is_local(fs):
+        return pafs.LocalFileSystem()
+    return pafs.PyFileSystem(pafs.FSSpecHandler(fs))
+
+
+def write_atomic(fs, path: str, data: bytes) -> None:
+    """Write ``data`` so that ``path`` is either absent, the old content, or complete.
+
+    Local files are written under a temporary name, fsynced and renamed. Object
+    stores make an object visible only when its upload completes, and memory://
+    on close, so there a direct write is already atomic.
+    """
+    if is_local(fs):
+        directory = os.path.dirname(path) or "."
+        os.makedirs(directory, exist_ok=True)
+        tmp = os.path.join(directory, f".tmp-{uuid.uuid4().hex}-{os.path.basename(path)}")
+        try:
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+        _fsync_dir(directory)
+    else:
+        with fs.open(path, "wb") as f:
+            f.write(data)
+
+
+def _fsync_dir(directory: str) -> None:
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:  # pragma: no cover - platforms without directory fds
+        return
+    try:
+        os.fsync(fd)
+    except OSError:  # pragma: no cover
+        pass
+    finally:
+        os.close(fd)
+
+
+def read_text(fs, path: str) -> Optional[str]:
+    """The file's text, or None when it does not exist."""
+    try:
+        with fs.open(path, "rb") as f:
+            return f.read().decode("utf-8")
+    except FileNotFoundError:
+        return None
