@@ -164,6 +164,16 @@ def _check_folder(folder: str) -> None:
 
 def load_tokenizer(resolved: ResolvedModel, trust_remote_code: bool = False):
     """Load the model's tokenizer before the engine starts; hub failures get a clear message."""
+    key = (resolved.path, trust_remote_code)
+    if key not in _TOKENIZERS:
+        _TOKENIZERS[key] = _load_tokenizer(resolved, trust_remote_code)
+    return _TOKENIZERS[key]
+
+
+_TOKENIZERS: dict = {}
+
+
+def _load_tokenizer(resolved: ResolvedModel, trust_remote_code: bool):
     from transformers import AutoTokenizer
 
     try:

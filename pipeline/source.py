@@ -199,7 +199,7 @@ class ParquetSource:
         for fragment in dataset.get_fragments():
             file = by_path[_norm(fragment.path)]
             start = 0
-            for batch in fragment.to_batches(columns=columns, batch_size=self.cfg.batch_rows,
+            for batch in fragment.to_batches(schema=read_schema, columns=columns, batch_size=self.cfg.batch_rows,
                                              batch_readahead=2, fragment_readahead=1):
                 if batch.num_rows == 0:
                     continue

@@ -1,0 +1,66 @@
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+EXAMPLE = REPO / "examples" / "prompts.parquet"
+
+
+def shared_data_dir() -> Path | None:
+    """../shared/data (real GSM8K, MT-bench, Vicuna prompts) when this checkout sits beside it."""
+    env = os.environ.get("OVERNIGHT_SHARED_DATA")
+    candidates = [Path(env)] if env else []
+    candidates += [p / "shared" / "data" for p in REPO.parents]
+    for c in candidates:
+        if (c / "gsm8k_test.parquet").exists():
+            return c
+    return None
+
+
+def real_prompts(n: int) -> pa.Table:
+    """n real prompts: a mix from ../shared/data, else the shipped example (drawn from it)."""
+    shared = shared_data_dir()
+    if shared is None:
+        return pq.read_table(EXAMPLE, columns=["id", "prompt"]).slice(0, n)
+    parts, per = [], max(1, n // 3)
+    for name, k in (("gsm8k_test", n - 2 * per), ("mt_bench", per), ("vicuna_bench", per)):
+        parts.append(pq.read_table(shared / f"{name}.parquet", columns=["id", "prompt"]).slice(0, k))
+    return pa.concat_tables(parts)
+
+
+@pytest.fixture
+def write_parquet(tmp_path):
+    def write(table_or_dict, name: str = "in.parquet") -> str:
+        table = table_or_dict if isinstance(table_or_dict, pa.Table) else pa.table(table_or_dict)
+        path = tmp_path / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        pq.write_table(table, path)
+        return str(path)
+    return write
+
+
+@pytest.fixture(scope="session")
+def model_path() -> str:
+    """The embedded model, prepared once (the README's setup does this; here it is a no-op then)."""
+    from overnight.pipeline.models import prepare
+
+    return prepare("smollm2-135m")
+
+
+@pytest.fixture(scope="session")
+def tokenizer(model_path):
+    from overnight.pipeline.models import ResolvedModel, load_tokenizer
+
+    return load_tokenizer(ResolvedModel(requested="smollm2-135m", path=model_path, alias="smollm2-135m"))
+
+
+def overnight_cmd() -> list[str]:
+    """The installed console script, as a user runs it."""
+    script = Path(sys.executable).parent / "overnight"
+    return [str(script)] if script.exists() else [sys.executable, "-m", "overnight.jobs"]

@@ -1,0 +1,56 @@
+"""A fake engine with vLLM's add/step/abort shape, for fast runner and scheduler tests."""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+
+from overnight.pipeline.records import Finished
+
+
+class FakeEngine:
+    """Each request produces one token per step, up to min(max_tokens, length_of(prompt))."""
+
+    def __init__(self, max_num_seqs: int = 4, max_model_len: int = 2048, length_of=None, fail_after_steps=None):
+        self.max_num_seqs = max_num_seqs
+        self.max_model_len = max_model_len
+        self.length_of = length_of or (lambda ids: 3 + len(ids) % 5)
+        self.fail_after_steps = fail_after_steps
+        self.waiting: OrderedDict[str, dict] = OrderedDict()
+        self.running: OrderedDict[str, dict] = OrderedDict()
+        self.added: list[str] = []
+        self.aborted: list[str] = []
+        self.num_steps = 0
+
+    def add(self, request_id, prompt_token_ids, sampling, priority=0):
+        target = min(sampling["max_tokens"], self.length_of(prompt_token_ids))
+        self.waiting[request_id] = {"n": len(prompt_token_ids), "target": target, "done": 0,
+                                    "length": target == sampling["max_tokens"]}
+        self.added.append(request_id)
+
+    def step(self):
+        self.num_steps += 1
+        if self.fail_after_steps is not None and self.num_steps > self.fail_after_steps:
+            raise RuntimeError("engine died")
+        while self.waiting and len(self.running) < self.max_num_seqs:
+            rid, req = self.waiting.popitem(last=False)
+            self.running[rid] = req
+        out = []
+        for rid in list(self.running):
+            req = self.running[rid]
+            req["done"] += 1
+            if req["done"] >= req["target"]:
+                del self.running[rid]
+                now = time.time()
+                out.append(Finished(rid, f"answer {req['n']}", "length" if req["length"] else "stop", req["n"],
+                                    req["done"], now, now))
+        return out
+
+    def abort(self, request_ids):
+        for rid in request_ids:
+            self.waiting.pop(rid, None)
+            self.running.pop(rid, None)
+            self.aborted.append(rid)
+
+    def has_unfinished(self):
+        return bool(self.waiting or self.running)

@@ -1,0 +1,142 @@
+import json
+import os
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from overnight.pipeline import manifest as mf
+from overnight.pipeline.checkpoint import CheckpointWriter, OutputDir, OutputError, OutputSchema
+from overnight.pipeline.config import JobConfig
+from overnight.pipeline.records import Result
+
+
+class Clock:
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self):
+        return self.t
+
+
+def ok(i, **kw):
+    return Result(id=f"r{i}", passthrough={"prompt": f"p{i}", "text": "input text"}, status="ok", text=f"t{i}",
+                  finish_reason="stop", prompt_tokens=3, output_tokens=i, queued_at=1.0, first_token_at=1.5,
+                  finished_at=2.0, **kw)
+
+
+def schema():
+    return OutputSchema("id", pa.string(), [pa.field("prompt", pa.string()), pa.field("text", pa.string())])
+
+
+def test_schema_renames_clashing_passthrough_columns():
+    s = schema()
+    assert s.renames == {"prompt": "prompt", "text": "input_text"}
+    t = s.table([ok(1), Result.failed("r2", {"prompt": None, "text": None}, "bad")], "run-1", "m")
+    assert t.column_names[:4] == ["id", "prompt", "input_text", "text"]
+    rows = t.to_pylist()
+    assert rows[0]["input_text"] == "input text" and rows[0]["text"] == "t1" and rows[0]["run_id"] == "run-1"
+    assert rows[1]["status"] == "error" and rows[1]["error"] == "bad" and rows[1]["text"] is None
+    assert t.schema.field("queued_at").type == pa.timestamp("ms")
+
+
+def test_writer_flushes_every_n_rows_and_every_t_seconds(tmp_path):
+    clock = Clock()
+    out = OutputDir(str(tmp_path / "out"))
+    flushed = []
+    w = CheckpointWriter(out, schema(), "run-1", "m", 0, flush_rows=3, flush_seconds=10, clock=clock,
+                         on_flush=lambda rs, p: flushed.append((len(rs), os.path.basename(p))))
+    w.add([ok(1), ok(2)])
+    assert flushed == []
+    w.add([ok(3)])
+    assert flushed == [(3, "part-00000.parquet")]
+    w.add([ok(4)])
+    clock.t = 5
+    w.maybe_flush()
+    assert len(flushed) == 1
+    clock.t = 10.5
+    w.maybe_flush()
+    assert flushed[-1] == (1, "part-00001.parquet")
+    w.add([ok(5)])
+    w.flush()
+    assert [p.rsplit("/", 1)[-1] for p in out.part_paths()] == ["part-00000.parquet", "part-00001.parquet",
+                                                                 "part-00002.parquet"]
+    scan = out.scan("id")
+    assert scan.done_ids == {"r1", "r2", "r3", "r4", "r5"}
+    assert (scan.num_ok, scan.num_error, scan.num_parts, scan.next_index) == (5, 0, 3, 3)
+    assert scan.num_output_tokens == 15
+
+
+def test_part_writes_leave_no_temporary_files(tmp_path):
+    out = OutputDir(str(tmp_path / "out"))
+    out.write_part(0, schema().table([ok(1)], "r", "m"))
+    assert os.listdir(tmp_path / "out" / "parts") == ["part-00000.parquet"]
+    assert pq.read_table(tmp_path / "out" / "parts" / "part-00000.parquet").num_rows == 1
+
+
+def test_stray_files_in_parts_do_not_count(tmp_path):
+    out = OutputDir(str(tmp_path / "out"))
+    out.write_part(0, schema().table([ok(1)], "r", "m"))
+    (tmp_path / "out" / "parts" / ".tmp-abc-part-00001.parquet").write_bytes(b"PAR1 half written")
+    (tmp_path / "out" / "parts" / "notes.txt").write_text("hi")
+    assert out.scan("id").done_ids == {"r1"}
+
+
+def test_unreadable_part_is_named(tmp_path):
+    out = OutputDir(str(tmp_path / "out"))
+    os.makedirs(tmp_path / "out" / "parts")
+    (tmp_path / "out" / "parts" / "part-00000.parquet").write_bytes(b"garbage")
+    with pytest.raises(OutputError, match="part-00000.parquet cannot be read .* Delete it and rerun"):
+        out.scan("id")
+
+
+def test_out_that_is_a_file(tmp_path):
+    f = tmp_path / "file.txt"
+    f.write_text("x")
+    with pytest.raises(OutputError, match=f"Output {f} is a file. --out needs a folder"):
+        OutputDir(str(f))
+
+
+def test_memory_output(tmp_path):
+    out = OutputDir("memory://ckpt/out")
+    out.write_part(0, schema().table([ok(1), ok(2)], "r", "m"))
+    out.write_manifest({"hello": 1})
+    assert out.scan("id").done_ids == {"r1", "r2"}
+    assert out.read_manifest() == {"hello": 1}
+    out.clear()
+    assert out.part_paths() == [] and out.read_manifest() is None
+
+
+def test_fingerprint_covers_outputs_not_engine_tuning():
+    a = JobConfig()
+    b = JobConfig()
+    b.engine.max_num_seqs = 7
+    fa = mf.fingerprint(mf.fingerprint_fields(a, "m", True))
+    assert fa == mf.fingerprint(mf.fingerprint_fields(b, "m", True))
+    b.sampling.temperature = 0.3
+    assert fa != mf.fingerprint(mf.fingerprint_fields(b, "m", True))
+    assert fa != mf.fingerprint(mf.fingerprint_fields(a, "m", False))
+    assert fa != mf.fingerprint(mf.fingerprint_fields(a, "other", True))
+
+
+def test_resume_check_names_the_differences():
+    a = JobConfig()
+    fields = mf.fingerprint_fields(a, "m", True)
+    previous = mf.new_manifest(a.to_dict(), fields, {})
+    mf.check_resume(previous, fields, "out/")
+    a.sampling.temperature = 0.3
+    with pytest.raises(OutputError) as e:
+        mf.check_resume(previous, mf.fingerprint_fields(a, "m", True), "out/")
+    assert str(e.value).startswith("out/ holds results of a run with different settings "
+                                   "(sampling.temperature: 1.0 -> 0.3). Resuming would mix outputs.")
+    assert "pass --fresh to discard those results" in str(e.value)
+
+
+def test_manifest_attempts(tmp_path):
+    m = mf.new_manifest({}, {}, {})
+    mf.start_attempt(m, {}, {})
+    mf.end_attempt(m, mf.RunState.COMPLETED)
+    mf.start_attempt(m, {}, {})
+    assert [a["attempt"] for a in m["attempts"]] == [1, 2]
+    assert m["attempts"][0]["state"] == "completed" and m["state"] == "running"
+    json.dumps(m)

@@ -1,0 +1,98 @@
+import pytest
+
+from overnight.pipeline.config import ConfigError, EngineConfig, JobConfig, SamplingConfig
+from overnight.pipeline.configio import build, load_yaml, merge, resolve
+
+
+def test_defaults_build():
+    cfg = build({})
+    assert cfg == JobConfig()
+
+
+def test_unknown_key_is_refused_with_valid_keys():
+    with pytest.raises(ConfigError) as e:
+        build({"sampling": {"temprature": 0.5}}, source="job.yaml")
+    assert str(e.value).startswith("job.yaml: unknown key sampling.temprature in sampling. Valid keys: ")
+    assert "temperature" in str(e.value)
+
+
+def test_unknown_section_is_refused():
+    with pytest.raises(ConfigError, match="unknown key engin in the top level"):
+        build({"engin": {}})
+
+
+@pytest.mark.parametrize("data,message", [
+    ({"engine": {"max_num_seqs": "64"}}, "engine.max_num_seqs must be an integer, got '64'"),
+    ({"sampling": {"temperature": "hot"}}, "sampling.temperature must be a number, got 'hot'"),
+    ({"engine": {"enforce_eager": "yes"}}, "engine.enforce_eager must be true or false, got 'yes'"),
+    ({"sampling": {"stop": "###"}}, "sampling.stop must be a list, got '###'"),
+    ({"engine": {"max_num_seqs": True}}, "engine.max_num_seqs must be an integer, got True"),
+])
+def test_wrong_types_name_the_key(data, message):
+    with pytest.raises(ConfigError) as e:
+        build(data)
+    assert message in str(e.value)
+
+
+def test_values_are_checked_at_construction():
+    with pytest.raises(ConfigError, match=r"sampling.top_p is 1.5; it must be in \(0, 1\]"):
+        SamplingConfig(top_p=1.5)
+    with pytest.raises(ConfigError, match="Increase max_num_batched_tokens or decrease max_num_seqs"):
+        EngineConfig(max_num_seqs=256, max_num_batched_tokens=128)
+
+
+def test_passthrough_accepts_all_none_or_list():
+    assert build({"input": {"passthrough": ["a", "b"]}}).input.passthrough == ["a", "b"]
+    with pytest.raises(ConfigError, match="input.passthrough is 'some'"):
+        build({"input": {"passthrough": "some"}})
+
+
+def test_merge_skips_none_and_merges_deep():
+    assert merge({"a": {"x": 1, "y": 2}}, {"a": {"x": None, "y": 3}, "b": None}) == {"a": {"x": 1, "y": 3}}
+
+
+def test_invalid_yaml_names_the_file(tmp_path):
+    p = tmp_path / "bad.yaml"
+    p.write_text("sampling: [unclosed\n")
+    with pytest.raises(ConfigError, match=f"{p} is not valid YAML"):
+        load_yaml(str(p))
+
+
+def test_yaml_top_level_must_be_mapping(tmp_path):
+    p = tmp_path / "list.yaml"
+    p.write_text("- a\n- b\n")
+    with pytest.raises(ConfigError, match="the top level must be a mapping"):
+        load_yaml(str(p))
+
+
+def test_yaml_is_loaded_safely(tmp_path):
+    p = tmp_path / "evil.yaml"
+    p.write_text("sampling: !!python/object/apply:os.system ['echo pwned']\n")
+    with pytest.raises(ConfigError, match="is not valid YAML"):
+        load_yaml(str(p))
+
+
+def test_precedence_preset_then_yaml_then_cli(tmp_path):
+    p = tmp_path / "job.yaml"
+    p.write_text("sampling:\n  max_tokens: 99\n  temperature: 0.5\nengine:\n  max_num_seqs: 8\n")
+    cfg = resolve({"sampling": {"temperature": 0.9}}, str(p))
+    assert cfg.engine.model == "smollm2-135m"
+    assert cfg.sampling.max_tokens == 99          # YAML over the preset's 512
+    assert cfg.sampling.temperature == 0.9        # command line over YAML
+    assert cfg.engine.max_model_len == 2048       # from the smollm2-135m preset
+    assert cfg.engine.max_num_seqs == 8
+
+
+def test_unknown_key_in_user_yaml_names_that_file(tmp_path):
+    p = tmp_path / "job.yaml"
+    p.write_text("engine:\n  max_num_seq: 8\n")
+    with pytest.raises(ConfigError, match=f"^{p}: unknown key engine.max_num_seq"):
+        resolve({}, str(p))
+
+
+def test_presets_are_valid_configs():
+    from overnight.configs import list_presets, preset_path
+
+    assert "smollm2-135m" in list_presets()
+    for name in list_presets():
+        build(load_yaml(preset_path(name)), source=name)

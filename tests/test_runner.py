@@ -1,0 +1,157 @@
+"""The run loop with a fake engine (real tokenizer): resume, duplicates, error rows, parts, failures."""
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from fakes import FakeEngine
+from overnight.pipeline.api import run_job
+from overnight.pipeline.checkpoint import OutputError
+from overnight.pipeline.configio import resolve
+
+
+def cfg(inp, out, **sections):
+    layer = {"input": {"path": str(inp)}, "output": {"path": str(out), "flush_rows": 4}}
+    for k, v in sections.items():
+        layer.setdefault(k, {}).update(v)
+    return resolve(layer)
+
+
+def output(out) -> pa.Table:
+    return pq.read_table(f"{out}/parts")
+
+
+@pytest.fixture
+def data(write_parquet):
+    return write_parquet({"id": [f"q{i}" for i in range(10)], "prompt": [f"question {i}?" for i in range(10)],
+                          "category": ["a", "b"] * 5})
+
+
+def test_run_writes_every_row_once_with_result_columns(data, tmp_path, model_path):
+    out = tmp_path / "out"
+    s = run_job(cfg(data, out), engine=FakeEngine(), is_tty=False)
+    assert (s.state, s.exit_code, s.num_ok, s.num_error, s.num_done) == ("completed", 0, 10, 0, 10)
+    t = output(out)
+    assert sorted(t.column("id").to_pylist()) == [f"q{i}" for i in range(10)]
+    assert t.column_names == ["id", "prompt", "category", "text", "finish_reason", "prompt_tokens",
+                              "output_tokens", "predicted_tokens", "bucket", "queued_at", "first_token_at",
+                              "finished_at", "status", "error", "run_id", "model"]
+    row = t.to_pylist()[0]
+    assert row["status"] == "ok" and row["model"] == "smollm2-135m" and row["run_id"] == s.run_id
+    assert row["text"].startswith("answer ") and row["prompt_tokens"] > 5
+    assert row["queued_at"] <= row["finished_at"]
+    assert len(list((out / "parts").iterdir())) == 3  # flush_rows=4: 4 + 4 + 2
+
+
+def test_resume_processes_only_rows_not_done(data, tmp_path, model_path):
+    out = tmp_path / "out"
+    first = FakeEngine()
+    run_job(cfg(data, out, input={"limit": 6}), engine=first, is_tty=False)
+    assert len(first.added) == 6
+    second = FakeEngine()
+    s = run_job(cfg(data, out), engine=second, is_tty=False)
+    assert len(second.added) == 4
+    assert s.num_resumed == 6 and s.num_done == 10
+    ids = output(out).column("id").to_pylist()
+    assert sorted(ids) == [f"q{i}" for i in range(10)] and len(ids) == len(set(ids))
+    m = __import__("json").loads((out / "manifest.json").read_text())
+    assert len(m["attempts"]) == 2 and m["state"] == "completed" and m["counts"]["num_done"] == 10
+
+
+def test_rerun_of_a_finished_job_does_nothing(data, tmp_path, model_path):
+    out = tmp_path / "out"
+    run_job(cfg(data, out), engine=FakeEngine(), is_tty=False)
+    again = FakeEngine()
+    s = run_job(cfg(data, out), engine=again, is_tty=False)
+    assert again.added == [] and s.num_done == 10 and s.num_resumed == 10
+
+
+def test_error_rows_and_duplicates(write_parquet, tmp_path, model_path):
+    inp = write_parquet({"id": ["a", "b", "c", "a", "d"], "prompt": ["ok", None, "fine", "dup", ""],
+                         "max_tokens": [5, 5, -1, 5, 5]})
+    out = tmp_path / "out"
+    s = run_job(cfg(inp, out), engine=FakeEngine(), is_tty=False)
+    assert (s.num_ok, s.num_error, s.num_duplicates) == (1, 3, 1)
+    rows = {r["id"]: r for r in output(out).to_pylist()}
+    assert sorted(rows) == ["a", "b", "c", "d"]
+    assert rows["a"]["status"] == "ok" and rows["a"]["prompt"] == "ok" and rows["a"]["max_tokens"] == 5
+    assert rows["b"]["error"] == "in.parquet#1: prompt column 'prompt' is null; give the row a prompt or a " \
+                                 "'messages' chat"
+    assert rows["c"]["error"] == "in.parquet#2: max_tokens is -1; it must be at least 1 (or null for the job default)"
+    assert rows["d"]["error"] == "in.parquet#4: prompt column 'prompt' is empty; give the row a prompt"
+
+
+def test_prompt_longer_than_context_is_an_error_row(write_parquet, tmp_path, model_path):
+    inp = write_parquet({"id": ["short", "long"], "prompt": ["hi", "word " * 400]})
+    out = tmp_path / "out"
+    s = run_job(cfg(inp, out), engine=FakeEngine(max_model_len=128), is_tty=False)
+    assert (s.num_ok, s.num_error) == (1, 1)
+    err = [r for r in output(out).to_pylist() if r["status"] == "error"][0]
+    assert err["id"] == "long"
+    assert "tokens after the chat template, which leaves no room for output within max_model_len=128" in err["error"]
+
+
+def test_max_tokens_is_clipped_to_the_context(write_parquet, tmp_path, model_path):
+    inp = write_parquet({"id": ["x"], "prompt": ["hello"]})
+    eng = FakeEngine(max_model_len=64, length_of=lambda ids: 10_000)
+    run_job(cfg(inp, tmp_path / "out", sampling={"max_tokens": 500}), engine=eng, is_tty=False)
+    row = output(tmp_path / "out").to_pylist()[0]
+    assert row["prompt_tokens"] + row["output_tokens"] == 64 and row["finish_reason"] == "length"
+
+
+def test_fingerprint_mismatch_is_refused_and_fresh_starts_over(data, tmp_path, model_path):
+    out = tmp_path / "out"
+    run_job(cfg(data, out, input={"limit": 3}), engine=FakeEngine(), is_tty=False)
+    with pytest.raises(OutputError, match=r"sampling.temperature: 0.2 -> 0.9"):
+        run_job(cfg(data, out, sampling={"temperature": 0.9}), engine=FakeEngine(), is_tty=False)
+    eng = FakeEngine()
+    s = run_job(cfg(data, out, sampling={"temperature": 0.9}), fresh=True, engine=eng, is_tty=False)
+    assert len(eng.added) == 10 and s.num_resumed == 0 and output(out).num_rows == 10
+
+
+def test_parts_without_manifest_are_refused(data, tmp_path, model_path):
+    out = tmp_path / "out"
+    run_job(cfg(data, out), engine=FakeEngine(), is_tty=False)
+    (out / "manifest.json").unlink()
+    with pytest.raises(OutputError, match="holds result parts but no manifest.json"):
+        run_job(cfg(data, out), engine=FakeEngine(), is_tty=False)
+
+
+def test_engine_failure_keeps_finished_rows(data, tmp_path, model_path):
+    out = tmp_path / "out"
+    eng = FakeEngine(max_num_seqs=2, fail_after_steps=12)
+    with pytest.raises(RuntimeError, match="engine died"):
+        run_job(cfg(data, out, output={"flush_rows": 100}), engine=eng, is_tty=False)
+    done = output(out).column("id").to_pylist()
+    assert 0 < len(done) < 10
+    m = __import__("json").loads((out / "manifest.json").read_text())
+    assert m["state"] == "failed" and "engine died" in m["attempts"][-1]["message"]
+    assert m["counts"]["num_done"] == len(done)
+    s = run_job(cfg(data, out), engine=FakeEngine(), is_tty=False)
+    ids = output(out).column("id").to_pylist()
+    assert s.state == "completed" and sorted(ids) == sorted(set(ids)) and len(ids) == 10
+
+
+def test_derived_ids_without_id_column(write_parquet, tmp_path, model_path):
+    inp = write_parquet({"prompt": ["a", "b", "c"]}, "data.parquet")
+    out = tmp_path / "out"
+    run_job(cfg(inp, out, input={"limit": 2}), engine=FakeEngine(), is_tty=False)
+    run_job(cfg(inp, out), engine=FakeEngine(), is_tty=False)
+    assert sorted(output(out).column("id").to_pylist()) == ["data.parquet#0", "data.parquet#1", "data.parquet#2"]
+
+
+def test_passthrough_none_and_list(data, tmp_path, model_path):
+    run_job(cfg(data, tmp_path / "a", input={"passthrough": "none"}), engine=FakeEngine(), is_tty=False)
+    assert "prompt" not in output(tmp_path / "a").column_names
+    run_job(cfg(data, tmp_path / "b", input={"passthrough": ["category"]}), engine=FakeEngine(), is_tty=False)
+    names = output(tmp_path / "b").column_names
+    assert "category" in names and "prompt" not in names
+
+
+def test_status_file(data, tmp_path, model_path):
+    out = tmp_path / "out"
+    run_job(cfg(data, out), engine=FakeEngine(), is_tty=False)
+    st = __import__("json").loads((out / "status.json").read_text())
+    assert st["state"] == "completed" and st["exit_code"] == 0
+    assert st["rows"] == {"total": 10, "done": 10, "ok": 10, "error": 0, "remaining": 0, "resumed": 0,
+                          "duplicates": 0, "in_flight": 0}

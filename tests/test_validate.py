@@ -1,0 +1,120 @@
+import pyarrow as pa
+import pytest
+
+from overnight.pipeline.config import InputConfig, SamplingConfig
+from overnight.pipeline.source import InputFile, SourceBatch
+from overnight.pipeline.validate import parse_batch, sampling_defaults
+
+DEFAULTS = sampling_defaults(SamplingConfig(max_tokens=100, temperature=0.5))
+
+
+def parse(columns: dict, cfg: InputConfig = InputConfig(), start: int = 0, passthrough=()):
+    batch = pa.RecordBatch.from_pydict(columns) if isinstance(columns, dict) else columns
+    f = InputFile(path="/x/in.parquet", name="in.parquet", num_rows=batch.num_rows, schema=batch.schema)
+    return parse_batch(SourceBatch(f, start, batch), cfg, DEFAULTS, list(passthrough))
+
+
+def test_valid_rows_take_defaults_and_derived_ids():
+    parsed, errors = parse({"prompt": ["hello", "world"]}, start=10)
+    assert errors == []
+    assert [p.id for p in parsed] == ["in.parquet#10", "in.parquet#11"]
+    assert parsed[0].sampling["max_tokens"] == 100 and parsed[0].sampling["temperature"] == 0.5
+
+
+def test_id_column_is_used():
+    parsed, _ = parse({"id": [7, 8], "prompt": ["a", "b"]})
+    assert [p.id for p in parsed] == [7, 8]
+
+
+@pytest.mark.parametrize("prompt,message", [
+    (None, "in.parquet#0: prompt column 'prompt' is null; give the row a prompt or a 'messages' chat"),
+    ("", "in.parquet#0: prompt column 'prompt' is empty; give the row a prompt"),
+    ("  \n\t", "in.parquet#0: prompt column 'prompt' is empty; give the row a prompt"),
+])
+def test_bad_prompts_become_error_rows(prompt, message):
+    parsed, errors = parse({"id": ["r"], "prompt": pa.array([prompt], pa.string())})
+    assert parsed == []
+    assert len(errors) == 1
+    assert errors[0].status == "error" and errors[0].id == "r" and errors[0].error == message
+
+
+def test_invalid_utf8_in_a_binary_prompt_column():
+    parsed, errors = parse({"prompt": pa.array([b"fine", b"bad \xff byte"], pa.binary())})
+    assert [p.prompt for p in parsed] == ["fine"]
+    assert errors[0].error == ("in.parquet#1: prompt column 'prompt' is not valid text: byte 4 is not valid UTF-8 "
+                               "(b'\\xff'); re-encode the file as UTF-8")
+
+
+def test_per_row_overrides():
+    parsed, errors = parse({
+        "prompt": ["a", "b", "c"],
+        "max_tokens": [5, None, 7.0],
+        "temperature": [0.0, 1.2, None],
+        "top_p": [None, 0.5, None],
+        "seed": [1, None, 3],
+        "stop": [["###"], None, ["x", ""]],
+    })
+    assert errors == []
+    s = [p.sampling for p in parsed]
+    assert (s[0]["max_tokens"], s[0]["temperature"], s[0]["seed"], s[0]["stop"]) == (5, 0.0, 1, ["###"])
+    assert (s[1]["max_tokens"], s[1]["temperature"], s[1]["top_p"]) == (100, 1.2, 0.5)
+    assert (s[2]["max_tokens"], s[2]["temperature"], s[2]["stop"]) == (7, 0.5, ["x"])
+
+
+@pytest.mark.parametrize("column,value,message", [
+    ("max_tokens", 0, "max_tokens is 0; it must be at least 1 (or null for the job default)"),
+    ("max_tokens", -3, "max_tokens is -3; it must be at least 1 (or null for the job default)"),
+    ("max_tokens", 2.5, "max_tokens is 2.5 (float); it must be an integer"),
+    ("max_tokens", "lots", "max_tokens is 'lots' (str); it must be an integer"),
+    ("temperature", -0.1, "temperature is -0.1; it must be 0 (greedy) or more"),
+    ("temperature", "warm", "temperature is 'warm' (str); it must be a number"),
+    ("top_p", 0.0, "top_p is 0.0; it must be in (0, 1]"),
+    ("seed", "abc", "seed is 'abc' (str); it must be an integer"),
+    ("stop", 5, "stop is 5; it must be a string or a list of strings"),
+])
+def test_bad_override_becomes_an_error_row_naming_the_column(column, value, message):
+    parsed, errors = parse({"id": ["good", "bad"], "prompt": ["a", "b"], column: [None, value]})
+    assert [p.id for p in parsed] == ["good"]
+    assert errors[0].id == "bad"
+    assert errors[0].error == f"in.parquet#1: {message}"
+
+
+def test_messages_column():
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    parsed, errors = parse({"prompt": [None, "plain"], "messages": [chat, None]})
+    assert errors == []
+    assert parsed[0].messages == chat and parsed[0].prompt is None
+    assert parsed[1].prompt == "plain" and parsed[1].messages is None
+
+
+def test_messages_as_json_string():
+    parsed, errors = parse({"messages": ['[{"role": "user", "content": "Hi"}]']})
+    assert errors == [] and parsed[0].messages == [{"role": "user", "content": "Hi"}]
+
+
+@pytest.mark.parametrize("messages,message", [
+    ([], "messages must be a non-empty list of {role, content}, got []"),
+    ('not json', "messages is a string but not JSON; give a list of {role, content}"),
+    ([{"role": "robot", "content": "x"}], "messages[0].role is 'robot'; use one of system, user, assistant, tool"),
+    ([{"content": "x"}], "messages[0] must be a {role, content} mapping, got {'content': 'x'}"),
+    ([{"role": "user", "content": 5}], "messages[0].content must be a string, got 5"),
+    ([{"role": "user", "content": " "}], "messages has no content; give at least one non-empty message"),
+])
+def test_bad_messages_become_error_rows(messages, message):
+    import json
+    value = messages if isinstance(messages, str) else json.dumps(messages)
+    parsed, errors = parse({"messages": [value]})
+    assert parsed == []
+    assert errors[0].error == f"in.parquet#0: {message}"
+
+
+def test_null_id_becomes_an_error_row():
+    parsed, errors = parse({"id": pa.array([None, 2], pa.int64()), "prompt": ["a", "b"]})
+    assert [p.id for p in parsed] == [2]
+    assert "column 'id' is null" in errors[0].error
+
+
+def test_passthrough_values_are_carried():
+    parsed, errors = parse({"prompt": ["a", None], "category": ["x", "y"]}, passthrough=["category", "prompt"])
+    assert parsed[0].passthrough == {"category": "x", "prompt": "a"}
+    assert errors[0].passthrough == {"category": "y", "prompt": None}
