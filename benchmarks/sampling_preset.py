@@ -44,7 +44,8 @@ def main() -> None:
 
     model = resolve("smollm2-135m")
     tok = load_tokenizer(model)
-    engine = VllmEngine(EngineConfig(max_model_len=2048, max_num_seqs=64, max_num_batched_tokens=2048), model.path)
+    engine = VllmEngine.from_config(EngineConfig(max_model_len=2048, max_num_seqs=64, max_num_batched_tokens=2048),
+                                    model.path)
     prompts = load_prompts(args.data, args.n)
     texts = [tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
              for p in prompts]

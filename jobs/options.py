@@ -61,6 +61,8 @@ engine_options = _stack(
     click.option("--tensor-parallel-size", type=int, help="GPUs to shard the model over."),
     click.option("--prefix-caching/--no-prefix-caching", "enable_prefix_caching", default=None,
                  help="Reuse KV cache of shared prompt prefixes. [default: on]"),
+    click.option("--chunked-prefill/--no-chunked-prefill", "enable_chunked_prefill", default=None,
+                 help="Split long prefills across steps. [default: vLLM's on GPU, off on CPU]"),
     click.option("--trust-remote-code", is_flag=True, default=None,
                  help="Allow a hub model's own Python code to run. Off unless given."),
 )
@@ -105,6 +107,7 @@ def config_layer(input_path=None, out=None, **o) -> dict:
             "enforce_eager": o.get("enforce_eager"),
             "tensor_parallel_size": o.get("tensor_parallel_size"),
             "enable_prefix_caching": o.get("enable_prefix_caching"),
+            "enable_chunked_prefill": o.get("enable_chunked_prefill"),
             "trust_remote_code": o.get("trust_remote_code"),
         },
         "output": {

@@ -92,6 +92,9 @@ def engine_args(cfg: EngineConfig, model_path: str, scheduling_policy: str = "fc
         # Per-request stats carry the first-token time of each row.
         disable_log_stats=False,
     )
+    chunked = cfg.enable_chunked_prefill if cfg.enable_chunked_prefill is not None else (False if cpu else None)
+    if chunked is not None:
+        args["enable_chunked_prefill"] = chunked
     if cfg.max_model_len is not None:
         args["max_model_len"] = cfg.max_model_len
     if cfg.max_num_batched_tokens is not None:
@@ -102,31 +105,38 @@ def engine_args(cfg: EngineConfig, model_path: str, scheduling_policy: str = "fc
 
 
 class VllmEngine:
-    def __init__(self, cfg: EngineConfig, model_path: str, scheduling_policy: str = "fcfs"):
-        _quiet_vllm()
-        if is_cpu_platform():
-            configure_cpu_env(cfg)
-        from vllm import EngineArgs, LLMEngine, SamplingParams
+    def __init__(self, llm_engine, startup_seconds: float = 0.0):
+        """Wrap a running vllm LLMEngine (``from_config`` starts one; ``vllm.LLM(...).llm_engine`` also works)."""
+        from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
         self._SamplingParams = SamplingParams
         self._final_only = RequestOutputKind.FINAL_ONLY
-        self.args = engine_args(cfg, model_path, scheduling_policy)
-        started = time.monotonic()
-        try:
-            self.engine = LLMEngine.from_engine_args(EngineArgs(**self.args))
-        except Exception as e:
-            raise EngineError(f"vLLM could not start with model {model_path}: {type(e).__name__}: {e}") from e
-        self.startup_seconds = time.monotonic() - started
-        model_config = self.engine.vllm_config.model_config
-        self.max_model_len: int = model_config.max_model_len
-        cache = self.engine.vllm_config.cache_config
+        self.engine = llm_engine
+        self.startup_seconds = startup_seconds
+        vcfg = llm_engine.vllm_config
+        self.max_model_len: int = vcfg.model_config.max_model_len
+        cache = vcfg.cache_config
         self.kv_cache_tokens: Optional[int] = getattr(cache, "kv_cache_size_tokens", None) or (
             (cache.num_gpu_blocks or 0) * cache.block_size or None)
-        sched = self.engine.vllm_config.scheduler_config
-        self.max_num_seqs: int = sched.max_num_seqs
-        self.max_num_batched_tokens: int = sched.max_num_batched_tokens
+        self.max_num_seqs: int = vcfg.scheduler_config.max_num_seqs
+        self.max_num_batched_tokens: int = vcfg.scheduler_config.max_num_batched_tokens
         self.num_preemptions = 0
+
+    @classmethod
+    def from_config(cls, cfg: EngineConfig, model_path: str, scheduling_policy: str = "fcfs") -> "VllmEngine":
+        _quiet_vllm()
+        if is_cpu_platform():
+            configure_cpu_env(cfg)
+        from vllm import EngineArgs, LLMEngine
+
+        args = engine_args(cfg, model_path, scheduling_policy)
+        started = time.monotonic()
+        try:
+            llm_engine = LLMEngine.from_engine_args(EngineArgs(**args))
+        except Exception as e:
+            raise EngineError(f"vLLM could not start with model {model_path}: {type(e).__name__}: {e}") from e
+        return cls(llm_engine, time.monotonic() - started)
 
     def sampling_params(self, sampling: dict):
         return self._SamplingParams(
@@ -193,7 +203,7 @@ def get_engine(cfg: EngineConfig, model_path: str, scheduling_policy: str = "fcf
     engine = _ENGINES.get(key)
     if engine is None:
         shutdown_engines()  # one engine at a time: each holds its KV cache
-        engine = VllmEngine(cfg, model_path, scheduling_policy)
+        engine = VllmEngine.from_config(cfg, model_path, scheduling_policy)
         _ENGINES[key] = engine
     return engine
 

@@ -15,6 +15,7 @@ from typing import Iterator, Optional
 
 from overnight.pipeline import manifest as mf
 from overnight.pipeline.checkpoint import CheckpointWriter
+from overnight.pipeline.engine import EngineError
 from overnight.pipeline.job import OpenJob
 from overnight.pipeline.progress import Progress, fmt_duration
 from overnight.pipeline.prompts import PromptBuilder
@@ -129,7 +130,12 @@ class Runner:
 
     def _collect(self) -> None:
         results = []
-        for fin in self.engine.step():
+        try:
+            finished = self.engine.step()
+        except Exception as e:
+            raise EngineError(f"The vLLM engine failed mid-run ({type(e).__name__}: {e}). The rows it finished are "
+                              f"saved in {self.job.out.url}; rerun the same command to continue.") from e
+        for fin in finished:
             row = self.scheduler.finish(fin.request_id)
             results.append(Result.from_engine(row, fin, self.queued_at.pop(fin.request_id)))
         if results:

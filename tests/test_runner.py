@@ -8,6 +8,7 @@ from fakes import FakeEngine
 from overnight.pipeline.api import run_job
 from overnight.pipeline.checkpoint import OutputError
 from overnight.pipeline.configio import resolve
+from overnight.pipeline.engine import EngineError
 
 
 def cfg(inp, out, **sections):
@@ -120,7 +121,7 @@ def test_parts_without_manifest_are_refused(data, tmp_path, model_path):
 def test_engine_failure_keeps_finished_rows(data, tmp_path, model_path):
     out = tmp_path / "out"
     eng = FakeEngine(max_num_seqs=2, fail_after_steps=12)
-    with pytest.raises(RuntimeError, match="engine died"):
+    with pytest.raises(EngineError, match="The vLLM engine failed mid-run \\(RuntimeError: engine died\\)"):
         run_job(cfg(data, out, output={"flush_rows": 100}), engine=eng, is_tty=False)
     done = output(out).column("id").to_pylist()
     assert 0 < len(done) < 10
