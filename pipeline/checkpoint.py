@@ -38,6 +38,8 @@ class Scan:
     """What the completed parts already hold."""
 
     done_ids: set = field(default_factory=set)
+    # Rows with a null id cannot be matched by id; their error message starts with "<file>#<row>".
+    null_id_origins: set = field(default_factory=set)
     num_ok: int = 0
     num_error: int = 0
     num_output_tokens: int = 0
@@ -83,11 +85,15 @@ class OutputDir:
         for p in self.part_paths():
             try:
                 with self.fs.open(p, "rb") as f:
-                    t = pq.read_table(f, columns=[id_column, "status", "output_tokens"])
+                    t = pq.read_table(f, columns=[id_column, "status", "output_tokens", "error"])
             except (pa.ArrowInvalid, OSError, KeyError) as e:
                 raise OutputError(f"Part {unstrip(self.fs, p)} cannot be read ({e}). Delete it and rerun: "
                                   f"its rows will be processed again.") from None
-            scan.done_ids.update(t.column(id_column).to_pylist())
+            ids = t.column(id_column)
+            scan.done_ids.update(ids.to_pylist())
+            if ids.null_count:
+                errors = t.filter(pc.is_null(ids)).column("error").to_pylist()
+                scan.null_id_origins.update(e.split(": ", 1)[0] for e in errors if e)
             status = t.column("status").to_pylist()
             ok = sum(1 for s in status if s == "ok")
             scan.num_ok += ok

@@ -148,9 +148,14 @@ class Runner:
         for sb in self.job.source.batches():
             parsed, errors = parse_batch(sb, cfg.input, self.defaults, self.passthrough)
             parsed = [p for p in parsed if self._is_new(p.id, p.origin)]
-            errors = [e for e in errors if e.id is None or self._is_new(e.id, e.error)]
+            errors = [e for e in errors if self._is_new_error(e)]
             ready, bad = self.builder.build(parsed)
             yield ready, errors + bad
+
+    def _is_new_error(self, e: Result) -> bool:
+        if e.id is None:  # matched by origin: its message starts with "<file>#<row>"
+            return e.error.split(": ", 1)[0] not in self.job.scan.null_id_origins
+        return self._is_new(e.id, e.error)
 
     def _is_new(self, row_id, origin: str) -> bool:
         if row_id in self.job.scan.done_ids and row_id not in self.emitted:

@@ -156,3 +156,16 @@ def test_status_file(data, tmp_path, model_path):
     assert st["state"] == "completed" and st["exit_code"] == 0
     assert st["rows"] == {"total": 10, "done": 10, "ok": 10, "error": 0, "remaining": 0, "resumed": 0,
                           "duplicates": 0, "in_flight": 0}
+
+
+def test_null_id_error_rows_are_written_once_across_resumes(write_parquet, tmp_path, model_path):
+    inp = write_parquet({"id": pa.array([1, None, 3, None], pa.int64()), "prompt": ["a", "b", "c", "d"]})
+    out = tmp_path / "out"
+    run_job(cfg(inp, out, input={"limit": 2}), engine=FakeEngine(), is_tty=False)
+    s = run_job(cfg(inp, out), engine=FakeEngine(), is_tty=False)
+    rows = output(out).to_pylist()
+    assert sorted((r["id"] is None, r["status"]) for r in rows) == [(False, "ok"), (False, "ok"),
+                                                                    (True, "error"), (True, "error")]
+    assert sorted(r["error"].split(":")[0] for r in rows if r["id"] is None) == ["in.parquet#1", "in.parquet#3"]
+    again = run_job(cfg(inp, out), engine=FakeEngine(), is_tty=False)
+    assert output(out).num_rows == 4 and again.num_done == 4 and s.num_done == 4
