@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 from typing import Optional
 
+from overnight.pipeline import manifest as mf
 from overnight.pipeline.config import JobConfig
 from overnight.pipeline.engine import get_engine
 from overnight.pipeline.job import open_job
@@ -25,6 +26,10 @@ def run_job(cfg: JobConfig, fresh: bool = False, engine=None, is_tty: Optional[b
         log.info("resuming %s: %d rows already done in %d parts", job.run_id, job.scan.num_done, job.scan.num_parts)
     if engine is None:
         log.info("starting vLLM with %s", job.model.path)
-        engine = get_engine(cfg.engine, job.model.path)
-    summary = Runner(job, engine, is_tty=is_tty).run()
-    return summary
+        try:
+            engine = get_engine(cfg.engine, job.model.path)
+        except BaseException as e:
+            mf.end_attempt(job.manifest, mf.RunState.FAILED, f"engine start failed: {e}")
+            job.out.write_manifest(job.manifest)
+            raise
+    return Runner(job, engine, is_tty=is_tty).run()
