@@ -10,7 +10,10 @@ import click
 
 from overnight.jobs.inspect import inspect_cmd
 from overnight.jobs.models import models
+from overnight.jobs.plan import plan
+from overnight.jobs.predictor import predictor
 from overnight.jobs.run import run
+from overnight.jobs.tune import tune
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
@@ -42,7 +45,10 @@ def setup_logging(verbose: bool) -> None:
 
 
 cli.add_command(run)
+cli.add_command(plan)
 cli.add_command(inspect_cmd)
+cli.add_command(predictor)
+cli.add_command(tune)
 cli.add_command(models)
 
 

@@ -7,6 +7,8 @@ from typing import Callable
 
 import click
 
+from overnight.buckets.dataset import DatasetError
+from overnight.buckets.trained import PredictorFileError
 from overnight.pipeline.checkpoint import OutputError
 from overnight.pipeline.config import ConfigError
 from overnight.pipeline.engine import EngineError
@@ -15,7 +17,8 @@ from overnight.pipeline.source import InputError
 from overnight.pipeline.storage import StorageError
 
 # Library exceptions whose message is already written for the user.
-USER_ERRORS = (ConfigError, InputError, OutputError, ModelError, StorageError, EngineError)
+USER_ERRORS = (ConfigError, InputError, OutputError, ModelError, StorageError, EngineError, DatasetError,
+               PredictorFileError)
 
 
 def _stack(*decorators: Callable) -> Callable:
@@ -68,6 +71,30 @@ engine_options = _stack(
 )
 
 
+schedule_options = _stack(
+    click.option("--policy", type=click.Choice(["auto", "fifo", "longest-first", "shortest-first", "priority"]),
+                 help="Order of work. auto: longest predicted first while the deadline is safe, most rows (or "
+                      "value) per token once it is at risk. [default: auto]"),
+    click.option("--predictor", help="Output-length predictor: heuristic, online, or a file from "
+                                     "`overnight predictor train`. [default: online]"),
+    click.option("--buckets", "bucket_kind", type=click.Choice(["log", "quantile"]),
+                 help="Bucket boundaries: log-spaced or quantiles of the predictions. [default: log]"),
+    click.option("--deadline", help="Finish by this time: ISO, local unless it has an offset (2026-11-23T06:00)."),
+    click.option("--time-budget", help="... or within this long of the start: 90m, 1h30m, 45s."),
+    click.option("--on-deadline", type=click.Choice(["drain", "abort"]),
+                 help="At the deadline, let rows in flight finish (until the deadline itself) or abort them. "
+                      "[default: drain]"),
+    click.option("--safety-margin", "safety_margin_s", type=float,
+                 help="Seconds before the deadline to stop admitting rows. [default: 5% of the time, 2 s to 5 min]"),
+    click.option("--lookahead", "lookahead_rows", type=click.IntRange(min=1),
+                 help="Rows read ahead and held for ordering. [default: 10000]"),
+    click.option("--max-wait", "max_wait_s", type=float,
+                 help="Aging: a row pending this many seconds goes next. [default: 1800]"),
+    click.option("--throughput", "tokens_per_second", type=float,
+                 help="Output tokens/s to forecast with until measured (e.g. from `overnight tune`)."),
+)
+
+
 def passthrough_value(text):
     if text is None:
         return None
@@ -109,6 +136,17 @@ def config_layer(input_path=None, out=None, **o) -> dict:
             "enable_prefix_caching": o.get("enable_prefix_caching"),
             "enable_chunked_prefill": o.get("enable_chunked_prefill"),
             "trust_remote_code": o.get("trust_remote_code"),
+        },
+        "buckets": {"predictor": o.get("predictor"), "kind": o.get("bucket_kind")},
+        "scheduler": {
+            "policy": o.get("policy"),
+            "deadline": o.get("deadline"),
+            "time_budget": o.get("time_budget"),
+            "on_deadline": o.get("on_deadline"),
+            "safety_margin_s": o.get("safety_margin_s"),
+            "lookahead_rows": o.get("lookahead_rows"),
+            "max_wait_s": o.get("max_wait_s"),
+            "tokens_per_second": o.get("tokens_per_second"),
         },
         "output": {
             "path": out,

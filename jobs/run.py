@@ -7,7 +7,7 @@ import json
 import click
 
 from overnight.jobs.options import (config_layer, engine_options, input_options, sampling_options,
-                                    user_errors)
+                                    schedule_options, user_errors)
 
 
 @click.command()
@@ -16,6 +16,7 @@ from overnight.jobs.options import (config_layer, engine_options, input_options,
 @input_options
 @sampling_options
 @engine_options
+@schedule_options
 @click.option("--passthrough", help="Input columns copied to the output: all, none, or a comma list. [default: all]")
 @click.option("--flush-rows", type=click.IntRange(min=1), help="Write a Parquet part every N finished rows.")
 @click.option("--flush-seconds", type=float, help="... or every T seconds, whichever comes first.")
@@ -30,6 +31,11 @@ def run(input_path, out, config_file, fresh, as_json, **options):
     command after a kill processes only the rows not yet written. INPUT may also
     be a YAML config file, as in `overnight run nightly.yaml`.
 
+    With --deadline or --time-budget the job forecasts its finish from measured
+    throughput and predicted output lengths, warns as soon as the deadline is at
+    risk, and at the deadline (minus a safety margin) stops, keeps what is done,
+    and exits 75.
+
     Exit codes: 0 done, 1 failed, 2 bad usage, 75 stopped early (rerun to continue).
 
     \b
@@ -37,6 +43,7 @@ def run(input_path, out, config_file, fresh, as_json, **options):
         overnight run prompts.parquet --out results/
         overnight run 's3://bucket/prompts/*.parquet' --out s3://bucket/results/ --max-tokens 256
         overnight run --config nightly.yaml --limit 100
+        overnight run prompts.parquet --out results/ --deadline 2026-11-23T06:00
     """
     from overnight.pipeline.api import run_job
     from overnight.pipeline.configio import resolve

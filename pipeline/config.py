@@ -137,14 +137,61 @@ class EngineConfig:
                f"engine.dtype is {self.dtype!r}; use auto, bfloat16, float16 or float32.")
 
 
+POLICIES = ("auto", "fifo", "longest-first", "shortest-first", "priority")
+
+
+@dataclass
+class BucketsConfig:
+    # Output-length predictor: heuristic, online (learns during the run), or a file from `overnight predictor train`.
+    predictor: str = "online"
+    # Bucket boundaries: log (spaced evenly in log tokens up to max_tokens) or quantile (of the first batch's
+    # predictions).
+    kind: str = "log"
+    num_buckets: int = 8
+
+    def __post_init__(self) -> None:
+        _check(bool(self.predictor), "buckets.predictor is empty; use heuristic, online or a predictor file.")
+        _check(self.kind in ("log", "quantile"), f"buckets.kind is {self.kind!r}; use log or quantile.")
+        _check(1 <= self.num_buckets <= 64, f"buckets.num_buckets is {self.num_buckets}; use 1 to 64.")
+
+
 @dataclass
 class SchedulerConfig:
+    # auto: longest predicted first while the deadline is safe, most rows (or value) per token once at risk.
+    # Also: fifo, longest-first, shortest-first, priority (per-row `priority` column, lower first).
+    policy: str = "auto"
     # Requests kept waiting in vLLM beyond what it can run (as a multiple of max_num_seqs).
     # Enough to refill every slot freed by a step; small enough to stay cheap to abort.
     queue_factor: float = 1.0
+    # Rows read ahead and held for ordering. Larger orders better and holds more prompts in memory.
+    lookahead_rows: int = 10000
+    # Aging: a row pending longer than this goes next, whatever the policy. None: no aging.
+    max_wait_s: Optional[float] = 1800.0
+    # Finish by this time: ISO, local unless it has an offset (e.g. 2026-11-23T06:00).
+    deadline: Optional[str] = None
+    # ... or within this long of the start (e.g. 90m, 1h30m, 45s).
+    time_budget: Optional[str] = None
+    # Stop admitting rows this long before the deadline. None: 5% of the time available, between 2 s and 5 min.
+    safety_margin_s: Optional[float] = None
+    # At the deadline: drain (let rows in flight finish, until the deadline itself) or abort them.
+    on_deadline: str = "drain"
+    # Output tokens/s to forecast with until the job has measured its own (e.g. from `overnight tune`).
+    tokens_per_second: Optional[float] = None
 
     def __post_init__(self) -> None:
+        _check(self.policy in POLICIES, f"scheduler.policy is {self.policy!r}; use one of {', '.join(POLICIES)}.")
         _check(self.queue_factor >= 0, f"scheduler.queue_factor is {self.queue_factor}; it must be 0 or more.")
+        _check(self.lookahead_rows >= 1, f"scheduler.lookahead_rows is {self.lookahead_rows}; it must be at least 1.")
+        _check(self.max_wait_s is None or self.max_wait_s > 0,
+               f"scheduler.max_wait_s is {self.max_wait_s}; it must be above 0 (or null for no aging).")
+        _check(not (self.deadline and self.time_budget),
+               "Give either a deadline or a time budget, not both.")
+        _check(self.on_deadline in ("drain", "abort"),
+               f"scheduler.on_deadline is {self.on_deadline!r}; use drain or abort.")
+        _check(self.safety_margin_s is None or self.safety_margin_s >= 0,
+               f"scheduler.safety_margin_s is {self.safety_margin_s}; it must be 0 or more.")
+        _check(self.tokens_per_second is None or self.tokens_per_second > 0,
+               f"scheduler.tokens_per_second is {self.tokens_per_second}; it must be above 0.")
 
 
 @dataclass
@@ -171,6 +218,7 @@ class JobConfig:
     prompt: PromptConfig = field(default_factory=PromptConfig)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
+    buckets: BucketsConfig = field(default_factory=BucketsConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
 

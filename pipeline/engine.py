@@ -121,6 +121,8 @@ class VllmEngine:
             (cache.num_gpu_blocks or 0) * cache.block_size or None)
         self.max_num_seqs: int = vcfg.scheduler_config.max_num_seqs
         self.max_num_batched_tokens: int = vcfg.scheduler_config.max_num_batched_tokens
+        # vLLM refuses a non-zero priority unless its scheduler runs the priority policy.
+        self.supports_priority: bool = str(getattr(vcfg.scheduler_config, "policy", "fcfs")).endswith("priority")
         self.num_preemptions = 0
 
     @classmethod

@@ -8,8 +8,9 @@ file or column and the fix; no engine time is spent on a job that cannot run.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 import pyarrow as pa
 
@@ -34,6 +35,9 @@ class OpenJob:
     scan: Scan
     schema: OutputSchema
     manifest: dict
+    # Seconds since the epoch by which the job must finish, and how long before it admission stops.
+    deadline_at: Optional[float] = None
+    margin_s: float = 0.0
 
     @property
     def run_id(self) -> str:
@@ -44,9 +48,13 @@ class OpenJob:
         return self.schema.id_name
 
 
-def open_job(cfg: JobConfig, fresh: bool = False) -> OpenJob:
+def open_job(cfg: JobConfig, fresh: bool = False, now: Optional[float] = None) -> OpenJob:
     if not cfg.output.path:
         raise OutputError("No output folder given. Pass --out OUT (or output.path in the config).")
+    deadline_at, margin_s = resolve_deadline(cfg.scheduler, time.time() if now is None else now)
+    if cfg.buckets.predictor not in ("heuristic", "online"):
+        from overnight.buckets.trained import TrainedPredictor
+        TrainedPredictor.load(cfg.buckets.predictor)  # fail now, not after the engine started
     source = ParquetSource(cfg.input)
     out = OutputDir(cfg.output.path)
     model = resolve(cfg.engine.model)
@@ -78,7 +86,21 @@ def open_job(cfg: JobConfig, fresh: bool = False) -> OpenJob:
     mf.start_attempt(manifest, cfg.to_dict(), input_info)
     manifest["counts"] = counts_from_scan(scan, source.num_rows)
     out.write_manifest(manifest)
-    return OpenJob(cfg, source, out, model, tokenizer, chat, scan, schema, manifest)
+    return OpenJob(cfg, source, out, model, tokenizer, chat, scan, schema, manifest, deadline_at, margin_s)
+
+
+def resolve_deadline(sc, now: float) -> tuple[Optional[float], float]:
+    """(deadline as seconds since the epoch, safety margin in seconds), or (None, 0) without one."""
+    from overnight.pipeline.deadline import parse_budget, parse_deadline
+
+    if sc.deadline:
+        at = parse_deadline(sc.deadline, now)
+    elif sc.time_budget:
+        at = now + parse_budget(sc.time_budget)
+    else:
+        return None, 0.0
+    margin = sc.safety_margin_s if sc.safety_margin_s is not None else min(300.0, max(2.0, 0.05 * (at - now)))
+    return at, margin
 
 
 def counts_from_scan(scan: Scan, num_rows: int) -> dict:

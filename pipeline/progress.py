@@ -54,6 +54,9 @@ class Progress:
         self.token_rate = Rate()
         self.is_tty = sys.stderr.isatty() if is_tty is None else is_tty
         self.bar = None
+        self.forecast_eta: Optional[float] = None
+        self.deadline_left: Optional[float] = None
+        self.deadline_at_risk = False
         if self.is_tty:
             from tqdm import tqdm
 
@@ -68,12 +71,26 @@ class Progress:
         self.token_rate.add(now, self.tokens)
         if self.bar is not None:
             self.bar.update(num_rows)
-            self.bar.set_postfix_str(f"{self.token_rate.per_second():.0f} tok/s", refresh=False)
+            self.bar.set_postfix_str(self.postfix(), refresh=False)
         elif now - self.last_log >= self.log_every:
             self.last_log = now
             log.info(self.line())
 
+    def set_forecast(self, eta_s: Optional[float], deadline_left_s: Optional[float], at_risk: bool) -> None:
+        """The deadline tracker's ETA (from predicted tokens) replaces the row-rate estimate."""
+        self.forecast_eta = eta_s
+        self.deadline_left = deadline_left_s
+        self.deadline_at_risk = at_risk
+
+    def postfix(self) -> str:
+        text = f"{self.token_rate.per_second():.0f} tok/s, ETA {fmt_duration(self.eta_seconds())}"
+        if self.deadline_left is not None:
+            text += f", deadline in {fmt_duration(self.deadline_left)}{' AT RISK' if self.deadline_at_risk else ''}"
+        return text
+
     def eta_seconds(self) -> Optional[float]:
+        if self.forecast_eta is not None:
+            return self.forecast_eta
         rate = self.row_rate.per_second()
         remaining = max(0, self.total - self.done)
         if remaining == 0:
@@ -82,8 +99,7 @@ class Progress:
 
     def line(self) -> str:
         pct = 100.0 * self.done / self.total if self.total else 100.0
-        return (f"{self.done}/{self.total} rows ({pct:.0f}%), {self.token_rate.per_second():.0f} output tok/s, "
-                f"ETA {fmt_duration(self.eta_seconds())}")
+        return f"{self.done}/{self.total} rows ({pct:.0f}%), {self.postfix().replace('tok/s', 'output tok/s', 1)}"
 
     def close(self) -> None:
         if self.bar is not None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+from overnight.buckets.features import prompt_text
 from overnight.pipeline.records import Result, Row
 from overnight.pipeline.validate import Parsed
 
@@ -36,7 +37,8 @@ class PromptBuilder:
             messages = [{"role": "system", "content": self.system_prompt}, *messages]
         return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
-    def build(self, parsed: list[Parsed]) -> tuple[list[Row], list[Result]]:
+    def build(self, parsed: list[Parsed]) -> tuple[list[Row], list[str], list[Result]]:
+        """Rows ready for the engine, the text each one's length predictor reads, and error results."""
         texts, kept, errors = [], [], []
         for p in parsed:
             try:
@@ -45,10 +47,10 @@ class PromptBuilder:
             except Exception as e:  # a chat template may reject a conversation (e.g. roles out of order)
                 errors.append(Result.failed(p.id, p.passthrough, f"{p.origin}: chat template failed: {e}"))
         if not kept:
-            return [], errors
+            return [], [], errors
         # A chat template already holds the special tokens (BOS ...); plain prompts get the tokenizer's own.
         encoded = self.tokenizer(texts, add_special_tokens=not self.chat)["input_ids"]
-        rows = []
+        rows, predictor_texts = [], []
         limit = self.max_model_len
         for p, ids in zip(kept, encoded):
             n = len(ids)
@@ -64,5 +66,6 @@ class PromptBuilder:
             if sampling["max_tokens"] > limit - n:
                 sampling = dict(sampling, max_tokens=limit - n)
             rows.append(Row(id=p.id, prompt_token_ids=ids, sampling=sampling, passthrough=p.passthrough,
-                            origin=p.origin))
-        return rows, errors
+                            origin=p.origin, **p.scheduling))
+            predictor_texts.append(prompt_text(p.prompt, p.messages))
+        return rows, predictor_texts, errors

@@ -23,8 +23,14 @@ class Row:
     # Predicted output tokens and its bucket (filled by buckets/; None when no predictor ran).
     predicted_tokens: Optional[int] = None
     bucket: Optional[int] = None
-    # Lower runs sooner, as in vLLM's priority scheduling.
+    # Per-row `priority` column: lower runs sooner, as in vLLM's priority scheduling.
     priority: int = 0
+    # Per-row `value` column: what completing the row is worth (auto's deadline mode maximises value per token).
+    value: float = 1.0
+    # Per-row `deadline` column, as seconds since the epoch.
+    deadline_at: Optional[float] = None
+    # Prediction features, kept so the online predictor can refresh the prediction and learn from the result.
+    features: Any = None
 
     @property
     def num_prompt_tokens(self) -> int:

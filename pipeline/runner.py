@@ -1,70 +1,58 @@
-"""The job's main loop: source -> resume filter -> scheduler <-> engine -> checkpoint writer.
+"""The job's main loop: source -> resume filter -> predict -> scheduler <-> engine -> checkpoint writer.
 
     while work remains:
-        refill()     # read input until the scheduler has a full refill pending
+        tick()       # every second: measure, forecast the deadline, switch auto's mode, refresh predictions
+        refill()     # read input until the scheduler's lookahead pool is full
         admit()      # hand the scheduler's picks to vLLM
-        collect()    # one engine step; finished rows go to the writer
+        collect()    # one engine step; finished rows go to the writer and teach the online predictor
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from dataclasses import asdict, dataclass, field
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
+import numpy as np
+
+from overnight.buckets.annotate import LengthAnnotator
+from overnight.buckets.predictors import make_predictor
 from overnight.pipeline import manifest as mf
 from overnight.pipeline.checkpoint import CheckpointWriter
+from overnight.pipeline.deadline import DeadlineTracker, Forecast
 from overnight.pipeline.engine import EngineError
 from overnight.pipeline.job import OpenJob
 from overnight.pipeline.progress import Progress, fmt_duration
 from overnight.pipeline.prompts import PromptBuilder
 from overnight.pipeline.records import Result, Row
-from overnight.pipeline.scheduler import Scheduler
+from overnight.pipeline.report import EXIT_FAILED, EXIT_OK, EXIT_PARTIAL, Summary, forecast_dict, iso
+from overnight.pipeline.scheduler import Mode, Policy, Scheduler
 from overnight.pipeline.validate import parse_batch, sampling_defaults
 
 log = logging.getLogger("overnight")
 
-EXIT_OK = 0
-EXIT_FAILED = 1
-# sysexits EX_TEMPFAIL: stopped early (deadline, signal); rerun the same command to continue.
-EXIT_PARTIAL = 75
-
-
-@dataclass
-class Summary:
-    run_id: str
-    out: str
-    state: str
-    exit_code: int
-    num_rows: int
-    num_done: int
-    num_ok: int
-    num_error: int
-    num_resumed: int
-    num_duplicates: int
-    num_output_tokens: int
-    elapsed_s: float
-    output_tokens_per_s: float
-    message: Optional[str] = None
-    extra: dict = field(default_factory=dict)
-
-    def line(self) -> str:
-        head = {"completed": "done", "partial": "stopped early (resumable)", "failed": "FAILED"}.get(self.state,
-                                                                                                      self.state)
-        resumed = f", {self.num_resumed} already done" if self.num_resumed else ""
-        dup = f", {self.num_duplicates} duplicate ids skipped" if self.num_duplicates else ""
-        return (f"overnight: {head}: {self.num_done}/{self.num_rows} rows ({self.num_ok} ok, {self.num_error} error"
-                f"{resumed}{dup}), {self.num_output_tokens} output tokens in {fmt_duration(self.elapsed_s)} "
-                f"({self.output_tokens_per_s:.0f} tok/s) -> {self.out}")
+TICK_S = 1.0
+FORECAST_S = 2.0
+# Re-predict the waiting rows with what the online predictor learned, at most this often.
+REFRESH_S = 5.0
 
 
 class Runner:
-    def __init__(self, job: OpenJob, engine, is_tty: Optional[bool] = None):
+    def __init__(self, job: OpenJob, engine, is_tty: Optional[bool] = None, clock: Callable[[], float] = time.time):
         self.job = job
         self.engine = engine
+        self.clock = clock
         cfg = job.cfg
-        self.scheduler = Scheduler(engine.max_num_seqs, cfg.scheduler.queue_factor)
+        sc = cfg.scheduler
+        self.scheduler = Scheduler(engine.max_num_seqs, sc.queue_factor, sc.policy, sc.lookahead_rows, sc.max_wait_s,
+                                   has_values="value" in job.source.schema.names)
+        self.annotator = LengthAnnotator(make_predictor(cfg.buckets.predictor), cfg.sampling.max_tokens,
+                                         cfg.buckets.kind, cfg.buckets.num_buckets)
+        self.tracker = DeadlineTracker(job.deadline_at, job.margin_s, clock, sc.tokens_per_second)
+        if job.deadline_at is not None:
+            # Throughput-first needs evidence that the deadline is safe: until a forecast shows it, auto
+            # runs the most rows per token first.
+            self.scheduler.set_mode(Mode.DEADLINE, count=False)
         self.builder = PromptBuilder(job.tokenizer, job.chat, cfg.prompt.system_prompt, engine.max_model_len)
         self.writer = CheckpointWriter(job.out, job.schema, job.run_id, job.model.requested, job.scan.next_index,
                                        cfg.output.flush_rows, cfg.output.flush_seconds, on_flush=self._on_flush)
@@ -72,13 +60,23 @@ class Runner:
         self.passthrough = job.source.passthrough_columns()
         self.queued_at: dict[str, float] = {}
         self.emitted: set = set()  # ids this run has handed on (or skipped as already done)
+        self.num_read = 0
         self.num_resumed = 0
         self.num_duplicates = 0
         self.num_ok = job.scan.num_ok
         self.num_error = job.scan.num_error
         self.num_output_tokens = job.scan.num_output_tokens
         self.attempt_tokens = 0
+        self.in_flight_predicted = 0
+        self.predicted_sum = 0
+        self.predicted_n = 0
         self.started = time.monotonic()
+        self.stopping: Optional[str] = None  # why admission stopped early, once it has
+        self.exhausted = False  # every input row has been read
+        self.num_aborted = 0  # rows aborted in flight at a deadline: not done
+        self.forecast: Optional[Forecast] = None
+        self._warned_at_risk = False
+        self._last_tick = self._last_forecast = self._last_refresh = -1e18
         self.progress = Progress(job.source.num_rows, min(job.scan.num_done, job.source.num_rows),
                                  cfg.output.log_every_seconds, is_tty=is_tty)
 
@@ -87,7 +85,10 @@ class Runner:
         state, message = mf.RunState.FAILED, None
         try:
             self._loop()
-            state = mf.RunState.COMPLETED
+            if self.exhausted and self.scheduler.is_done() and not self.num_aborted:
+                state = mf.RunState.COMPLETED
+            else:
+                state, message = mf.RunState.PARTIAL, self._partial_message()
         except KeyboardInterrupt:
             state, message = mf.RunState.PARTIAL, "interrupted"
             raise
@@ -100,56 +101,77 @@ class Runner:
 
     def _loop(self) -> None:
         rows = self._rows()
-        exhausted = False
         while True:
-            while not exhausted and self.scheduler.wants_rows():
-                item = next(rows, None)
-                if item is None:
-                    exhausted = True
-                    break
-                ready, errors = item
-                self._record(errors)
-                self.scheduler.add(ready)
-            self._admit()
-            if not self.engine.has_unfinished():
-                if exhausted and self.scheduler.is_done():
-                    return
-                continue
-            self._collect()
+            self._tick()
+            if self.stopping is None:
+                while not self.exhausted and self.scheduler.wants_rows():
+                    item = next(rows, None)
+                    if item is None:
+                        self.exhausted = True
+                        break
+                    ready, errors = item
+                    self._record(errors)
+                    self.scheduler.add(ready, self.clock())
+                self._expire()
+                self._admit()
+            elif self.job.cfg.scheduler.on_deadline == "abort" or self.tracker.is_past_deadline():
+                self._abort_in_flight()
+                return
+            if self.engine.has_unfinished():
+                self._collect()
+            elif self.stopping is not None or (self.exhausted and self.scheduler.is_done()):
+                return
 
     def _admit(self) -> None:
-        for request_id, row in self.scheduler.schedule():
-            self.queued_at[request_id] = time.time()
+        for a in self.scheduler.schedule(self.clock()):
+            self.queued_at[a.request_id] = time.time()
+            self.in_flight_predicted += a.row.predicted_tokens or 0
             try:
-                self.engine.add(request_id, row.prompt_token_ids, row.sampling, row.priority)
+                self.engine.add(a.request_id, a.row.prompt_token_ids, a.row.sampling,
+                                a.priority if self.engine.supports_priority else 0)
             except ValueError as e:  # vLLM's own validation of a request
-                self.scheduler.finish(request_id)
-                at = self.queued_at.pop(request_id)
-                self._record([Result.failed(row.id, row.passthrough, f"{row.origin}: the engine refused the row: {e}",
-                                            at)])
+                self._forget(a.request_id)
+                self._record([Result.failed(a.row.id, a.row.passthrough,
+                                            f"{a.row.origin}: the engine refused the row: {e}", time.time())])
 
     def _collect(self) -> None:
-        results = []
         try:
             finished = self.engine.step()
         except Exception as e:
             raise EngineError(f"The vLLM engine failed mid-run ({type(e).__name__}: {e}). The rows it finished are "
                               f"saved in {self.job.out.url}; rerun the same command to continue.") from e
+        if not finished:
+            self.writer.maybe_flush()
+            return
+        results, rows = [], []
         for fin in finished:
-            row = self.scheduler.finish(fin.request_id)
-            results.append(Result.from_engine(row, fin, self.queued_at.pop(fin.request_id)))
-        if results:
-            self._record(results)
+            queued = self.queued_at[fin.request_id]
+            row = self._forget(fin.request_id)
+            rows.append(row)
+            results.append(Result.from_engine(row, fin, queued))
+        self.annotator.observe(rows, [r.output_tokens for r in results], [r.finish_reason for r in results])
+        self._record(results)
         self.writer.maybe_flush()
 
+    def _forget(self, request_id: str) -> Row:
+        self.queued_at.pop(request_id, None)
+        row = self.scheduler.finish(request_id)
+        self.in_flight_predicted -= row.predicted_tokens or 0
+        return row
+
     def _rows(self) -> Iterator[tuple[list[Row], list[Result]]]:
-        """Input rows not yet done, parsed and tokenized; bad rows come back as error results."""
+        """Input rows not yet done, parsed, tokenized and predicted; bad rows come back as error results."""
         cfg = self.job.cfg
         for sb in self.job.source.batches():
+            self.num_read += sb.batch.num_rows
             parsed, errors = parse_batch(sb, cfg.input, self.defaults, self.passthrough)
             parsed = [p for p in parsed if self._is_new(p.id, p.origin)]
             errors = [e for e in errors if self._is_new_error(e)]
-            ready, bad = self.builder.build(parsed)
+            ready, texts, bad = self.builder.build(parsed)
+            self.annotator.annotate(ready, texts)
+            for row in ready:
+                self.predicted_sum += row.predicted_tokens or 0
+            self.predicted_n += len(ready)
             yield ready, errors + bad
 
     def _is_new_error(self, e: Result) -> bool:
@@ -170,6 +192,88 @@ class Runner:
             return False
         self.emitted.add(row_id)
         return True
+
+    # -- deadline ------------------------------------------------------------------------------
+    def _tick(self) -> None:
+        if self.stopping is None and self.tracker.should_stop():
+            self._begin_stop()
+        now = self.clock()
+        if now - self._last_tick < TICK_S:
+            return
+        self._last_tick = now
+        self.tracker.observe(self.attempt_tokens)
+        if now - self._last_refresh >= REFRESH_S and self.annotator.wants_refresh():
+            self._last_refresh = now
+            self.annotator.refresh(self.scheduler.pending_rows())
+            self.scheduler.rekey()
+        if now - self._last_forecast >= FORECAST_S:
+            self._last_forecast = now
+            self._update_forecast()
+
+    def _update_forecast(self) -> None:
+        pending = self.scheduler.pending_rows()
+        tokens = np.array([r.predicted_tokens or 0 for r in pending], dtype=np.float64)
+        if self.scheduler.policy == Policy.AUTO:
+            tokens = np.sort(tokens)  # the order auto uses once the deadline is at risk
+        else:
+            tokens = np.array([r.predicted_tokens or 0 for r in self.scheduler.pending_in_order()], dtype=np.float64)
+        # Rows not read yet, less those a previous attempt finished (not met yet in this pass).
+        unread = max(0, self.job.source.num_rows - self.num_read - (self.job.scan.num_done - self.num_resumed))
+        mean = self.predicted_sum / self.predicted_n if self.predicted_n else 0.0
+        f = self.tracker.forecast(self.in_flight_predicted / 2, self.scheduler.num_running, tokens, unread, mean)
+        self.forecast = f
+        if f.tokens_per_s and self.scheduler.num_running:
+            self.scheduler.per_seq_tokens_per_s = f.tokens_per_s / self.scheduler.num_running
+        self.progress.set_forecast(f.eta_s, f.time_left_s if self.tracker.deadline else None, f.will_miss)
+        if self.tracker.deadline is None:
+            return
+        if f.will_miss:
+            if self.scheduler.set_mode(Mode.DEADLINE):
+                log.info("auto: deadline at risk, now running the most rows (or value) per predicted token first")
+            if not self._warned_at_risk:
+                self._warned_at_risk = True
+                log.warning(f"deadline at risk: at {f.tokens_per_s:.0f} output tok/s the remaining ~"
+                            f"{f.remaining_tokens:.0f} tokens need {fmt_duration(f.eta_s)}, but only "
+                            f"{fmt_duration(f.time_left_s)} remain before {iso(self.tracker.stop_at)}; expect about "
+                            f"{f.rows_expected_left} of {f.remaining_rows} remaining rows to be left undone "
+                            f"(the job will stop in time and exit {EXIT_PARTIAL}; rerun it to continue)")
+        elif f.eta_s is not None and f.eta_s < 0.8 * f.time_left_s:
+            if self.scheduler.set_mode(Mode.THROUGHPUT):
+                log.info("auto: deadline safe again, back to longest-first")
+            if self._warned_at_risk:
+                self._warned_at_risk = False
+                log.info(f"deadline back on track: ETA {fmt_duration(f.eta_s)}, {fmt_duration(f.time_left_s)} left")
+
+    def _begin_stop(self) -> None:
+        self.stopping = "deadline reached"
+        self.scheduler.is_admitting = False
+        how = ("aborting" if self.job.cfg.scheduler.on_deadline == "abort" else
+               f"draining them until {iso(self.tracker.deadline)}")
+        log.warning(f"deadline: stopped admitting rows at {iso(self.tracker.stop_at)} (safety margin "
+                    f"{self.job.margin_s:.0f} s); {self.scheduler.num_running} rows in flight, {how}")
+
+    def _abort_in_flight(self) -> None:
+        ids = self.scheduler.drain_running()
+        self.num_aborted += len(ids)
+        if ids:
+            log.warning(f"deadline: aborting {len(ids)} rows in flight; they are not done and a rerun will redo them")
+        self.engine.abort(ids)
+        for rid in ids:
+            self.queued_at.pop(rid, None)
+        self.in_flight_predicted = 0
+
+    def _expire(self) -> None:
+        expired = self.scheduler.take_expired(self.clock())
+        if expired:
+            self._record([Result.failed(r.id, r.passthrough, f"{r.origin}: its deadline {iso(r.deadline_at)} passed "
+                                        f"before the row could start", time.time()) for r in expired])
+
+    def _num_left(self) -> int:
+        """Input rows not done (duplicate ids are skipped, not left)."""
+        return max(0, self.job.source.num_rows - self.num_ok - self.num_error - self.num_duplicates)
+
+    def _partial_message(self) -> str:
+        return f"{self.stopping or 'stopped'}: {self._num_left()} rows not done; rerun the same command to continue"
 
     # -- bookkeeping ---------------------------------------------------------------------------
     def _record(self, results: list[Result]) -> None:
@@ -208,12 +312,18 @@ class Runner:
             "model": self.job.model.requested,
             "attempt": len(self.job.manifest["attempts"]),
             "rows": {"total": total, "done": done, "ok": self.num_ok, "error": self.num_error,
-                     "remaining": max(0, total - done), "resumed": self.num_resumed,
+                     "remaining": self._num_left(), "resumed": self.num_resumed,
                      "duplicates": self.num_duplicates, "in_flight": self.scheduler.num_running},
             "output_tokens": self.num_output_tokens,
             "elapsed_s": round(elapsed, 3),
             "output_tokens_per_s": round(self.attempt_tokens / elapsed, 2) if elapsed > 0 else 0.0,
             "eta_s": self.progress.eta_seconds(),
+            "scheduler": {"policy": self.scheduler.policy.value, "predictor": self.annotator.predictor.name,
+                          "mode_switches": self.scheduler.stats.num_mode_switches,
+                          "aged": self.scheduler.stats.num_aged,
+                          "deadline_first": self.scheduler.stats.num_deadline_first,
+                          "predictor_seconds": round(self.annotator.seconds, 3)},
+            "forecast": forecast_dict(self.forecast, self.tracker.deadline, self.scheduler.mode.value),
             "updated_at": mf.now_iso(),
         }
 
@@ -243,8 +353,5 @@ class Runner:
             num_rows=self.job.source.num_rows, num_done=self.num_ok + self.num_error, num_ok=self.num_ok,
             num_error=self.num_error, num_resumed=self.num_resumed, num_duplicates=self.num_duplicates,
             num_output_tokens=self.num_output_tokens, elapsed_s=status["elapsed_s"],
-            output_tokens_per_s=status["output_tokens_per_s"], message=message)
-
-
-def summary_dict(summary: Summary) -> dict:
-    return asdict(summary)
+            output_tokens_per_s=status["output_tokens_per_s"], message=message,
+            extra={"scheduler": status["scheduler"], "forecast": status["forecast"]})

@@ -1,52 +1,203 @@
 """Which pending rows go to the engine next: a pure state machine, no engine, clock or I/O.
 
-The scheduler keeps vLLM's waiting queue topped up a little above what the
-engine can run (``max_running``), so every slot a step frees is refilled at
-once, without pushing the whole dataset into the engine: rows not yet
-admitted stay cheap to reorder and need no abort at a deadline.
+The runner reads input into a lookahead pool; the scheduler hands rows to
+vLLM, keeping its waiting queue topped up a little above what it can run
+(``capacity``) but not flooded: rows not yet admitted stay cheap to reorder
+and need no abort at a deadline. Which rows go first is the policy's call:
+
+    fifo            input order
+    longest-first   longest predicted output first: long answers start early, so the tail is short
+    shortest-first  shortest predicted output first: the most rows finished soonest
+    priority        the per-row `priority` column, lower first (as in vLLM), then input order
+    auto            longest-first while the deadline is safe; once it is at risk, the most value per
+                    predicted token first (the `value` column, else 1 per row: shortest-first)
+
+Two rules apply under every policy. A row with a per-row `deadline` that is at
+risk (little time left for its predicted length) goes first, earliest
+deadline first. And no row waits forever: one pending for longer than
+``max_wait_s`` goes ahead of the policy's choice (aging).
 """
 
 from __future__ import annotations
 
+import enum
+import heapq
 from collections import deque
-from typing import Iterable
+from dataclasses import dataclass, field
+from typing import Iterable, Optional
 
 from overnight.pipeline.records import Row
 
 
+class Policy(str, enum.Enum):
+    FIFO = "fifo"
+    LONGEST_FIRST = "longest-first"
+    SHORTEST_FIRST = "shortest-first"
+    PRIORITY = "priority"
+    AUTO = "auto"
+
+
+class Mode(str, enum.Enum):
+    # auto's two regimes
+    THROUGHPUT = "throughput"
+    DEADLINE = "deadline"
+
+
+@dataclass(eq=False)
+class _Entry:
+    seq: int
+    row: Row
+    enqueued_at: float
+    is_taken: bool = False
+
+
+@dataclass
+class Admission:
+    request_id: str
+    row: Row
+    # Priority for vLLM's own scheduler (lower runs sooner); 0 unless the policy orders vLLM's queue too.
+    priority: int = 0
+    # Why this row went now: "policy", "aged" or "deadline".
+    reason: str = "policy"
+
+
+@dataclass
+class SchedulerStats:
+    num_aged: int = 0
+    num_deadline_first: int = 0
+    num_mode_switches: int = 0
+    mode_history: list = field(default_factory=list)
+
+
 class Scheduler:
-    def __init__(self, max_running: int, queue_factor: float = 1.0):
+    def __init__(self, max_running: int, queue_factor: float = 1.0, policy: Policy | str = Policy.FIFO,
+                 lookahead: int = 0, max_wait_s: Optional[float] = None, has_values: bool = False):
+        self.policy = Policy(policy)
         # Rows in the engine at once: what it can run plus a waiting margin.
         self.capacity = max(1, int(round(max_running * (1 + queue_factor))))
-        self.pending: deque[Row] = deque()
+        # Rows held for reordering, beyond one full refill of the engine.
+        self.lookahead = max(self.capacity, lookahead)
+        self.max_wait_s = max_wait_s
+        self.has_values = has_values
+        self.mode = Mode.THROUGHPUT
         self.running: dict[str, Row] = {}
-        self._next_id = 0
+        self.stats = SchedulerStats()
+        self._heap: list[tuple[float, int, _Entry]] = []
+        self._arrivals: deque[_Entry] = deque()
+        self._deadlines: list[tuple[float, int, _Entry]] = []
+        self._num_pending = 0
+        self._next_seq = 0
+        self._next_request = 0
+        self._epoch = 0  # bumps at each mode switch, so newly admitted rows outrank ones already waiting in vLLM
+        self.per_seq_tokens_per_s: Optional[float] = None
+        self.is_admitting = True
 
+    # -- state ---------------------------------------------------------------------------------
     @property
     def num_pending(self) -> int:
-        return len(self.pending)
+        return self._num_pending
 
     @property
     def num_running(self) -> int:
         return len(self.running)
 
     def wants_rows(self) -> bool:
-        """True while fewer rows are pending than one full refill of the engine."""
-        return len(self.pending) < self.capacity
+        """True while the pool holds less than the lookahead."""
+        return self._num_pending < self.lookahead
 
-    def add(self, rows: Iterable[Row]) -> None:
-        self.pending.extend(rows)
+    def is_done(self) -> bool:
+        return self._num_pending == 0 and not self.running
 
-    def schedule(self) -> list[tuple[str, Row]]:
+    @property
+    def uses_engine_priority(self) -> bool:
+        return self.policy in (Policy.PRIORITY, Policy.AUTO)
+
+    # -- input ---------------------------------------------------------------------------------
+    def add(self, rows: Iterable[Row], now: float = 0.0) -> None:
+        for row in rows:
+            e = _Entry(self._next_seq, row, now)
+            self._next_seq += 1
+            heapq.heappush(self._heap, (self._key(row), e.seq, e))
+            if self.max_wait_s is not None:
+                self._arrivals.append(e)
+            if row.deadline_at is not None:
+                heapq.heappush(self._deadlines, (row.deadline_at, e.seq, e))
+            self._num_pending += 1
+
+    def _key(self, row: Row) -> float:
+        p = self.policy
+        pred = float(row.predicted_tokens or 0)
+        if p == Policy.FIFO:
+            return 0.0
+        if p == Policy.PRIORITY:
+            return float(row.priority)
+        if p == Policy.SHORTEST_FIRST:
+            return pred
+        if p == Policy.LONGEST_FIRST or self.mode == Mode.THROUGHPUT:
+            return -pred
+        # auto, deadline at risk: most value per predicted token first
+        return -(row.value / max(pred, 1.0)) if self.has_values else pred
+
+    def set_mode(self, mode: Mode, count: bool = True) -> bool:
+        """Switch auto's regime; re-orders the pool. Returns True when the mode changed."""
+        if mode == self.mode or self.policy != Policy.AUTO:
+            return False
+        self.mode = mode
+        self._epoch += 1
+        if count:
+            self.stats.num_mode_switches += 1
+        self.rekey()
+        return True
+
+    # -- output --------------------------------------------------------------------------------
+    def schedule(self, now: float) -> list[Admission]:
         """Rows to admit now, each with its engine request id."""
-        admitted = []
-        while self.pending and len(self.running) < self.capacity:
-            row = self.pending.popleft()
-            request_id = str(self._next_id)
-            self._next_id += 1
-            self.running[request_id] = row
-            admitted.append((request_id, row))
-        return admitted
+        out: list[Admission] = []
+        while self.is_admitting and self._num_pending and len(self.running) < self.capacity:
+            entry, reason = self._pick(now)
+            entry.is_taken = True
+            self._num_pending -= 1
+            request_id = str(self._next_request)
+            self._next_request += 1
+            self.running[request_id] = entry.row
+            out.append(Admission(request_id, entry.row, self._engine_priority(entry.row), reason))
+        return out
+
+    def _pick(self, now: float) -> tuple[_Entry, str]:
+        # 1. aging: the oldest row, if it has waited too long
+        if self.max_wait_s is not None:
+            while self._arrivals and self._arrivals[0].is_taken:
+                self._arrivals.popleft()
+            if self._arrivals and now - self._arrivals[0].enqueued_at >= self.max_wait_s:
+                self.stats.num_aged += 1
+                return self._arrivals.popleft(), "aged"
+        # 2. per-row deadlines at risk, earliest first
+        while self._deadlines and self._deadlines[0][2].is_taken:
+            heapq.heappop(self._deadlines)
+        if self._deadlines:
+            deadline, _, e = self._deadlines[0]
+            if self._is_at_risk(e.row, deadline, now):
+                heapq.heappop(self._deadlines)
+                self.stats.num_deadline_first += 1
+                return e, "deadline"
+        # 3. the policy
+        while True:
+            _, _, e = heapq.heappop(self._heap)
+            if not e.is_taken:
+                return e, "policy"
+
+    def _is_at_risk(self, row: Row, deadline: float, now: float) -> bool:
+        rate = self.per_seq_tokens_per_s
+        needed = (row.predicted_tokens or 0) / rate if rate else 0.0
+        # Twice the predicted generation time, for queueing and prediction error.
+        return deadline - now <= 2.0 * needed + 1.0
+
+    def _engine_priority(self, row: Row) -> int:
+        if self.policy == Policy.PRIORITY:
+            return int(row.priority)
+        if self.policy == Policy.AUTO:
+            return int(self._key(row)) - self._epoch * 1_000_000_000
+        return 0
 
     def finish(self, request_id: str) -> Row:
         return self.running.pop(request_id)
@@ -57,5 +208,27 @@ class Scheduler:
         self.running.clear()
         return ids
 
-    def is_done(self) -> bool:
-        return not self.pending and not self.running
+    def take_expired(self, now: float) -> list[Row]:
+        """Pending rows whose own deadline has passed: they will not be run."""
+        expired = []
+        while self._deadlines and (self._deadlines[0][2].is_taken or self._deadlines[0][0] <= now):
+            _, _, e = heapq.heappop(self._deadlines)
+            if not e.is_taken:
+                e.is_taken = True
+                self._num_pending -= 1
+                expired.append(e.row)
+        return expired
+
+    def pending_rows(self) -> list[Row]:
+        """Pending rows, in no particular order."""
+        return [e.row for _, _, e in self._heap if not e.is_taken]
+
+    def rekey(self) -> None:
+        """Re-order the pool after rows' predictions changed."""
+        live = [e for _, _, e in self._heap if not e.is_taken]
+        self._heap = [(self._key(e.row), e.seq, e) for e in live]
+        heapq.heapify(self._heap)
+
+    def pending_in_order(self) -> list[Row]:
+        """Pending rows in the order the policy would admit them (ignoring aging and deadlines)."""
+        return [e.row for _, _, e in sorted(self._heap, key=lambda t: (t[0], t[1])) if not e.is_taken]

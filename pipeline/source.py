@@ -23,6 +23,8 @@ from overnight.pipeline.storage import arrow_fs, unstrip, url_to_fs
 
 # Per-row columns that override the job's sampling defaults when present.
 OVERRIDE_COLUMNS = ("max_tokens", "temperature", "top_p", "seed", "stop")
+# Per-row columns the scheduler honours.
+SCHEDULING_COLUMNS = ("priority", "value", "deadline")
 
 _GLOB_CHARS = "*?["
 
@@ -180,7 +182,7 @@ class ParquetSource:
 
     def read_columns(self) -> list[str]:
         wanted = {self.cfg.prompt_column, self.cfg.messages_column, self.cfg.id_column,
-                  *OVERRIDE_COLUMNS, *self.passthrough_columns()}
+                  *OVERRIDE_COLUMNS, *SCHEDULING_COLUMNS, *self.passthrough_columns()}
         return [n for n in self.schema.names if n in wanted]
 
     # -- reading -----------------------------------------------------------------------------

@@ -16,7 +16,7 @@ import pyarrow as pa
 
 from overnight.pipeline.config import InputConfig, SamplingConfig
 from overnight.pipeline.records import Result
-from overnight.pipeline.source import OVERRIDE_COLUMNS, SourceBatch
+from overnight.pipeline.source import OVERRIDE_COLUMNS, SCHEDULING_COLUMNS, SourceBatch
 
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 
@@ -31,6 +31,8 @@ class Parsed:
     sampling: dict
     prompt: Optional[str]
     messages: Optional[list]
+    # priority / value / deadline_at, from the per-row columns when present
+    scheduling: dict
 
 
 class RowError(ValueError):
@@ -58,6 +60,7 @@ def parse_batch(sb: SourceBatch, cfg: InputConfig, defaults: dict,
     prompts = _texts(batch.column(cfg.prompt_column)) if cfg.prompt_column in names else [None] * n
     messages = _column(batch, cfg.messages_column) if cfg.messages_column in names else None
     overrides = {c: _column(batch, c) for c in OVERRIDE_COLUMNS if c in names}
+    scheduling = {c: _column(batch, c) for c in SCHEDULING_COLUMNS if c in names}
     kept = [c for c in passthrough if c in names]
     carried = batch.select(kept).to_pylist() if kept else [{} for _ in range(n)]
 
@@ -75,6 +78,11 @@ def parse_batch(sb: SourceBatch, cfg: InputConfig, defaults: dict,
             for col, values in overrides.items():
                 if values[i] is not None:
                     sampling[col] = _OVERRIDE_CHECKS[col](values[i])
+            sched = {}
+            for col, values in scheduling.items():
+                if values[i] is not None:
+                    key, value = _SCHEDULING_CHECKS[col](values[i])
+                    sched[key] = value
             chat = _messages(messages[i]) if messages is not None and messages[i] is not None else None
             prompt = None
             if chat is None:
@@ -82,7 +90,7 @@ def parse_batch(sb: SourceBatch, cfg: InputConfig, defaults: dict,
         except RowError as e:
             errors.append(Result.failed(row_id, carried[i], f"{origin}: {e}"))
             continue
-        parsed.append(Parsed(row_id, origin, carried[i], sampling, prompt, chat))
+        parsed.append(Parsed(row_id, origin, carried[i], sampling, prompt, chat, sched))
     return parsed, errors
 
 
@@ -207,6 +215,43 @@ _OVERRIDE_CHECKS = {
     "seed": _seed,
     "stop": _stop,
 }
+
+
+def _priority(value) -> tuple[str, int]:
+    return "priority", _integer(value, "priority")
+
+
+def _value(value) -> tuple[str, float]:
+    v = _number(value, "value")
+    if v < 0:
+        raise RowError(f"value is {v}; it must be 0 or more")
+    return "value", v
+
+
+def _deadline(value) -> tuple[str, float]:
+    return "deadline_at", parse_time(value, "deadline")
+
+
+def parse_time(value, name: str) -> float:
+    """Seconds since the epoch from a datetime (naive: UTC, as Arrow stores it) or an ISO string
+    (naive: local time, as a person writes it)."""
+    import datetime as dt
+
+    if isinstance(value, dt.datetime):
+        if value.tzinfo is None:
+            value = value.replace(tzinfo=dt.timezone.utc)
+        return value.timestamp()
+    if isinstance(value, str):
+        try:
+            parsed = dt.datetime.fromisoformat(value.strip())
+        except ValueError:
+            raise RowError(f"{name} is {_short(value)}; use an ISO time such as 2026-11-23T06:00 or "
+                           f"2026-11-23T06:00+01:00") from None
+        return parsed.timestamp()  # naive: local time
+    raise RowError(f"{name} is {_short(value)} ({type(value).__name__}); use a timestamp or an ISO time string")
+
+
+_SCHEDULING_CHECKS = {"priority": _priority, "value": _value, "deadline": _deadline}
 
 
 def _short(value, limit: int = 60) -> str:

@@ -8,10 +8,19 @@ from collections import OrderedDict
 from overnight.pipeline.records import Finished
 
 
+class FakeClock:
+    def __init__(self, t: float = 1_900_000_000.0):
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+
 class FakeEngine:
     """Each request produces one token per step, up to min(max_tokens, length_of(prompt))."""
 
-    def __init__(self, max_num_seqs: int = 4, max_model_len: int = 2048, length_of=None, fail_after_steps=None):
+    def __init__(self, max_num_seqs: int = 4, max_model_len: int = 2048, length_of=None, fail_after_steps=None,
+                 clock=None, step_seconds: float = 0.0):
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
         self.length_of = length_of or (lambda ids: 3 + len(ids) % 5)
@@ -21,20 +30,27 @@ class FakeEngine:
         self.added: list[str] = []
         self.aborted: list[str] = []
         self.num_steps = 0
+        self.supports_priority = True
+        self.clock = clock
+        self.step_seconds = step_seconds
+        self.priorities: dict[str, int] = {}
 
     def add(self, request_id, prompt_token_ids, sampling, priority=0):
         target = min(sampling["max_tokens"], self.length_of(prompt_token_ids))
         self.waiting[request_id] = {"n": len(prompt_token_ids), "target": target, "done": 0,
                                     "length": target == sampling["max_tokens"]}
         self.added.append(request_id)
+        self.priorities[request_id] = priority
 
     def step(self):
         self.num_steps += 1
+        if self.clock is not None:
+            self.clock.t += self.step_seconds
         if self.fail_after_steps is not None and self.num_steps > self.fail_after_steps:
             raise RuntimeError("engine died")
         while self.waiting and len(self.running) < self.max_num_seqs:
-            rid, req = self.waiting.popitem(last=False)
-            self.running[rid] = req
+            rid = min(self.waiting, key=lambda r: self.priorities[r])  # first added among the lowest, as vLLM
+            self.running[rid] = self.waiting.pop(rid)
         out = []
         for rid in list(self.running):
             req = self.running[rid]

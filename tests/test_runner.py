@@ -4,7 +4,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from fakes import FakeEngine
+from fakes import FakeClock, FakeEngine
 from overnight.pipeline.api import run_job
 from overnight.pipeline.checkpoint import OutputError
 from overnight.pipeline.configio import resolve
@@ -169,3 +169,69 @@ def test_null_id_error_rows_are_written_once_across_resumes(write_parquet, tmp_p
     assert sorted(r["error"].split(":")[0] for r in rows if r["id"] is None) == ["in.parquet#1", "in.parquet#3"]
     again = run_job(cfg(inp, out), engine=FakeEngine(), is_tty=False)
     assert output(out).num_rows == 4 and again.num_done == 4 and s.num_done == 4
+
+
+def deadline_data(write_parquet, n=40):
+    # A bimodal mix like the real one (short math answers, long essays): every third prompt is long, and the
+    # fake engine answers long prompts at length; the heuristic's estimate grows with prompt length too.
+    prompts = [" ".join(["tell me about the weather"] * (12 if i % 3 == 0 else 1)) for i in range(n)]
+    return write_parquet({"id": [f"r{i:02d}" for i in range(n)], "prompt": prompts})
+
+
+def budget_run(inp, out, policy, budget="60s", **kw):
+    clock = FakeClock()
+    eng = FakeEngine(max_num_seqs=2, clock=clock, step_seconds=1.0, length_of=lambda ids: max(2, (len(ids) - 30) // 2))
+    return run_job(cfg(inp, out, scheduler={"time_budget": budget, "policy": policy, **kw}), engine=eng,
+                   is_tty=False, clock=clock), eng
+
+
+def test_time_budget_stops_early_exit_75_and_rerun_completes(write_parquet, tmp_path, model_path, caplog):
+    inp = deadline_data(write_parquet)
+    out = tmp_path / "out"
+    with caplog.at_level("INFO", logger="overnight"):
+        s, eng = budget_run(inp, out, "fifo")
+    assert (s.state, s.exit_code) == ("partial", 75)
+    assert 0 < s.num_done < 40
+    assert s.message == f"deadline reached: {40 - s.num_done} rows not done; rerun the same command to continue"
+    assert "deadline at risk: at " in caplog.text and "remaining rows to be left undone" in caplog.text
+    assert "deadline: stopped admitting rows at" in caplog.text
+    st = __import__("json").loads((out / "status.json").read_text())
+    assert st["state"] == "partial" and st["exit_code"] == 75 and st["rows"]["remaining"] == 40 - s.num_done
+    assert st["forecast"]["will_miss"] is True and st["forecast"]["deadline"]
+    again = run_job(cfg(inp, out), engine=FakeEngine(), is_tty=False)
+    ids = output(out).column("id").to_pylist()
+    assert again.state == "completed" and sorted(ids) == [f"r{i:02d}" for i in range(40)] and len(set(ids)) == 40
+
+
+def test_auto_completes_more_rows_than_fifo_by_the_deadline(write_parquet, tmp_path, model_path):
+    inp = deadline_data(write_parquet)
+    fifo, _ = budget_run(inp, tmp_path / "fifo", "fifo")
+    auto, eng = budget_run(inp, tmp_path / "auto", "auto")
+    assert auto.num_done >= 2 * fifo.num_done, (auto.num_done, fifo.num_done)
+    assert auto.extra["forecast"]["mode"] == "deadline"
+    assert len(set(eng.priorities.values())) > 1  # vLLM's own priority queue orders what waits in the engine
+
+
+def test_abort_on_deadline_leaves_in_flight_rows_not_done(write_parquet, tmp_path, model_path):
+    inp = deadline_data(write_parquet)
+    s, eng = budget_run(inp, tmp_path / "out", "fifo", on_deadline="abort")
+    assert s.state == "partial" and len(eng.aborted) > 0
+    done = set(output(tmp_path / "out").column("id").to_pylist())
+    assert len(done) == s.num_done
+
+
+def test_predictions_are_stored_next_to_actual_lengths(data, tmp_path, model_path):
+    out = tmp_path / "out"
+    run_job(cfg(data, out), engine=FakeEngine(), is_tty=False)
+    rows = output(out).to_pylist()
+    assert all(r["predicted_tokens"] >= 1 and r["bucket"] is not None for r in rows)
+
+
+def test_per_row_deadline_that_passed_becomes_an_error_row(write_parquet, tmp_path, model_path):
+    import datetime as dt
+    past = dt.datetime(2020, 1, 1)
+    inp = write_parquet({"id": ["a", "b"], "prompt": ["x", "y"], "deadline": pa.array([past, None], pa.timestamp("s"))})
+    run_job(cfg(inp, tmp_path / "out"), engine=FakeEngine(), is_tty=False)
+    rows = {r["id"]: r for r in output(tmp_path / "out").to_pylist()}
+    assert rows["b"]["status"] == "ok"
+    assert rows["a"]["error"] == "in.parquet#0: its deadline 2020-01-01T00:00:00+00:00 passed before the row could start"

@@ -1,36 +1,183 @@
+"""The scheduler as a pure state machine: hand-built rows, a fake clock, no engine."""
+
+import pytest
+
 from overnight.pipeline.records import Row
-from overnight.pipeline.scheduler import Scheduler
+from overnight.pipeline.scheduler import Mode, Policy, Scheduler
 
 
-def rows(n, start=0):
-    return [Row(id=i, prompt_token_ids=[1, 2], sampling={"max_tokens": 8}, passthrough={}, origin=f"f#{i}")
-            for i in range(start, start + n)]
+def row(i, pred=100, priority=0, value=1.0, deadline=None):
+    return Row(id=i, prompt_token_ids=[1, 2], sampling={"max_tokens": 512}, passthrough={}, origin=f"f#{i}",
+               predicted_tokens=pred, priority=priority, value=value, deadline_at=deadline)
+
+
+def admit_ids(s, now=0.0):
+    return [a.row.id for a in s.schedule(now)]
+
+
+def drain(s, now=0.0):
+    """Admit and finish one row at a time; the full admission order."""
+    order = []
+    while s.num_pending:
+        (a,) = s.schedule(now)
+        order.append(a.row.id)
+        s.finish(a.request_id)
+    return order
+
+
+def one_at_a_time(policy, **kw):
+    return Scheduler(max_running=1, queue_factor=0, policy=policy, **kw)
+
+
+PREDS = {"a": 50, "b": 400, "c": 10, "d": 200}
+
+
+@pytest.mark.parametrize("policy,expected", [
+    ("fifo", ["a", "b", "c", "d"]),
+    ("longest-first", ["b", "d", "a", "c"]),
+    ("shortest-first", ["c", "a", "d", "b"]),
+    ("auto", ["b", "d", "a", "c"]),  # throughput-first while the deadline is safe
+])
+def test_policies_order(policy, expected):
+    s = one_at_a_time(policy)
+    s.add([row(k, p) for k, p in PREDS.items()])
+    assert drain(s) == expected
+
+
+def test_priority_policy_lower_first_then_input_order():
+    s = one_at_a_time("priority")
+    s.add([row("a", priority=5), row("b", priority=1), row("c", priority=5), row("d", priority=-2)])
+    assert drain(s) == ["d", "b", "a", "c"]
+
+
+def test_auto_deadline_mode_is_shortest_first_and_switches_back():
+    s = one_at_a_time("auto")
+    s.add([row(k, p) for k, p in PREDS.items()])
+    assert s.set_mode(Mode.DEADLINE) is True
+    assert s.set_mode(Mode.DEADLINE) is False
+    (a,) = s.schedule(0)
+    assert a.row.id == "c"
+    s.finish(a.request_id)
+    s.set_mode(Mode.THROUGHPUT)
+    assert drain(s) == ["b", "d", "a"]
+    assert s.stats.num_mode_switches == 2
+
+
+def test_auto_deadline_mode_uses_value_per_token_when_values_exist():
+    s = one_at_a_time("auto", has_values=True)
+    # value per predicted token: a 1/50=0.02, b 100/400=0.25, c 0.1/10=0.01, d 30/200=0.15
+    s.add([row("a", 50, value=1), row("b", 400, value=100), row("c", 10, value=0.1), row("d", 200, value=30)])
+    s.set_mode(Mode.DEADLINE)
+    assert drain(s) == ["b", "d", "a", "c"]
+
+
+def test_engine_priority_lets_rows_admitted_after_a_switch_overtake_waiting_ones():
+    s = Scheduler(max_running=2, queue_factor=1, policy="auto")
+    s.add([row(i, p) for i, p in enumerate([100, 300, 200, 50, 20, 10])])
+    before = s.schedule(0)
+    s.set_mode(Mode.DEADLINE)
+    s.finish(before[0].request_id)
+    (after,) = s.schedule(0)
+    assert after.row.id == 5  # the shortest left
+    assert after.priority < min(a.priority for a in before)
+    assert [a.priority for a in one_at_a_time("fifo").schedule(0)] == []
+
+
+def test_fifo_engine_priority_is_zero():
+    s = Scheduler(max_running=2, queue_factor=0, policy="fifo")
+    s.add([row(1), row(2)])
+    assert {a.priority for a in s.schedule(0)} == {0}
 
 
 def test_keeps_the_engine_topped_up_but_not_flooded():
-    s = Scheduler(max_running=4, queue_factor=0.5)
-    assert s.capacity == 6
-    assert s.wants_rows()
-    s.add(rows(10))
+    s = Scheduler(max_running=4, queue_factor=0.5, policy="fifo")
+    assert s.capacity == 6 and s.lookahead == 6
+    s.add([row(i) for i in range(10)])
     assert not s.wants_rows()
-    admitted = s.schedule()
-    assert [r.id for _, r in admitted] == [0, 1, 2, 3, 4, 5]
-    assert s.schedule() == []          # full: nothing more until something finishes
-    s.finish(admitted[0][0])
-    s.finish(admitted[1][0])
-    assert [r.id for _, r in s.schedule()] == [6, 7]
+    admitted = s.schedule(0)
+    assert [a.row.id for a in admitted] == [0, 1, 2, 3, 4, 5]
+    assert s.schedule(0) == []          # full: nothing more until something finishes
+    s.finish(admitted[0].request_id)
+    s.finish(admitted[1].request_id)
+    assert admit_ids(s) == [6, 7]
     assert s.num_pending == 2 and s.num_running == 6
+
+
+def test_lookahead_holds_more_rows_than_one_refill():
+    s = Scheduler(max_running=2, queue_factor=0, policy="longest-first", lookahead=100)
+    s.add([row(i) for i in range(50)])
     assert s.wants_rows()
 
 
-def test_request_ids_are_unique_and_drain_forgets_running():
-    s = Scheduler(max_running=2, queue_factor=0)
-    s.add(rows(3))
-    first = [rid for rid, _ in s.schedule()]
-    assert len(set(first)) == 2
-    assert sorted(s.drain_running()) == sorted(first)
-    assert s.num_running == 0 and not s.is_done()
-    (rid, row), = s.schedule()
-    assert rid not in first and row.id == 2
-    s.finish(rid)
-    assert s.is_done()
+def test_aging_promotes_a_row_that_waited_too_long():
+    s = one_at_a_time("longest-first", max_wait_s=10)
+    s.add([row("short", 5)], now=0)
+    s.add([row(f"long{i}", 500) for i in range(3)], now=1)
+    order = []
+    for t in (2, 3, 12):
+        (a,) = s.schedule(t)
+        order.append((a.row.id, a.reason))
+        s.finish(a.request_id)
+    assert order == [("long0", "policy"), ("long1", "policy"), ("short", "aged")]
+    assert s.stats.num_aged == 1
+    (a,) = s.schedule(13)
+    assert (a.row.id, a.reason) == ("long2", "aged")  # waited 12 s by now, more than the 10 s limit
+
+
+def test_without_aging_shortest_first_can_starve_a_long_row():
+    s = one_at_a_time("shortest-first")
+    s.add([row("long", 500)], now=0)
+    for t in range(5):
+        s.add([row(f"s{t}", 5)], now=t)
+        (a,) = s.schedule(t)
+        assert a.row.id == f"s{t}"
+        s.finish(a.request_id)
+
+
+def test_per_row_deadline_at_risk_goes_first_earliest_first():
+    s = one_at_a_time("longest-first")
+    s.per_seq_tokens_per_s = 10.0  # a 100-token row needs ~10 s: at risk within 2 x 10 + 1 s of its deadline
+    s.add([row("big", 400), row("late", 100, deadline=1000.0), row("soon", 100, deadline=50.0),
+           row("sooner", 100, deadline=30.0)])
+    got = []
+    for now in (10.0, 10.0, 30.0, 30.0):
+        (a,) = s.schedule(now)
+        got.append((a.row.id, a.reason))
+        s.finish(a.request_id)
+    # at 10 s only "sooner" is at risk; "soon" becomes at risk by 30 s; "late" never is
+    assert got == [("sooner", "deadline"), ("big", "policy"), ("soon", "deadline"), ("late", "policy")]
+    assert s.stats.num_deadline_first == 2
+
+
+def test_rows_whose_deadline_passed_are_taken_out():
+    s = one_at_a_time("fifo")
+    s.add([row("ok"), row("gone", deadline=5.0), row("later", deadline=100.0)])
+    expired = s.take_expired(10.0)
+    assert [r.id for r in expired] == ["gone"]
+    assert s.num_pending == 2
+    assert drain(s, 10.0) == ["ok", "later"]
+
+
+def test_stop_admitting():
+    s = Scheduler(max_running=2, queue_factor=0, policy="fifo")
+    s.add([row(1), row(2), row(3)])
+    s.is_admitting = False
+    assert s.schedule(0) == []
+
+
+def test_rekey_after_predictions_change():
+    s = one_at_a_time("longest-first")
+    rows = [row("a", 10), row("b", 20)]
+    s.add(rows)
+    rows[0].predicted_tokens = 99
+    s.rekey()
+    assert drain(s) == ["a", "b"]
+
+
+def test_pending_in_order_and_drain_running():
+    s = Scheduler(max_running=1, queue_factor=0, policy="shortest-first")
+    s.add([row("x", 30), row("y", 10), row("z", 20)])
+    (a,) = s.schedule(0)
+    assert [r.id for r in s.pending_in_order()] == ["z", "x"]
+    assert s.drain_running() == [a.request_id] and s.num_running == 0
+    assert Policy("auto") is Policy.AUTO

@@ -1,0 +1,71 @@
+"""Earlier runs' outputs as length data: each ok row's prompt, its caps and its actual output length."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from overnight.buckets.features import FeatureBatch, featurize, prompt_text
+
+
+class DatasetError(Exception):
+    "An output folder cannot serve as length data; the message says why and how to fix it."
+
+
+@dataclass
+class LengthData:
+    features: FeatureBatch
+    actual: np.ndarray          # output tokens
+    hit_cap: np.ndarray         # bool: stopped at max_tokens, so the true length is at least `actual`
+    stored_prediction: np.ndarray  # the run's own predicted_tokens (nan where none)
+    finished_at: np.ndarray     # for replaying an online predictor in finish order
+    sources: list[str]
+
+    def __len__(self) -> int:
+        return len(self.actual)
+
+    def split(self, holdout: float, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+        rng = np.random.default_rng(seed)
+        order = rng.permutation(len(self))
+        k = int(round(len(self) * (1 - holdout)))
+        return np.sort(order[:k]), np.sort(order[k:])
+
+
+def load_outputs(urls: list[str]) -> LengthData:
+    from overnight.pipeline.checkpoint import OutputDir
+    from overnight.pipeline.inspect import open_results
+
+    texts, ptok, caps, actual, hit, stored, finished = [], [], [], [], [], [], []
+    for url in urls:
+        manifest = OutputDir(url).read_manifest()
+        if manifest is None:
+            raise DatasetError(f"{url} has no manifest.json: pass the --out folder of an `overnight run`.")
+        fields = manifest.get("fingerprint_fields", {})
+        prompt_col = fields.get("prompt_column", "prompt")
+        messages_col = fields.get("messages_column", "messages")
+        default_cap = int(fields.get("sampling", {}).get("max_tokens", 512))
+        con, _ = open_results(url)
+        columns = {r[0] for r in con.execute("describe results").fetchall()}
+        if prompt_col not in columns and messages_col not in columns:
+            raise DatasetError(f"{url} holds no prompt column ({prompt_col!r}): the run was made with --passthrough "
+                               f"leaving it out. Rerun with --passthrough all (the default) to train on it.")
+        p = f'"{prompt_col}"' if prompt_col in columns else "null"
+        m = f'"{messages_col}"' if messages_col in columns else "null"
+        cap = "coalesce(max_tokens, {0})".format(default_cap) if "max_tokens" in columns else str(default_cap)
+        pred = "predicted_tokens" if "predicted_tokens" in columns else "null"
+        rows = con.execute(
+            f"select {p}, {m}, prompt_tokens, output_tokens, finish_reason, {cap}, {pred}, "
+            f"epoch(finished_at) from results where status = 'ok' order by finished_at").fetchall()
+        for prompt, messages, n_prompt, n_out, reason, c, pr, fin in rows:
+            texts.append(prompt_text(prompt, messages))
+            ptok.append(int(n_prompt or 0))
+            caps.append(int(c))
+            actual.append(int(n_out or 0))
+            hit.append(reason == "length")
+            stored.append(np.nan if pr is None else float(pr))
+            finished.append(float(fin or 0.0))
+    if not actual:
+        raise DatasetError(f"{', '.join(urls)} hold no finished ok rows to learn from.")
+    return LengthData(featurize(texts, ptok, caps), np.asarray(actual, dtype=np.float64), np.asarray(hit),
+                      np.asarray(stored), np.asarray(finished), list(urls))

@@ -1,0 +1,136 @@
+"""Features of a prompt that predict how long its answer will be.
+
+Per row: the prompt's token count after the chat template, its text (hashed
+word n-grams, with the opening words marked, since "Write an essay" and "How
+many" decide a lot), a few text statistics, and the row's max_tokens cap.
+Hashing uses crc32, so features are stable across processes and machines.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import zlib
+from dataclasses import dataclass
+
+import numpy as np
+
+from overnight.buckets.heuristic import heuristic_tokens, words
+
+HASH_DIM = 1 << 16
+NUMERIC_NAMES = ("log_prompt_tokens", "log_chars", "log_words", "question_marks", "digit_share", "lines",
+                 "list_markers", "log_cap")
+
+
+@dataclass
+class FeatureBatch:
+    """Features of n rows: hashed text features in CSR form, plus dense numeric ones."""
+
+    indptr: np.ndarray    # int64 [n + 1]
+    indices: np.ndarray   # int32 [nnz], in [0, HASH_DIM)
+    values: np.ndarray    # float32 [nnz]
+    numeric: np.ndarray   # float32 [n, len(NUMERIC_NAMES)]
+    prompt_tokens: np.ndarray  # int32 [n]
+    caps: np.ndarray      # int32 [n]: each row's max_tokens
+    heuristic: np.ndarray  # float32 [n]: the heuristic's estimate, computed once per row
+    texts: list           # the prompt texts
+
+    def __len__(self) -> int:
+        return len(self.caps)
+
+    def row(self, i: int) -> tuple[np.ndarray, np.ndarray]:
+        a, b = self.indptr[i], self.indptr[i + 1]
+        return self.indices[a:b], self.values[a:b]
+
+    def rows(self) -> list["RowFeatures"]:
+        return [RowFeatures(*self.row(i), self.numeric[i], int(self.prompt_tokens[i]), int(self.caps[i]),
+                            float(self.heuristic[i]), self.texts[i]) for i in range(len(self))]
+
+
+@dataclass(slots=True)
+class RowFeatures:
+    """One row's features, kept on the row while it waits, so predictions can be refreshed."""
+
+    indices: np.ndarray
+    values: np.ndarray
+    numeric: np.ndarray
+    prompt_tokens: int
+    cap: int
+    heuristic: float
+    text: str
+
+
+def stack(rows: list[RowFeatures]) -> FeatureBatch:
+    counts = np.array([len(r.indices) for r in rows], dtype=np.int64)
+    return FeatureBatch(
+        indptr=np.concatenate([[0], np.cumsum(counts)]).astype(np.int64),
+        indices=np.concatenate([r.indices for r in rows]) if rows else np.zeros(0, np.int32),
+        values=np.concatenate([r.values for r in rows]) if rows else np.zeros(0, np.float32),
+        numeric=np.stack([r.numeric for r in rows]) if rows else np.zeros((0, len(NUMERIC_NAMES)), np.float32),
+        prompt_tokens=np.array([r.prompt_tokens for r in rows], dtype=np.int32),
+        caps=np.array([r.cap for r in rows], dtype=np.int32),
+        heuristic=np.array([r.heuristic for r in rows], dtype=np.float32),
+        texts=[r.text for r in rows],
+    )
+
+
+def _hash(feature: str) -> int:
+    return zlib.crc32(feature.encode()) % HASH_DIM
+
+
+def text_features(text: str) -> list[int]:
+    w = words(text)
+    feats = [f"w:{x}" for x in w]
+    feats += [f"b:{a} {b}" for a, b in zip(w, w[1:])]
+    feats += [f"first:{x}" for x in w[:3]]
+    if len(w) >= 2:
+        feats.append(f"first2:{w[0]} {w[1]}")
+    return sorted({_hash(f) for f in feats})
+
+
+def numeric_features(text: str, prompt_tokens: int, cap: int) -> list[float]:
+    n_chars = len(text)
+    n_digits = sum(c.isdigit() for c in text)
+    return [
+        math.log1p(prompt_tokens),
+        math.log1p(n_chars),
+        math.log1p(len(text.split())),
+        float(min(text.count("?"), 5)),
+        n_digits / max(1, n_chars),
+        float(min(text.count("\n"), 20)),
+        float(len(re.findall(r"(?m)^\s*(?:[-*]|\d+[.)])\s", text))),
+        math.log1p(cap),
+    ]
+
+
+def featurize(texts: list[str], prompt_tokens: list[int], caps: list[int]) -> FeatureBatch:
+    indptr = [0]
+    indices: list[int] = []
+    numeric = []
+    for text, n, cap in zip(texts, prompt_tokens, caps):
+        idx = text_features(text)
+        indices.extend(idx)
+        indptr.append(len(indices))
+        numeric.append(numeric_features(text, n, cap))
+    indptr_a = np.asarray(indptr, dtype=np.int64)
+    counts = np.diff(indptr_a)
+    # Each row's hashed features have unit L2 norm, whatever the prompt's length.
+    values = np.repeat(1.0 / np.sqrt(np.maximum(counts, 1)), counts).astype(np.float32)
+    return FeatureBatch(
+        indptr=indptr_a,
+        indices=np.asarray(indices, dtype=np.int32),
+        values=values,
+        numeric=np.asarray(numeric, dtype=np.float32).reshape(len(texts), len(NUMERIC_NAMES)),
+        prompt_tokens=np.asarray(prompt_tokens, dtype=np.int32),
+        caps=np.asarray(caps, dtype=np.int32),
+        heuristic=np.asarray([heuristic_tokens(t, n) for t, n in zip(texts, prompt_tokens)], dtype=np.float32),
+        texts=list(texts),
+    )
+
+
+def prompt_text(prompt, messages) -> str:
+    """The text a predictor reads: the prompt, or a chat's last user message."""
+    if messages:
+        users = [m["content"] for m in messages if m.get("role") == "user"]
+        return users[-1] if users else messages[-1]["content"]
+    return prompt or ""

@@ -1,0 +1,68 @@
+"""`overnight plan`: a dry run that forecasts a job without starting the engine."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+
+import click
+
+from overnight.jobs.options import config_layer, input_options, sampling_options, schedule_options, user_errors
+from overnight.pipeline.progress import fmt_duration
+
+
+@click.command()
+@click.argument("input_path", metavar="INPUT", required=False)
+@click.option("--out", help="The job's output folder: rows already done there are left out, and its last "
+                            "measured throughput is used.")
+@input_options
+@sampling_options
+@schedule_options
+@click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON.")
+@user_errors
+def plan(input_path, out, config_file, as_json, **options):
+    """Predict output lengths, bucket the rows and forecast the job, without the engine.
+
+    Prints the buckets with their row and token counts, the predicted total of
+    output tokens, the ETA from the measured or configured throughput, and, with
+    a deadline, whether it is feasible and what would be left.
+
+    \b
+    Example:
+        overnight plan prompts.parquet
+        overnight plan prompts.parquet --throughput 2500 --deadline 2026-11-23T06:00
+        overnight plan prompts.parquet --out results/ --time-budget 2h
+    """
+    from overnight.pipeline.configio import resolve
+    from overnight.pipeline.plan import make_plan
+    from overnight.pipeline.report import iso
+
+    if input_path and input_path.endswith((".yaml", ".yml")) and not config_file:
+        config_file, input_path = input_path, None
+    cfg = resolve(config_layer(input_path, None, **options), config_file)
+    p = make_plan(cfg, out=out, throughput=options.get("tokens_per_second"))
+    if as_json:
+        click.echo(json.dumps(asdict(p), indent=2))
+        return
+    click.echo(f"{p.num_rows} rows: {p.num_todo} to run, {p.num_done} already done, {p.num_errors} error rows "
+               f"(predictor: {p.predictor})")
+    click.echo(f"{'bucket (predicted tokens)':>26s} {'rows':>8s} {'prompt tokens':>14s} {'predicted output':>17s}")
+    for b in p.buckets:
+        click.echo(f"{b.label:>26s} {b.num_rows:>8d} {b.prompt_tokens:>14d} {b.predicted_tokens:>17d}")
+    click.echo(f"predicted output tokens: {p.predicted_tokens}")
+    if p.tokens_per_s:
+        click.echo(f"ETA: {fmt_duration(p.eta_s)} at {p.tokens_per_s:.0f} output tok/s ({p.throughput_source})")
+    else:
+        click.echo("ETA: unknown: pass --throughput, set scheduler.tokens_per_second (see `overnight tune`), "
+                   "or --out a folder a run has measured")
+    if p.deadline_at is not None:
+        when = f"deadline {iso(p.deadline_at)}: {fmt_duration(p.time_left_s)} of work time"
+        if p.is_feasible is None:
+            click.echo(f"{when}; feasibility unknown without a throughput")
+        elif p.is_feasible:
+            click.echo(f"{when}: feasible")
+        else:
+            click.echo(f"{when}: NOT feasible; about {p.rows_left} rows ({p.tokens_left} predicted tokens) would be "
+                       f"left, running the shortest first once at risk")
+    for e in p.errors:
+        click.echo(f"error row: {e}")

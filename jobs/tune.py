@@ -1,0 +1,64 @@
+"""`overnight tune`: measure the engine's throughput over a small grid of settings."""
+
+from __future__ import annotations
+
+import click
+
+from overnight.jobs.options import config_layer, input_options, sampling_options, user_errors
+
+
+def int_list(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise click.BadParameter(f"{text!r} is not a comma-separated list of integers") from None
+
+
+@click.command()
+@click.argument("input_path", metavar="INPUT", required=False)
+@input_options
+@sampling_options
+@click.option("--batched-tokens", default="2048,4096", show_default=True,
+              help="max_num_batched_tokens values to try (comma-separated).")
+@click.option("--seqs", default="32,64,128", show_default=True, help="max_num_seqs values to try.")
+@click.option("--sample", type=click.IntRange(min=1), default=128, show_default=True,
+              help="Rows of INPUT to measure with (the first ones).")
+@click.option("--time-limit", default="15m", show_default=True,
+              help="Stop trying settings once the next would not fit in this (e.g. 15m).")
+@click.option("--save", "save_to", help="Write the best settings as a YAML preset here (use it with --config).")
+@user_errors
+def tune(input_path, config_file, batched_tokens, seqs, sample, time_limit, save_to, **options):
+    """Find the engine settings that give the most output tokens/s on a sample of INPUT.
+
+    Each setting starts a fresh engine and runs the same rows. The report gives
+    the KV-cache capacity the engine found and warns when a setting causes
+    preemption. The best is written as a YAML preset for --config.
+
+    \b
+    Example:
+        overnight tune prompts.parquet --save configs/tuned.yaml
+        overnight tune prompts.parquet --seqs 64,128,256 --batched-tokens 4096,8192 --time-limit 20m
+        overnight run prompts.parquet --out results/ --config configs/tuned.yaml
+    """
+    from overnight.pipeline.configio import resolve
+    from overnight.pipeline.deadline import parse_budget
+    from overnight.pipeline.storage import url_to_fs, write_atomic
+    from overnight.pipeline.tune import preset_yaml, tune as run_tune
+
+    b, s = int_list(batched_tokens), int_list(seqs)
+    cfg = resolve(config_layer(input_path, None, **options), config_file)
+    report = run_tune(cfg, b, s, sample, parse_budget(time_limit), echo=click.echo)
+    for bt, sq in report.skipped:
+        click.echo(f"max_num_batched_tokens={bt} max_num_seqs={sq}: skipped (time limit)")
+    best = report.best
+    if best is None:
+        raise click.ClickException("No setting ran successfully; see the messages above.")
+    click.echo(f"best: max_num_batched_tokens={best.max_num_batched_tokens} max_num_seqs={best.max_num_seqs} "
+               f"at {best.tokens_per_s:.1f} output tok/s")
+    text = preset_yaml(report, cfg, cfg.input.path)
+    if save_to:
+        fs, path = url_to_fs(save_to)
+        write_atomic(fs, path, text.encode())
+        click.echo(f"preset written to {save_to}")
+    else:
+        click.echo(text, nl=False)

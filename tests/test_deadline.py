@@ -1,0 +1,99 @@
+"""The deadline tracker: ETA, risk and rows left, with a fake clock and hand-fed token counts."""
+
+import math
+
+import numpy as np
+import pytest
+
+from overnight.pipeline.config import ConfigError
+from overnight.pipeline.deadline import DeadlineTracker, parse_budget, parse_deadline
+from overnight.pipeline.job import resolve_deadline
+from overnight.pipeline.config import SchedulerConfig
+
+
+class Clock:
+    def __init__(self, t=1000.0):
+        self.t = t
+
+    def __call__(self):
+        return self.t
+
+
+def measured(tracker, clock, tokens_per_s, seconds):
+    for _ in range(int(seconds)):
+        clock.t += 1
+        tracker.observe(int(tracker.rate.points[-1][1] + tokens_per_s) if tracker.rate.points else 0)
+
+
+@pytest.mark.parametrize("text,seconds", [("90m", 5400), ("1h30m", 5400), ("45s", 45), ("2h", 7200), ("3600", 3600),
+                                          ("1.5h", 5400), ("10min", 600)])
+def test_parse_budget(text, seconds):
+    assert parse_budget(text) == seconds
+
+
+@pytest.mark.parametrize("text", ["soon", "", "5 parsecs", "h"])
+def test_bad_budget(text):
+    with pytest.raises(ConfigError, match="is not a duration; use e.g. 90m, 1h30m, 45s or 3600"):
+        parse_budget(text)
+
+
+def test_parse_deadline():
+    now = 1_800_000_000.0
+    assert parse_deadline("2030-01-01T00:00+00:00", now) == 1893456000.0
+    with pytest.raises(ConfigError, match="deadline 2020-01-01T00:00 is in the past .* or a --time-budget"):
+        parse_deadline("2020-01-01T00:00", now)
+    with pytest.raises(ConfigError, match="deadline 'tomorrow' is not an ISO time"):
+        parse_deadline("tomorrow", now)
+
+
+def test_safety_margin_defaults_to_5_percent_within_bounds():
+    assert resolve_deadline(SchedulerConfig(time_budget="1000s"), 0.0) == (1000.0, 50.0)
+    assert resolve_deadline(SchedulerConfig(time_budget="10s"), 0.0) == (10.0, 2.0)
+    assert resolve_deadline(SchedulerConfig(time_budget="10h"), 0.0) == (36000.0, 300.0)
+    assert resolve_deadline(SchedulerConfig(time_budget="100s", safety_margin_s=7), 0.0) == (100.0, 7.0)
+    assert resolve_deadline(SchedulerConfig(), 0.0) == (None, 0.0)
+
+
+def test_eta_without_deadline():
+    clock = Clock()
+    t = DeadlineTracker(None, clock=clock, warmup_s=3)
+    t.observe(0)
+    f = t.forecast(0, 0, np.array([100.0] * 10), 0, 0)
+    assert f.eta_s is None and not f.will_miss  # no rate measured yet
+    measured(t, clock, 100, 10)
+    f = t.forecast(0, 0, np.array([100.0] * 10), 0, 0)
+    assert f.tokens_per_s == pytest.approx(100) and f.eta_s == pytest.approx(10)
+    assert f.time_left_s == math.inf and not f.will_miss and f.rows_expected_left == 0
+
+
+def test_configured_throughput_is_used_until_measured():
+    clock = Clock()
+    t = DeadlineTracker(clock.t + 100, clock=clock, initial_tokens_per_s=50, warmup_s=3)
+    f = t.forecast(0, 0, np.array([100.0] * 10), 0, 0)
+    assert f.tokens_per_s == 50 and f.eta_s == 20
+
+
+def test_deadline_safe_then_at_risk_with_rows_left():
+    clock = Clock()
+    t = DeadlineTracker(clock.t + 100, margin_s=10, clock=clock, warmup_s=3)
+    t.observe(0)
+    measured(t, clock, 100, 10)  # 100 tok/s; 80 s left before the stop at deadline - 10
+    pending = np.array([10.0] * 50 + [400.0] * 10)  # shortest first: 500 + 4000 tokens
+    f = t.forecast(in_flight_tokens=1000, num_in_flight=5, pending_tokens=pending, num_unread=0,
+                   mean_tokens_per_row=0)
+    # 8000 tokens of capacity: in flight 1000, the 50 short rows 500, then 6500 / 400 = 16 -> all 10 long rows
+    assert f.time_left_s == pytest.approx(80) and not f.will_miss and f.rows_expected_left == 0
+    f = t.forecast(1000, 5, pending, num_unread=100, mean_tokens_per_row=100)
+    # + 10000 unread tokens: 8000 capacity -> in flight + 60 pending use 5500; 2500 left -> 25 of 100 unread
+    assert f.will_miss and f.eta_s == pytest.approx(155) and f.rows_expected_left == 75
+    assert f.remaining_rows == 165
+
+
+def test_should_stop_and_past_deadline():
+    clock = Clock()
+    t = DeadlineTracker(clock.t + 100, margin_s=10, clock=clock)
+    assert not t.should_stop()
+    clock.t += 90
+    assert t.should_stop() and not t.is_past_deadline()
+    clock.t += 10
+    assert t.is_past_deadline() and t.time_left() == 0

@@ -1,0 +1,111 @@
+"""Deadlines, plans and predictors through the real vLLM engine with the embedded model."""
+
+import json
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from click.testing import CliRunner
+
+from conftest import real_prompts
+from overnight.jobs.cli import cli
+
+pytestmark = pytest.mark.engine
+
+
+@pytest.fixture(scope="module")
+def warm(tmp_path_factory, model_path):
+    """Start the module's engine once (a time budget should not pay for the start-up) and leave a finished run."""
+    d = tmp_path_factory.mktemp("sched")
+    inp = d / "in.parquet"
+    # Half the rows are capped at 8 tokens and half at 96, so a short budget finishes a known share.
+    table = real_prompts(40)
+    table = table.append_column("max_tokens", pa.array([8 if i % 2 == 0 else 96 for i in range(40)], pa.int64()))
+    pq.write_table(table, inp)
+    out = d / "first"
+    invoke("run", inp, "--out", out)
+    yield inp, out
+    from overnight.pipeline.engine import shutdown_engines
+    shutdown_engines()
+
+
+def invoke(*args, code=0):
+    result = CliRunner().invoke(cli, [str(a) for a in args], catch_exceptions=False)
+    assert result.exit_code == code, result.output
+    return result
+
+
+def test_tight_time_budget_exits_75_and_the_rerun_completes(warm, tmp_path):
+    inp, _ = warm
+    out = tmp_path / "out"
+    args = ["run", inp, "--out", out, "--flush-rows", "5"]
+    partial = invoke(*args, "--time-budget", "12s", code=75)
+    line = partial.output.strip().splitlines()[-1]
+    assert line.startswith("overnight: stopped early (resumable): ")
+    assert "rows not done; rerun the same command to continue" in line
+    done = pq.read_table(out / "parts")
+    assert 20 <= done.num_rows < 40  # the 8-token rows, and perhaps a few that stopped early
+    assert set(pq.read_table(inp).filter(pa.compute.equal(pa.compute.field("max_tokens"), 8)).column("id")
+               .to_pylist()) <= set(done.column("id").to_pylist())
+    done = done.num_rows
+    status = json.loads((out / "status.json").read_text())
+    assert status["exit_code"] == 75 and status["state"] == "partial" and status["rows"]["remaining"] == 40 - done
+    assert status["forecast"]["deadline"] is not None
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["state"] == "partial"
+
+    full = invoke(*args)
+    assert f"40/40 rows (40 ok, 0 error, {done} already done)" in full.output
+    ids = pq.read_table(out / "parts").column("id").to_pylist()
+    assert len(ids) == 40 == len(set(ids))
+    assert sorted(ids) == sorted(pq.read_table(inp).column("id").to_pylist())
+
+
+def test_plan_uses_measured_throughput_and_judges_the_deadline(warm):
+    inp, first = warm
+    p = invoke("plan", inp).output
+    assert "40 rows: 40 to run, 0 already done, 0 error rows (predictor: online)" in p
+    assert "predicted output tokens:" in p and "ETA: unknown" in p
+    measured = json.loads((first / "status.json").read_text())["output_tokens_per_s"]
+    plan = json.loads(invoke("plan", inp, "--out", first, "--json").output)
+    assert plan["num_todo"] == 0 and plan["num_done"] == 40 and plan["tokens_per_s"] == measured
+    assert plan["throughput_source"] == f"measured by the last run in {first}"
+    tight = json.loads(invoke("plan", inp, "--throughput", str(measured), "--time-budget", "5s", "--json").output)
+    assert tight["tokens_per_s"] == measured and tight["is_feasible"] is False
+    assert 0 < tight["rows_left"] <= 40
+    assert sum(b["num_rows"] for b in tight["buckets"]) == 40
+    assert max(b["predicted_tokens"] for b in tight["buckets"]) <= 96 * 40
+    assert abs(tight["eta_s"] - tight["predicted_tokens"] / measured) < 1e-6
+    text = invoke("plan", inp, "--throughput", "1e9", "--time-budget", "1h").output
+    assert ": feasible" in text
+
+
+def test_predictor_train_eval_and_run_with_it(warm, tmp_path):
+    inp, first = warm
+    model = tmp_path / "lengths.pt"
+    out = invoke("predictor", "train", first, "--save", model, "--epochs", "20", "--holdout", "0.25").output
+    assert "trained on 30 rows" in out and "validation tau" in out and model.exists()
+    ev = json.loads(invoke("predictor", "eval", first, "--predictor", model, "--json").output)
+    assert ev["num_rows"] == 40 and -1 <= ev["kendall_tau"] <= 1 and ev["mae"] >= 0
+    stored = invoke("predictor", "eval", first).output
+    assert "predictor: stored in the run" in stored and "Kendall's tau:" in stored and "bucket hit rate:" in stored
+    heur = json.loads(invoke("predictor", "eval", first, "--predictor", "heuristic", "--json").output)
+    assert heur["predictor"] == "heuristic"
+    run_out = tmp_path / "with-model"
+    invoke("run", inp, "--out", run_out, "--limit", "10", "--predictor", model)
+    status = json.loads((run_out / "status.json").read_text())
+    assert status["scheduler"]["predictor"] == "trained"
+    bad = CliRunner().invoke(cli, ["run", str(inp), "--out", str(tmp_path / "x"), "--predictor", str(tmp_path / "no.pt")])
+    assert bad.exit_code == 1 and f"Predictor file {tmp_path / 'no.pt'} does not exist" in bad.output
+
+
+def test_tune_tiny_grid_writes_a_preset(warm, tmp_path):
+    inp, _ = warm
+    preset = tmp_path / "tuned.yaml"
+    out = invoke("tune", inp, "--seqs", "4,8", "--batched-tokens", "2048", "--sample", "8", "--max-tokens", "16",
+                 "--save", preset).output
+    assert out.count("output tok/s (KV cache") == 2
+    assert "best: max_num_batched_tokens=2048 max_num_seqs=" in out
+    from overnight.pipeline.configio import build, load_yaml
+    cfg = build(load_yaml(str(preset)), source=str(preset))
+    assert cfg.engine.max_num_seqs in (4, 8) and cfg.scheduler.tokens_per_second > 0
