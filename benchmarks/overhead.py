@@ -38,9 +38,11 @@ def main() -> None:
     from overnight.pipeline.models import load_tokenizer, resolve as resolve_model
 
     out_root = tempfile.mkdtemp(prefix="overnight-bench-")
+    # fifo: the same order as LLM.generate, so the comparison is of overhead alone.
     cfg = resolve({"input": {"path": args.input, "limit": args.n},
                    "output": {"path": os.path.join(out_root, "out")},
-                   "sampling": {"max_tokens": args.max_tokens, "seed": args.seed}})
+                   "sampling": {"max_tokens": args.max_tokens, "seed": args.seed},
+                   "scheduler": {"policy": "fifo"}})
     model = resolve_model(cfg.engine.model)
     _quiet_vllm()
     if is_cpu_platform():

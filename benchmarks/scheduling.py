@@ -65,7 +65,6 @@ def main() -> None:
 
     from overnight.buckets.dataset import load_outputs
     from overnight.buckets.evaluate import evaluate
-    from overnight.buckets.features import stack
     from overnight.buckets.trained import TrainedPredictor
     from overnight.pipeline.api import run_job
     from overnight.pipeline.configio import resolve
@@ -177,7 +176,6 @@ def main() -> None:
         json.dump({"makespan_s": times, "deadline_rows": done, "budget_s": budget, "prediction": results}, f,
                   indent=2)
     print(f"\nraw results: {os.path.join(root, 'results.json')}")
-    del stack
 
 
 if __name__ == "__main__":

@@ -74,14 +74,33 @@ def stack(rows: list[RowFeatures]) -> FeatureBatch:
     )
 
 
+_HASHES: dict[str, int] = {}
+
+
 def _hash(feature: str) -> int:
-    return zlib.crc32(feature.encode()) % HASH_DIM
+    h = _HASHES.get(feature)
+    if h is None:
+        if len(_HASHES) > 1_000_000:  # bounded: a cache, not a vocabulary
+            _HASHES.clear()
+        h = _HASHES[feature] = zlib.crc32(feature.encode()) % HASH_DIM
+    return h
 
 
-def text_features(text: str) -> list[int]:
-    w = words(text)
-    feats = [f"w:{x}" for x in w]
-    feats += [f"b:{a} {b}" for a, b in zip(w, w[1:])]
+# Bigrams only near the start, where the instruction is; unigrams cover the rest.
+BIGRAM_WORDS = 16
+_LIST_ITEM = re.compile(r"(?m)^\s*(?:[-*]|\d+[.)])\s")
+_NOT_DIGITS = str.maketrans("", "", "0123456789")
+
+
+def count_digits(text: str) -> int:
+    return len(text) - len(text.translate(_NOT_DIGITS))
+
+
+def text_features(text: str, w: list[str] | None = None) -> list[int]:
+    w = words(text) if w is None else w
+    feats = [f"w:{x}" for x in set(w)]
+    head = w[:BIGRAM_WORDS]
+    feats += [f"b:{a} {b}" for a, b in zip(head, head[1:])]
     feats += [f"first:{x}" for x in w[:3]]
     if len(w) >= 2:
         feats.append(f"first2:{w[0]} {w[1]}")
@@ -90,7 +109,7 @@ def text_features(text: str) -> list[int]:
 
 def numeric_features(text: str, prompt_tokens: int, cap: int) -> list[float]:
     n_chars = len(text)
-    n_digits = sum(c.isdigit() for c in text)
+    n_digits = count_digits(text)
     return [
         math.log1p(prompt_tokens),
         math.log1p(n_chars),
@@ -98,7 +117,7 @@ def numeric_features(text: str, prompt_tokens: int, cap: int) -> list[float]:
         float(min(text.count("?"), 5)),
         n_digits / max(1, n_chars),
         float(min(text.count("\n"), 20)),
-        float(len(re.findall(r"(?m)^\s*(?:[-*]|\d+[.)])\s", text))),
+        float(len(_LIST_ITEM.findall(text, 0, 4000))),
         math.log1p(cap),
     ]
 
@@ -107,11 +126,13 @@ def featurize(texts: list[str], prompt_tokens: list[int], caps: list[int]) -> Fe
     indptr = [0]
     indices: list[int] = []
     numeric = []
+    heuristic = []
     for text, n, cap in zip(texts, prompt_tokens, caps):
-        idx = text_features(text)
-        indices.extend(idx)
+        w = words(text)
+        indices.extend(text_features(text, w))
         indptr.append(len(indices))
         numeric.append(numeric_features(text, n, cap))
+        heuristic.append(heuristic_tokens(text, n, w))
     indptr_a = np.asarray(indptr, dtype=np.int64)
     counts = np.diff(indptr_a)
     # Each row's hashed features have unit L2 norm, whatever the prompt's length.
@@ -123,7 +144,7 @@ def featurize(texts: list[str], prompt_tokens: list[int], caps: list[int]) -> Fe
         numeric=np.asarray(numeric, dtype=np.float32).reshape(len(texts), len(NUMERIC_NAMES)),
         prompt_tokens=np.asarray(prompt_tokens, dtype=np.int32),
         caps=np.asarray(caps, dtype=np.int32),
-        heuristic=np.asarray([heuristic_tokens(t, n) for t, n in zip(texts, prompt_tokens)], dtype=np.float32),
+        heuristic=np.asarray(heuristic, dtype=np.float32),
         texts=list(texts),
     )
 

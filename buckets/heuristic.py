@@ -24,35 +24,51 @@ _CODE = {"code", "function", "program", "implement", "python", "javascript", "sq
 _LIST = {"list", "steps", "ideas", "examples", "plan", "itinerary", "strategies", "reasons", "pros", "cons"}
 _SHORT_STARTS = ("how many", "how much", "what is", "what was", "who is", "who was", "when did", "where is",
                  "which", "is it", "are there", "does", "did", "calculate", "compute", "solve", "find")
-_BRIEF = re.compile(r"\b(briefly|brief|short|concise|one word|one sentence|single word|yes or no)\b", re.I)
-_DETAIL = re.compile(r"\b(in detail|detailed|comprehensive|thorough|in depth|step[- ]by[- ]step)\b", re.I)
-_EXPLICIT = re.compile(r"\b(\d{1,4})\s*(words|sentences|paragraphs|lines|bullet points|items|tweets)\b", re.I)
-_PER_UNIT = {"words": 1.4, "sentences": 28.0, "paragraphs": 100.0, "lines": 14.0, "bullet points": 25.0,
+_BRIEF_WORDS = {"briefly", "brief", "short", "concise", "succinct"}
+_BRIEF_PHRASES = ("one word", "one sentence", "single word", "yes or no", "few words")
+_DETAIL_WORDS = {"detailed", "comprehensive", "thorough", "elaborate"}
+_DETAIL_PHRASES = ("in detail", "in depth", "step by step", "step-by-step")
+_PER_UNIT = {"words": 1.4, "sentences": 28.0, "paragraphs": 100.0, "lines": 14.0, "bullet": 25.0, "points": 25.0,
              "items": 25.0, "tweets": 40.0}
+_TWO_DIGITS = re.compile(r"\d\D*\d")
 
 
-def heuristic_tokens(text: str, prompt_tokens: int) -> float:
-    w = words(text)
+def _explicit_length(w: list[str]):
+    """'in 300 words', '5 sentences', '3 paragraphs' -> an estimate of tokens, else None."""
+    for i in range(1, len(w)):
+        unit = _PER_UNIT.get(w[i])
+        if unit is not None and w[i - 1].isdigit() and len(w[i - 1]) <= 4:
+            return int(w[i - 1]) * unit
+    return None
+
+
+# Rules read the start of a prompt; a long document pasted after the instruction does not change them.
+_HEAD_CHARS = 2000
+
+
+def heuristic_tokens(text: str, prompt_tokens: int, w: list[str] | None = None) -> float:
+    w = words(text) if w is None else w
     head = set(w[:4])
-    lower = text.lower()
-    m = _EXPLICIT.search(text)
-    if m:
-        est = int(m.group(1)) * _PER_UNIT[m.group(2).lower()]
-    elif head & _CODE or (set(w) & _CODE and head & {"write", "implement", "create"}):
+    lower = text[:_HEAD_CHARS].lower()
+    all_words = set(w)
+    explicit = _explicit_length(w[:200])
+    if explicit is not None:
+        est = explicit
+    elif head & _CODE or (all_words & _CODE and head & {"write", "implement", "create"}):
         est = 300.0
     elif head & _WRITE:
         est = 340.0
-    elif head & _LIST or (set(w) & _LIST and head & {"give", "provide", "what"}):
+    elif head & _LIST or (all_words & _LIST and head & {"give", "provide", "what"}):
         est = 300.0
     elif head & _EXPLAIN:
         est = 280.0
-    elif lower.strip().startswith(_SHORT_STARTS) or "?" in text and sum(c.isdigit() for c in text) >= 2:
+    elif lower.lstrip().startswith(_SHORT_STARTS) or "?" in lower and _TWO_DIGITS.search(lower):
         # math word problems and factual questions: the answer grows with the problem
         est = 60.0 + 0.9 * prompt_tokens
     else:
         est = 120.0 + 0.5 * prompt_tokens
-    if _BRIEF.search(text):
+    if all_words & _BRIEF_WORDS or any(p in lower for p in _BRIEF_PHRASES):
         est *= 0.4
-    if _DETAIL.search(text):
+    if all_words & _DETAIL_WORDS or any(p in lower for p in _DETAIL_PHRASES):
         est *= 1.4
     return est

@@ -12,7 +12,6 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -91,21 +90,21 @@ class OnlinePredictor(Predictor):
         return _clip(np.exp(base + self._correction(fb)), fb.caps)
 
     def observe(self, fb: FeatureBatch, actual: np.ndarray, hit_cap: np.ndarray) -> None:
+        """One AdaGrad step on the batch's squared error in log length (rows at their cap only push up)."""
+        if len(fb) == 0:
+            return
         base = np.log(np.maximum(fb.heuristic.astype(np.float64), 1.0))
         xn = self._numeric(fb)
-        for i in range(len(fb)):
-            idx, val = fb.row(i)
-            pred = base[i] + float(self.w[idx] @ val) + float(xn[i] @ self.wn)
-            target = math.log(max(1.0, float(actual[i])))
-            err = pred - target
-            if hit_cap[i] and err > 0:
-                continue  # the true length is at least the cap: predicting above it is no error
-            g = err * val + self.l2 * self.w[idx]
-            self.g2[idx] += g * g
-            self.w[idx] -= self.lr * g / np.sqrt(self.g2[idx])
-            gn = err * xn[i] + self.l2 * self.wn
-            self.gn2 += gn * gn
-            self.wn -= self.lr * gn / np.sqrt(self.gn2)
+        err = base + self._correction(fb) - np.log(np.maximum(actual, 1.0))
+        err = np.where(hit_cap & (err > 0), 0.0, err)  # at the cap the true length is at least the cap
+        row_of = np.repeat(np.arange(len(fb)), np.diff(fb.indptr))
+        touched, where = np.unique(fb.indices, return_inverse=True)
+        g_t = np.bincount(where, weights=err[row_of] * fb.values, minlength=len(touched)) + self.l2 * self.w[touched]
+        self.g2[touched] += g_t * g_t
+        self.w[touched] -= self.lr * g_t / np.sqrt(self.g2[touched])
+        gn = xn.T @ err + self.l2 * self.wn
+        self.gn2 += gn * gn
+        self.wn -= self.lr * gn / np.sqrt(self.gn2)
         self.num_observed += len(fb)
 
 

@@ -48,6 +48,7 @@ class _Entry:
     seq: int
     row: Row
     enqueued_at: float
+    key: float = 0.0
     is_taken: bool = False
 
 
@@ -115,9 +116,9 @@ class Scheduler:
     # -- input ---------------------------------------------------------------------------------
     def add(self, rows: Iterable[Row], now: float = 0.0) -> None:
         for row in rows:
-            e = _Entry(self._next_seq, row, now)
+            e = _Entry(self._next_seq, row, now, self._key(row))
             self._next_seq += 1
-            heapq.heappush(self._heap, (self._key(row), e.seq, e))
+            heapq.heappush(self._heap, (e.key, e.seq, e))
             if self.max_wait_s is not None:
                 self._arrivals.append(e)
             if row.deadline_at is not None:
@@ -160,7 +161,7 @@ class Scheduler:
             request_id = str(self._next_request)
             self._next_request += 1
             self.running[request_id] = entry.row
-            out.append(Admission(request_id, entry.row, self._engine_priority(entry.row), reason))
+            out.append(Admission(request_id, entry.row, self._engine_priority(entry), reason))
         return out
 
     def _pick(self, now: float) -> tuple[_Entry, str]:
@@ -192,11 +193,11 @@ class Scheduler:
         # Twice the predicted generation time, for queueing and prediction error.
         return deadline - now <= 2.0 * needed + 1.0
 
-    def _engine_priority(self, row: Row) -> int:
+    def _engine_priority(self, e: _Entry) -> int:
         if self.policy == Policy.PRIORITY:
-            return int(row.priority)
+            return int(e.row.priority)
         if self.policy == Policy.AUTO:
-            return int(self._key(row)) - self._epoch * 1_000_000_000
+            return int(e.key) - self._epoch * 1_000_000_000
         return 0
 
     def finish(self, request_id: str) -> Row:
@@ -226,7 +227,9 @@ class Scheduler:
     def rekey(self) -> None:
         """Re-order the pool after rows' predictions changed."""
         live = [e for _, _, e in self._heap if not e.is_taken]
-        self._heap = [(self._key(e.row), e.seq, e) for e in live]
+        for e in live:
+            e.key = self._key(e.row)
+        self._heap = [(e.key, e.seq, e) for e in live]
         heapq.heapify(self._heap)
 
     def pending_in_order(self) -> list[Row]:

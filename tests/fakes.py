@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import heapq
 import time
 from collections import OrderedDict
 
@@ -20,12 +21,13 @@ class FakeEngine:
     """Each request produces one token per step, up to min(max_tokens, length_of(prompt))."""
 
     def __init__(self, max_num_seqs: int = 4, max_model_len: int = 2048, length_of=None, fail_after_steps=None,
-                 clock=None, step_seconds: float = 0.0):
+                 clock=None, step_seconds: float = 0.0, step_sleep: float = 0.0):
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
         self.length_of = length_of or (lambda ids: 3 + len(ids) % 5)
         self.fail_after_steps = fail_after_steps
-        self.waiting: OrderedDict[str, dict] = OrderedDict()
+        self.waiting: dict[str, dict] = {}
+        self._queue: list = []  # (priority, arrival, request id), as vLLM's priority queue
         self.running: OrderedDict[str, dict] = OrderedDict()
         self.added: list[str] = []
         self.aborted: list[str] = []
@@ -33,24 +35,38 @@ class FakeEngine:
         self.supports_priority = True
         self.clock = clock
         self.step_seconds = step_seconds
+        # Real seconds each step takes, like a GPU step: the loop's thread waits (GIL released) meanwhile.
+        self.step_sleep = step_sleep
+        self.step_total = 0.0  # real seconds spent inside step(): the engine's share of the wall time
         self.priorities: dict[str, int] = {}
 
     def add(self, request_id, prompt_token_ids, sampling, priority=0):
         target = min(sampling["max_tokens"], self.length_of(prompt_token_ids))
         self.waiting[request_id] = {"n": len(prompt_token_ids), "target": target, "done": 0,
                                     "length": target == sampling["max_tokens"]}
+        heapq.heappush(self._queue, (priority, len(self.added), request_id))
         self.added.append(request_id)
         self.priorities[request_id] = priority
 
     def step(self):
+        t0 = time.perf_counter()
+        try:
+            return self._step()
+        finally:
+            self.step_total += time.perf_counter() - t0
+
+    def _step(self):
         self.num_steps += 1
         if self.clock is not None:
             self.clock.t += self.step_seconds
+        if self.step_sleep:
+            time.sleep(self.step_sleep)
         if self.fail_after_steps is not None and self.num_steps > self.fail_after_steps:
             raise RuntimeError("engine died")
-        while self.waiting and len(self.running) < self.max_num_seqs:
-            rid = min(self.waiting, key=lambda r: self.priorities[r])  # first added among the lowest, as vLLM
-            self.running[rid] = self.waiting.pop(rid)
+        while self._queue and len(self.running) < self.max_num_seqs:
+            _, _, rid = heapq.heappop(self._queue)
+            if rid in self.waiting:  # else aborted
+                self.running[rid] = self.waiting.pop(rid)
         out = []
         for rid in list(self.running):
             req = self.running[rid]
