@@ -31,13 +31,25 @@ def cli(verbose: bool) -> None:
     setup_logging(verbose)
 
 
+class StderrHandler(logging.StreamHandler):
+    """Writes to whatever sys.stderr is now (test runners swap it per invocation)."""
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value):
+        pass
+
+
 def setup_logging(verbose: bool) -> None:
     if verbose:
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "INFO")
     logger = logging.getLogger("overnight")
     logger.setLevel(logging.DEBUG if verbose else logging.INFO)
     if not logger.handlers:
-        handler = logging.StreamHandler(sys.stderr)
+        handler = StderrHandler()
         handler.setFormatter(logging.Formatter("%(asctime)s overnight %(levelname)s %(message)s",
                                                datefmt="%Y-%m-%dT%H:%M:%S"))
         logger.addHandler(handler)

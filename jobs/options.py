@@ -66,6 +66,8 @@ engine_options = _stack(
                  help="Reuse KV cache of shared prompt prefixes. [default: on]"),
     click.option("--chunked-prefill/--no-chunked-prefill", "enable_chunked_prefill", default=None,
                  help="Split long prefills across steps. [default: vLLM's on GPU, off on CPU]"),
+    click.option("--max-engine-restarts", "max_restarts", type=click.IntRange(min=0),
+                 help="Restart the engine in-process this many times if it dies mid-run. [default: 0]"),
     click.option("--trust-remote-code", is_flag=True, default=None,
                  help="Allow a hub model's own Python code to run. Off unless given."),
 )
@@ -84,6 +86,8 @@ schedule_options = _stack(
     click.option("--on-deadline", type=click.Choice(["drain", "abort"]),
                  help="At the deadline, let rows in flight finish (until the deadline itself) or abort them. "
                       "[default: drain]"),
+    click.option("--grace", help="After SIGTERM / SIGINT, let rows in flight finish for this long (e.g. 30s), then "
+                                 "abort them. [default: 30s]"),
     click.option("--safety-margin", "safety_margin_s", type=float,
                  help="Seconds before the deadline to stop admitting rows. [default: 5% of the time, 2 s to 5 min]"),
     click.option("--lookahead", "lookahead_rows", type=click.IntRange(min=1),
@@ -93,6 +97,13 @@ schedule_options = _stack(
     click.option("--throughput", "tokens_per_second", type=float,
                  help="Output tokens/s to forecast with until measured (e.g. from `overnight tune`)."),
 )
+
+
+def parse_grace(text):
+    if text is None:
+        return None
+    from overnight.pipeline.deadline import parse_budget
+    return parse_budget(text)
 
 
 def passthrough_value(text):
@@ -136,6 +147,7 @@ def config_layer(input_path=None, out=None, **o) -> dict:
             "enable_prefix_caching": o.get("enable_prefix_caching"),
             "enable_chunked_prefill": o.get("enable_chunked_prefill"),
             "trust_remote_code": o.get("trust_remote_code"),
+            "max_restarts": o.get("max_restarts"),
         },
         "buckets": {"predictor": o.get("predictor"), "kind": o.get("bucket_kind")},
         "scheduler": {
@@ -147,6 +159,7 @@ def config_layer(input_path=None, out=None, **o) -> dict:
             "lookahead_rows": o.get("lookahead_rows"),
             "max_wait_s": o.get("max_wait_s"),
             "tokens_per_second": o.get("tokens_per_second"),
+            "grace_s": parse_grace(o.get("grace")),
         },
         "output": {
             "path": out,

@@ -36,7 +36,11 @@ def run(input_path, out, config_file, fresh, as_json, **options):
     risk, and at the deadline (minus a safety margin) stops, keeps what is done,
     and exits 75.
 
-    Exit codes: 0 done, 1 failed, 2 bad usage, 75 stopped early (rerun to continue).
+    SIGTERM or Ctrl-C stops admitting rows, lets those in flight finish for --grace,
+    aborts the rest, saves what finished and exits 75; a second signal aborts at once.
+
+    Exit codes: 0 done, 1 failed, 2 bad usage, 69 the engine failed (finished rows
+    are saved), 75 stopped early at the deadline or by a signal (rerun to continue).
 
     \b
     Example:
@@ -50,8 +54,15 @@ def run(input_path, out, config_file, fresh, as_json, **options):
 
     if input_path and input_path.endswith((".yaml", ".yml")) and not config_file:
         config_file, input_path = input_path, None
+    from overnight.pipeline.engine import EngineError
+    from overnight.pipeline.report import EXIT_ENGINE
+
     cfg = resolve(config_layer(input_path, out, **options), config_file)
-    summary = run_job(cfg, fresh=fresh)
+    try:
+        summary = run_job(cfg, fresh=fresh)
+    except EngineError as e:
+        click.echo(f"Error: {e}", err=True)
+        click.get_current_context().exit(EXIT_ENGINE)
     if as_json:
         from dataclasses import asdict
         click.echo(json.dumps(asdict(summary), indent=2))

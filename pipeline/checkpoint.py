@@ -21,7 +21,9 @@ from typing import Any, Callable, Optional
 import pyarrow as pa
 
 from overnight.pipeline.records import Result
-from overnight.pipeline.storage import StorageError, join, read_text, unstrip, url_to_fs, write_atomic
+from overnight.pipeline.faults import failpoint
+from overnight.pipeline.storage import (StorageError, join, read_text, redact, unstrip, url_to_fs, with_retries,
+                                        write_atomic)
 
 PART_RE = re.compile(r"^part-(\d{5,})\.parquet$")
 MANIFEST = "manifest.json"
@@ -37,7 +39,8 @@ class OutputError(Exception):
 class Scan:
     """What the completed parts already hold."""
 
-    done_ids: set = field(default_factory=set)
+    # id -> prompt hash of every row already in a completed part
+    done_ids: dict = field(default_factory=dict)
     # Rows with a null id cannot be matched by id; their error message starts with "<file>#<row>".
     null_id_origins: set = field(default_factory=set)
     num_ok: int = 0
@@ -85,12 +88,17 @@ class OutputDir:
         for p in self.part_paths():
             try:
                 with self.fs.open(p, "rb") as f:
-                    t = pq.read_table(f, columns=[id_column, "status", "output_tokens", "error"])
+                    names = pq.read_schema(f).names
+                    f.seek(0)
+                    cols = [id_column, "status", "output_tokens", "error"] + (
+                        ["prompt_hash"] if "prompt_hash" in names else [])
+                    t = pq.read_table(f, columns=cols)
             except (pa.ArrowInvalid, OSError, KeyError) as e:
                 raise OutputError(f"Part {unstrip(self.fs, p)} cannot be read ({e}). Delete it and rerun: "
                                   f"its rows will be processed again.") from None
             ids = t.column(id_column)
-            scan.done_ids.update(ids.to_pylist())
+            hashes = t.column("prompt_hash").to_pylist() if "prompt_hash" in t.column_names else [None] * t.num_rows
+            scan.done_ids.update(zip(ids.to_pylist(), hashes))
             if ids.null_count:
                 errors = t.filter(pc.is_null(ids)).column("error").to_pylist()
                 scan.null_id_origins.update(e.split(": ", 1)[0] for e in errors if e)
@@ -110,7 +118,9 @@ class OutputDir:
         buf = io.BytesIO()
         pq.write_table(table, buf, compression="zstd")
         path = self.path(PARTS, f"part-{index:05d}.parquet")
+        failpoint("part.before_write")
         self._write(path, buf.getvalue())
+        failpoint("part.after_write")  # the part counts; the manifest does not know it yet
         return path
 
     # -- manifest and status -----------------------------------------------------------------
@@ -125,7 +135,9 @@ class OutputDir:
                               f"or restore the file.") from None
 
     def write_manifest(self, manifest: dict) -> None:
+        failpoint("manifest.before_write")
         self._write(self.path(MANIFEST), json.dumps(manifest, indent=2, default=str).encode())
+        failpoint("manifest.after_write")
 
     def read_status(self) -> Optional[dict]:
         text = read_text(self.fs, self.path(STATUS))
@@ -143,13 +155,18 @@ class OutputDir:
                 self.fs.rm(self.path(name))
 
     def _write(self, path: str, data: bytes) -> None:
-        try:
+        def attempt() -> None:
             if "/" in path:
                 self.fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
             write_atomic(self.fs, path, data)
+
+        try:
+            with_retries(attempt, f"writing {redact(unstrip(self.fs, path))}")
         except OSError as e:
-            raise StorageError(f"Cannot write {unstrip(self.fs, path)}: {e.strerror or e}. "
-                               f"Check that --out is writable and has free space.") from e
+            shown = redact(unstrip(self.fs, path))
+            raise StorageError(f"Cannot write {shown}: {e.strerror or e}. Make --out writable or free space there "
+                               f"(rows already in completed parts are kept; rerun to continue), or choose "
+                               f"another --out.") from e
 
 
 class OutputSchema:
@@ -179,6 +196,7 @@ class OutputSchema:
                 pa.field("finished_at", ts),
                 pa.field("status", pa.string()),
                 pa.field("error", pa.string()),
+                pa.field("prompt_hash", pa.string()),
                 pa.field("run_id", pa.string()),
                 pa.field("model", pa.string()),
             ]
@@ -190,7 +208,7 @@ class OutputSchema:
         for src, dst in self.renames.items():
             cols[dst] = [r.passthrough.get(src) for r in results]
         for name in ("text", "finish_reason", "prompt_tokens", "output_tokens", "predicted_tokens", "bucket",
-                     "status", "error"):
+                     "status", "error", "prompt_hash"):
             cols[name] = [getattr(r, name) for r in results]
         for name in ("queued_at", "first_token_at", "finished_at"):
             cols[name] = [None if getattr(r, name) is None else int(getattr(r, name) * 1000) for r in results]

@@ -117,6 +117,8 @@ class EngineConfig:
     trust_remote_code: bool = False
     # Engine-wide random seed.
     seed: int = 0
+    # Restart the engine in-process this many times if it dies mid-run (rows in flight are redone).
+    max_restarts: int = 0
 
     def __post_init__(self) -> None:
         _check(bool(self.model), "engine.model is empty; give a model alias, folder or hub id.")
@@ -133,6 +135,7 @@ class EngineConfig:
                f"engine.kv_cache_space_gib is {self.kv_cache_space_gib}; it must be above 0.")
         _check(self.tensor_parallel_size >= 1,
                f"engine.tensor_parallel_size is {self.tensor_parallel_size}; it must be at least 1.")
+        _check(self.max_restarts >= 0, f"engine.max_restarts is {self.max_restarts}; it must be 0 or more.")
         _check(self.dtype in ("auto", "bfloat16", "float16", "float32", "half", "float"),
                f"engine.dtype is {self.dtype!r}; use auto, bfloat16, float16 or float32.")
 
@@ -177,6 +180,8 @@ class SchedulerConfig:
     on_deadline: str = "drain"
     # Output tokens/s to forecast with until the job has measured its own (e.g. from `overnight tune`).
     tokens_per_second: Optional[float] = None
+    # After SIGTERM / SIGINT: seconds to let rows in flight finish before aborting them.
+    grace_s: float = 30.0
 
     def __post_init__(self) -> None:
         _check(self.policy in POLICIES, f"scheduler.policy is {self.policy!r}; use one of {', '.join(POLICIES)}.")
@@ -190,6 +195,7 @@ class SchedulerConfig:
                f"scheduler.on_deadline is {self.on_deadline!r}; use drain or abort.")
         _check(self.safety_margin_s is None or self.safety_margin_s >= 0,
                f"scheduler.safety_margin_s is {self.safety_margin_s}; it must be 0 or more.")
+        _check(self.grace_s >= 0, f"scheduler.grace_s is {self.grace_s}; it must be 0 or more.")
         _check(self.tokens_per_second is None or self.tokens_per_second > 0,
                f"scheduler.tokens_per_second is {self.tokens_per_second}; it must be above 0.")
 

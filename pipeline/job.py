@@ -17,7 +17,9 @@ import pyarrow as pa
 from overnight.pipeline import manifest as mf
 from overnight.pipeline.checkpoint import OutputDir, OutputError, OutputSchema, Scan
 from overnight.pipeline.config import JobConfig
+from overnight.pipeline.lock import RunLock
 from overnight.pipeline.models import ModelError, ResolvedModel, load_tokenizer, resolve
+from overnight.pipeline.storage import redact
 from overnight.pipeline.prompts import has_chat_template
 from overnight.pipeline.source import ParquetSource
 
@@ -38,6 +40,8 @@ class OpenJob:
     # Seconds since the epoch by which the job must finish, and how long before it admission stops.
     deadline_at: Optional[float] = None
     margin_s: float = 0.0
+    # Held while the job runs; None for read-only uses.
+    lock: Optional[RunLock] = None
 
     @property
     def run_id(self) -> str:
@@ -65,6 +69,16 @@ def open_job(cfg: JobConfig, fresh: bool = False, now: Optional[float] = None) -
                          f"Run with --no-chat to send prompts as plain text.")
 
     fields = mf.fingerprint_fields(cfg, model.requested, chat)
+    lock = RunLock(out)
+    lock.acquire()
+    try:
+        return _open_locked(cfg, fresh, source, out, model, tokenizer, chat, fields, lock, deadline_at, margin_s)
+    except BaseException:
+        lock.release()
+        raise
+
+
+def _open_locked(cfg, fresh, source, out, model, tokenizer, chat, fields, lock, deadline_at, margin_s) -> OpenJob:
     previous = out.read_manifest()
     if fresh:
         if previous or out.part_paths():
@@ -81,12 +95,16 @@ def open_job(cfg: JobConfig, fresh: bool = False, now: Optional[float] = None) -
     scan = out.scan(id_name) if previous is not None else Scan()
     passthrough = [source.schema.field(c) for c in source.passthrough_columns()]
     schema = OutputSchema(id_name, source.id_type, passthrough)
-    input_info = {"url": source.url, "num_files": len(source.files), "num_rows": source.num_rows}
-    manifest = previous or mf.new_manifest(cfg.to_dict(), fields, input_info)
-    mf.start_attempt(manifest, cfg.to_dict(), input_info)
+    input_info = {"url": redact(source.url), "num_files": len(source.files), "num_rows": source.num_rows}
+    cfg_dict = cfg.to_dict()
+    cfg_dict["input"]["path"] = redact(cfg_dict["input"]["path"] or "")
+    cfg_dict["output"]["path"] = redact(cfg_dict["output"]["path"] or "")
+    manifest = previous or mf.new_manifest(cfg_dict, fields, input_info)
+    mf.start_attempt(manifest, cfg_dict, input_info)
+    lock.info["run_id"] = manifest["run_id"]
     manifest["counts"] = counts_from_scan(scan, source.num_rows)
     out.write_manifest(manifest)
-    return OpenJob(cfg, source, out, model, tokenizer, chat, scan, schema, manifest, deadline_at, margin_s)
+    return OpenJob(cfg, source, out, model, tokenizer, chat, scan, schema, manifest, deadline_at, margin_s, lock)
 
 
 def resolve_deadline(sc, now: float) -> tuple[Optional[float], float]:

@@ -24,8 +24,10 @@ FORMAT = 1
 class RunState(str, enum.Enum):
     RUNNING = "running"
     COMPLETED = "completed"
-    # Stopped early on purpose (deadline, signal); rerunning the command continues.
+    # Stopped early at the deadline; rerunning the command continues.
     PARTIAL = "partial"
+    # Stopped by SIGTERM / SIGINT; rerunning the command continues.
+    INTERRUPTED = "interrupted"
     FAILED = "failed"
 
 

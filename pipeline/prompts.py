@@ -45,7 +45,9 @@ class PromptBuilder:
                 texts.append(self.render(p))
                 kept.append(p)
             except Exception as e:  # a chat template may reject a conversation (e.g. roles out of order)
-                errors.append(Result.failed(p.id, p.passthrough, f"{p.origin}: chat template failed: {e}"))
+                err = Result.failed(p.id, p.passthrough, f"{p.origin}: chat template failed: {e}")
+                err.prompt_hash = p.prompt_hash
+                errors.append(err)
         if not kept:
             return [], [], errors
         # A chat template already holds the special tokens (BOS ...); plain prompts get the tokenizer's own.
@@ -56,16 +58,18 @@ class PromptBuilder:
             n = len(ids)
             if n + 1 > limit:
                 where = "after the chat template" if self.chat else ""
-                errors.append(Result.failed(
+                err = Result.failed(
                     p.id, p.passthrough,
                     f"{p.origin}: prompt is {n} tokens {where}, which leaves no room for output within "
                     f"max_model_len={limit}; shorten the prompt or raise --max-model-len (up to the model's context)."
-                    .replace("  ", " ")))
+                    .replace("  ", " "))
+                err.prompt_hash = p.prompt_hash
+                errors.append(err)
                 continue
             sampling = p.sampling
             if sampling["max_tokens"] > limit - n:
                 sampling = dict(sampling, max_tokens=limit - n)
             rows.append(Row(id=p.id, prompt_token_ids=ids, sampling=sampling, passthrough=p.passthrough,
-                            origin=p.origin, **p.scheduling))
+                            origin=p.origin, prompt_hash=p.prompt_hash, **p.scheduling))
             predictor_texts.append(prompt_text(p.prompt, p.messages))
         return rows, predictor_texts, errors

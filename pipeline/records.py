@@ -31,6 +31,7 @@ class Row:
     deadline_at: Optional[float] = None
     # Prediction features, kept so the online predictor can refresh the prediction and learn from the result.
     features: Any = None
+    prompt_hash: str = ""
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -73,6 +74,7 @@ class Result:
     first_token_at: Optional[float] = None
     finished_at: Optional[float] = None
     error: Optional[str] = None
+    prompt_hash: Optional[str] = None
 
     @classmethod
     def failed(cls, id: Any, passthrough: dict, error: str, at: Optional[float] = None) -> "Result":
@@ -93,12 +95,13 @@ class Result:
             queued_at=queued_at,
             first_token_at=fin.first_token_at,
             finished_at=fin.finished_at,
+            prompt_hash=row.prompt_hash,
         )
 
 
 RESULT_FIELDS = (
     "text", "finish_reason", "prompt_tokens", "output_tokens", "predicted_tokens", "bucket",
-    "queued_at", "first_token_at", "finished_at", "status", "error", "run_id", "model",
+    "queued_at", "first_token_at", "finished_at", "status", "error", "prompt_hash", "run_id", "model",
 )
 
 

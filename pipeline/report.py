@@ -10,6 +10,8 @@ from overnight.pipeline.progress import fmt_duration
 
 EXIT_OK = 0
 EXIT_FAILED = 1
+# sysexits EX_UNAVAILABLE: the engine failed to start or died mid-run; finished rows are saved.
+EXIT_ENGINE = 69
 # sysexits EX_TEMPFAIL: stopped early (deadline, signal); rerun the same command to continue.
 EXIT_PARTIAL = 75
 
@@ -33,11 +35,12 @@ class Summary:
     extra: dict = field(default_factory=dict)
 
     def line(self) -> str:
-        head = {"completed": "done", "partial": "stopped early (resumable)", "failed": "FAILED"}.get(self.state,
-                                                                                                      self.state)
+        head = {"completed": "done", "partial": "stopped early (resumable)", "interrupted": "interrupted (resumable)",
+                "failed": "FAILED"}.get(self.state, self.state)
         resumed = f", {self.num_resumed} already done" if self.num_resumed else ""
         dup = f", {self.num_duplicates} duplicate ids skipped" if self.num_duplicates else ""
-        tail = f"; {self.message}" if self.message and self.state == "partial" else ""
+        tail = f"; {self.message}" if self.message and (self.state in ("partial", "interrupted") or
+                                                       not self.num_rows) else ""
         return (f"overnight: {head}: {self.num_done}/{self.num_rows} rows ({self.num_ok} ok, {self.num_error} error"
                 f"{resumed}{dup}), {self.num_output_tokens} output tokens in {fmt_duration(self.elapsed_s)} "
                 f"({self.output_tokens_per_s:.0f} tok/s) -> {self.out}{tail}")

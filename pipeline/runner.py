@@ -1,10 +1,14 @@
 """The job's main loop: source -> resume filter -> predict -> scheduler <-> engine -> checkpoint writer.
 
     while work remains:
-        tick()       # every second: measure, forecast the deadline, switch auto's mode, refresh predictions
-        refill()     # read input until the scheduler's lookahead pool is full
+        tick()       # every second: measure, forecast the deadline, switch auto's mode, heartbeat, signals
+        refill()     # take prepared rows from the input thread until the lookahead pool is full
         admit()      # hand the scheduler's picks to vLLM
         collect()    # one engine step; finished rows go to the writer and teach the online predictor
+
+A stop (the deadline, SIGTERM or SIGINT) ends admission; rows in flight drain
+until a hard stop time (the deadline itself, or the signal's grace period),
+then are aborted. Everything finished is flushed, and the job exits 75.
 """
 
 from __future__ import annotations
@@ -27,8 +31,10 @@ from overnight.pipeline.prefetch import Prefetcher
 from overnight.pipeline.progress import Progress, fmt_duration
 from overnight.pipeline.prompts import PromptBuilder
 from overnight.pipeline.records import Result, Row
-from overnight.pipeline.report import EXIT_FAILED, EXIT_OK, EXIT_PARTIAL, Summary, forecast_dict, iso
+from overnight.pipeline.report import EXIT_PARTIAL, Summary, forecast_dict, iso
 from overnight.pipeline.scheduler import Mode, Policy, Scheduler
+from overnight.pipeline.signals import StopRequests
+from overnight.pipeline.tally import Tally, exit_code_for, summary
 from overnight.pipeline.validate import parse_batch, sampling_defaults
 
 log = logging.getLogger("overnight")
@@ -40,9 +46,11 @@ REFRESH_S = 5.0
 
 
 class Runner:
-    def __init__(self, job: OpenJob, engine, is_tty: Optional[bool] = None, clock: Callable[[], float] = time.time):
+    def __init__(self, job: OpenJob, engine, is_tty: Optional[bool] = None, clock: Callable[[], float] = time.time,
+                 engine_factory: Optional[Callable[[], object]] = None):
         self.job = job
         self.engine = engine
+        self.engine_factory = engine_factory
         self.clock = clock
         cfg = job.cfg
         sc = cfg.scheduler
@@ -60,22 +68,17 @@ class Runner:
                                        cfg.output.flush_rows, cfg.output.flush_seconds, on_flush=self._on_flush)
         self.defaults = sampling_defaults(cfg.sampling)
         self.passthrough = job.source.passthrough_columns()
+        self.tally = Tally(job.source.num_rows, job.scan.num_ok, job.scan.num_error, job.scan.num_output_tokens)
         self.queued_at: dict[str, float] = {}
         self.emitted: set = set()  # ids this run has handed on (or skipped as already done)
-        self.num_read = 0
-        self.num_resumed = 0
-        self.num_duplicates = 0
-        self.num_ok = job.scan.num_ok
-        self.num_error = job.scan.num_error
-        self.num_output_tokens = job.scan.num_output_tokens
-        self.attempt_tokens = 0
         self.in_flight_predicted = 0
         self.predicted_sum = 0
         self.predicted_n = 0
-        self.started = time.monotonic()
+        self.signals = StopRequests()
         self.stopping: Optional[str] = None  # why admission stopped early, once it has
+        self.hard_stop_at: Optional[float] = None  # when rows still in flight are aborted
         self.exhausted = False  # every input row has been read
-        self.num_aborted = 0  # rows aborted in flight at a deadline: not done
+        self.engine_failed = False
         self.forecast: Optional[Forecast] = None
         self._warned_at_risk = False
         self._last_tick = self._last_forecast = self._last_refresh = -1e18
@@ -85,21 +88,23 @@ class Runner:
     # -- the loop ------------------------------------------------------------------------------
     def run(self) -> Summary:
         state, message = mf.RunState.FAILED, None
+        self.signals.install()
         try:
             self._loop()
-            if self.exhausted and self.scheduler.is_done() and not self.num_aborted:
+            if self.exhausted and self.scheduler.is_done() and not self.tally.num_aborted:
                 state = mf.RunState.COMPLETED
             else:
-                state, message = mf.RunState.PARTIAL, self._partial_message()
-        except KeyboardInterrupt:
-            state, message = mf.RunState.PARTIAL, "interrupted"
-            raise
+                state = mf.RunState.INTERRUPTED if self.signals.first else mf.RunState.PARTIAL
+                message = f"{self.stopping or 'stopped'}: {self.tally.num_left} rows not done; rerun the same " \
+                          f"command to continue"
         except BaseException as e:
             message = f"{type(e).__name__}: {e}"
+            self.engine_failed = isinstance(e, EngineError)
             raise
         finally:
-            summary = self._finish(state, message)
-        return summary
+            self.signals.restore()
+            result = self._finish(state, message)
+        return result
 
     def _loop(self) -> None:
         # The engine loop wakes from each step needing the GIL; with the input thread busy, Python's default
@@ -129,12 +134,14 @@ class Runner:
                     self.scheduler.add(ready, self.clock())
                 self._expire()
                 self._admit()
-            elif self.job.cfg.scheduler.on_deadline == "abort" or self.tracker.is_past_deadline():
+            elif self.signals.is_urgent or self.clock() >= self.hard_stop_at:
                 self._abort_in_flight()
                 return
             if self.engine.has_unfinished():
                 self._collect()
             elif self.stopping is not None or (self.exhausted and self.scheduler.is_done()):
+                if self.exhausted and self.scheduler.is_done():
+                    self._report_removed()
                 return
 
     def _admit(self) -> None:
@@ -153,19 +160,17 @@ class Runner:
         try:
             finished = self.engine.step()
         except Exception as e:
-            raise EngineError(f"The vLLM engine failed mid-run ({type(e).__name__}: {e}). The rows it finished are "
-                              f"saved in {self.job.out.url}; rerun the same command to continue.") from e
-        if not finished:
-            self.writer.maybe_flush()
+            self._on_engine_failure(e)
             return
-        results, rows = [], []
-        for fin in finished:
-            queued = self.queued_at[fin.request_id]
-            row = self._forget(fin.request_id)
-            rows.append(row)
-            results.append(Result.from_engine(row, fin, queued))
-        self.annotator.observe(rows, [r.output_tokens for r in results], [r.finish_reason for r in results])
-        self._record(results)
+        if finished:
+            results, rows = [], []
+            for fin in finished:
+                queued = self.queued_at[fin.request_id]
+                row = self._forget(fin.request_id)
+                rows.append(row)
+                results.append(Result.from_engine(row, fin, queued))
+            self.annotator.observe(rows, [r.output_tokens for r in results], [r.finish_reason for r in results])
+            self._record(results)
         self.writer.maybe_flush()
 
     def _forget(self, request_id: str) -> Row:
@@ -174,49 +179,99 @@ class Runner:
         self.in_flight_predicted -= row.predicted_tokens or 0
         return row
 
+    def _on_engine_failure(self, e: Exception) -> None:
+        if self.signals.first:
+            # Ctrl-C reaches the engine's processes too: it stopped with us. What finished is kept.
+            log.warning("the engine stopped after %s (%s); rows in flight are not done", self.signals.first, e)
+            self._abort_in_flight(engine_alive=False)
+            self.stopping = self.stopping or f"interrupted by {self.signals.first}"
+            return
+        restarts_left = self.job.cfg.engine.max_restarts - self.tally.num_engine_restarts
+        if self.engine_factory is None or restarts_left <= 0:
+            hint = "" if self.engine_factory is None else " Pass --max-engine-restarts N to restart it in-process."
+            raise EngineError(f"The vLLM engine failed mid-run ({type(e).__name__}: {e}). The rows it finished are "
+                              f"saved in {self.job.out.url}; rerun the same command to continue.{hint}") from e
+        self.tally.num_engine_restarts += 1
+        n = self.scheduler.num_running
+        log.error(f"the vLLM engine failed mid-run ({type(e).__name__}: {e}); restarting it "
+                  f"({self.tally.num_engine_restarts} of {self.job.cfg.engine.max_restarts}); {n} rows in flight "
+                  f"go back to the queue")
+        self.scheduler.requeue_running(self.clock())
+        self.queued_at.clear()
+        self.in_flight_predicted = 0
+        try:
+            self.engine = self.engine_factory()
+        except Exception as e2:
+            raise EngineError(f"The vLLM engine failed mid-run and could not be restarted ({e2}). The rows it "
+                              f"finished are saved in {self.job.out.url}; rerun the same command to continue.") from e2
+
     def _rows(self) -> Iterator[tuple[list[Row], list[Result]]]:
-        """Input rows not yet done, parsed, tokenized and predicted; bad rows come back as error results."""
+        """Input rows not yet done, parsed, tokenized and predicted; bad rows come back as error results.
+        Runs in the input thread."""
         cfg = self.job.cfg
         for sb in self.job.source.batches():
-            self.num_read += sb.batch.num_rows
+            self.tally.num_read += sb.batch.num_rows
             parsed, errors = parse_batch(sb, cfg.input, self.defaults, self.passthrough)
-            parsed = [p for p in parsed if self._is_new(p.id, p.origin)]
+            parsed = [p for p in parsed if self._is_new(p.id, p.origin, p.prompt_hash)]
             errors = [e for e in errors if self._is_new_error(e)]
             ready, texts, bad = self.builder.build(parsed)
             self.annotator.annotate(ready, texts)
-            for row in ready:
-                self.predicted_sum += row.predicted_tokens or 0
+            self.predicted_sum += sum(row.predicted_tokens or 0 for row in ready)
             self.predicted_n += len(ready)
             yield ready, errors + bad
 
     def _is_new_error(self, e: Result) -> bool:
         if e.id is None:  # matched by origin: its message starts with "<file>#<row>"
             return e.error.split(": ", 1)[0] not in self.job.scan.null_id_origins
-        return self._is_new(e.id, e.error)
+        return self._is_new(e.id, e.error, e.prompt_hash)
 
-    def _is_new(self, row_id, origin: str) -> bool:
-        if row_id in self.job.scan.done_ids and row_id not in self.emitted:
-            self.num_resumed += 1
+    def _is_new(self, row_id, origin: str, prompt_hash: Optional[str]) -> bool:
+        done = self.job.scan.done_ids
+        if row_id in done and row_id not in self.emitted:
+            self.tally.num_resumed += 1
             self.emitted.add(row_id)  # a later duplicate of a resumed id is a duplicate
+            old = done[row_id]
+            if old and prompt_hash and old != prompt_hash:
+                self.tally.num_changed += 1
+                if self.tally.num_changed <= 5:
+                    log.warning(f"id {row_id!r} at {origin.split(': ')[0]}: its prompt changed since its result was "
+                                f"written (prompt_hash {old} -> {prompt_hash}); the old result is kept. Use --fresh "
+                                f"to answer every row again, or a new --out")
             return False
         if row_id in self.emitted:
-            self.num_duplicates += 1
-            if self.num_duplicates <= 5:
+            self.tally.num_duplicates += 1
+            if self.tally.num_duplicates <= 5:
                 log.warning("duplicate id %r at %s: the first row with this id is kept, this one is skipped",
-                            row_id, origin.split(":")[0])
+                            row_id, origin.split(": ")[0])
             return False
         self.emitted.add(row_id)
         return True
 
-    # -- deadline ------------------------------------------------------------------------------
+    def _report_removed(self) -> None:
+        """After a full pass: finished rows whose ids are no longer in the input."""
+        if self.job.cfg.input.limit is not None or not self.job.scan.done_ids:
+            return
+        gone = [i for i in self.job.scan.done_ids if i not in self.emitted and i is not None]
+        self.tally.num_removed = len(gone)
+        if gone:
+            log.warning(f"{len(gone)} rows in {self.job.out.url} are no longer in the input (e.g. ids "
+                        f"{', '.join(repr(i) for i in gone[:3])}); their results are kept")
+
+    # -- time, signals, deadline -----------------------------------------------------------------
     def _tick(self) -> None:
-        if self.stopping is None and self.tracker.should_stop():
-            self._begin_stop()
         now = self.clock()
+        if self.stopping is None:
+            if self.signals.first:
+                self._begin_stop(f"interrupted by {self.signals.first}", now + self.job.cfg.scheduler.grace_s)
+            elif self.tracker.should_stop():
+                hard = self.tracker.stop_at if self.job.cfg.scheduler.on_deadline == "abort" else self.tracker.deadline
+                self._begin_stop("deadline reached", hard)
         if now - self._last_tick < TICK_S:
             return
         self._last_tick = now
-        self.tracker.observe(self.attempt_tokens)
+        self.tracker.observe(self.tally.attempt_tokens)
+        if self.job.lock is not None:
+            self.job.lock.heartbeat()
         if now - self._last_refresh >= REFRESH_S and self.annotator.wants_refresh():
             self._last_refresh = now
             self.annotator.refresh(self.scheduler.pending_rows())
@@ -226,21 +281,20 @@ class Runner:
             self._update_forecast()
 
     def _update_forecast(self) -> None:
-        pending = self.scheduler.pending_rows()
-        tokens = np.array([r.predicted_tokens or 0 for r in pending], dtype=np.float64)
-        if self.scheduler.policy == Policy.AUTO:
-            tokens = np.sort(tokens)  # the order auto uses once the deadline is at risk
+        if self.scheduler.policy == Policy.AUTO:  # the order auto uses once the deadline is at risk
+            tokens = np.sort([r.predicted_tokens or 0 for r in self.scheduler.pending_rows()]).astype(np.float64)
         else:
             tokens = np.array([r.predicted_tokens or 0 for r in self.scheduler.pending_in_order()], dtype=np.float64)
-        # Rows not read yet, less those a previous attempt finished (not met yet in this pass).
-        unread = max(0, self.job.source.num_rows - self.num_read - (self.job.scan.num_done - self.num_resumed))
+        t = self.tally
+        # Rows not read yet, less those an earlier attempt finished (not met yet in this pass).
+        unread = max(0, t.num_rows - t.num_read - (self.job.scan.num_done - t.num_resumed))
         mean = self.predicted_sum / self.predicted_n if self.predicted_n else 0.0
         f = self.tracker.forecast(self.in_flight_predicted / 2, self.scheduler.num_running, tokens, unread, mean)
         self.forecast = f
         if f.tokens_per_s and self.scheduler.num_running:
             self.scheduler.per_seq_tokens_per_s = f.tokens_per_s / self.scheduler.num_running
         self.progress.set_forecast(f.eta_s, f.time_left_s if self.tracker.deadline else None, f.will_miss)
-        if self.tracker.deadline is None:
+        if self.tracker.deadline is None or self.stopping:
             return
         if f.will_miss:
             if self.scheduler.set_mode(Mode.DEADLINE):
@@ -259,20 +313,21 @@ class Runner:
                 self._warned_at_risk = False
                 log.info(f"deadline back on track: ETA {fmt_duration(f.eta_s)}, {fmt_duration(f.time_left_s)} left")
 
-    def _begin_stop(self) -> None:
-        self.stopping = "deadline reached"
+    def _begin_stop(self, reason: str, hard_stop_at: float) -> None:
+        self.stopping = reason
+        self.hard_stop_at = hard_stop_at
         self.scheduler.is_admitting = False
-        how = ("aborting" if self.job.cfg.scheduler.on_deadline == "abort" else
-               f"draining them until {iso(self.tracker.deadline)}")
-        log.warning(f"deadline: stopped admitting rows at {iso(self.tracker.stop_at)} (safety margin "
-                    f"{self.job.margin_s:.0f} s); {self.scheduler.num_running} rows in flight, {how}")
+        n = self.scheduler.num_running
+        how = "aborting them" if hard_stop_at <= self.clock() else f"draining them until {iso(hard_stop_at)}"
+        log.warning(f"{reason}: stopped admitting rows; {n} rows in flight, {how} (a second signal aborts at once)")
 
-    def _abort_in_flight(self) -> None:
+    def _abort_in_flight(self, engine_alive: bool = True) -> None:
         ids = self.scheduler.drain_running()
-        self.num_aborted += len(ids)
+        self.tally.num_aborted += len(ids)
         if ids:
-            log.warning(f"deadline: aborting {len(ids)} rows in flight; they are not done and a rerun will redo them")
-        self.engine.abort(ids)
+            log.warning(f"aborting {len(ids)} rows in flight; they are not done and a rerun will redo them")
+        if engine_alive:
+            self.engine.abort(ids)
         for rid in ids:
             self.queued_at.pop(rid, None)
         self.in_flight_predicted = 0
@@ -283,56 +338,38 @@ class Runner:
             self._record([Result.failed(r.id, r.passthrough, f"{r.origin}: its deadline {iso(r.deadline_at)} passed "
                                         f"before the row could start", time.time()) for r in expired])
 
-    def _num_left(self) -> int:
-        """Input rows not done (duplicate ids are skipped, not left)."""
-        return max(0, self.job.source.num_rows - self.num_ok - self.num_error - self.num_duplicates)
-
-    def _partial_message(self) -> str:
-        return f"{self.stopping or 'stopped'}: {self._num_left()} rows not done; rerun the same command to continue"
-
     # -- bookkeeping ---------------------------------------------------------------------------
     def _record(self, results: list[Result]) -> None:
-        if not results:
-            return
-        tokens = 0
-        for r in results:
-            if r.status == "ok":
-                self.num_ok += 1
-                tokens += r.output_tokens or 0
-            else:
-                self.num_error += 1
-        self.num_output_tokens += tokens
-        self.attempt_tokens += tokens
-        self.writer.add(results)
-        self.progress.update(len(results), tokens)
+        if results:
+            tokens = self.tally.record(results)
+            self.writer.add(results)
+            self.progress.update(len(results), tokens)
+
+    def _num_parts(self) -> int:
+        return self.job.scan.num_parts + self.writer.num_parts_written
 
     def _on_flush(self, results: list[Result], path: str) -> None:
         m = self.job.manifest
-        m["counts"].update(num_done=self.num_ok + self.num_error, num_ok=self.num_ok, num_error=self.num_error,
-                           num_output_tokens=self.num_output_tokens, num_parts=m["counts"].get("num_parts", 0) + 1)
+        m["counts"] = self.tally.counts(self._num_parts())
         m["updated_at"] = mf.now_iso()
         self.job.out.write_manifest(m)
         self.job.out.write_status(self._status(mf.RunState.RUNNING, None))
 
     def _status(self, state: mf.RunState, exit_code: Optional[int], message: Optional[str] = None) -> dict:
-        elapsed = time.monotonic() - self.started
-        done = self.num_ok + self.num_error
-        total = self.job.source.num_rows
         return {
             "state": state.value,
             "exit_code": exit_code,
             "message": message,
             "run_id": self.job.run_id,
-            "out": self.job.out.url,
+            "out": self.job.out.shown(),
             "model": self.job.model.requested,
             "attempt": len(self.job.manifest["attempts"]),
-            "rows": {"total": total, "done": done, "ok": self.num_ok, "error": self.num_error,
-                     "remaining": self._num_left(), "resumed": self.num_resumed,
-                     "duplicates": self.num_duplicates, "in_flight": self.scheduler.num_running},
-            "output_tokens": self.num_output_tokens,
-            "elapsed_s": round(elapsed, 3),
-            "output_tokens_per_s": round(self.attempt_tokens / elapsed, 2) if elapsed > 0 else 0.0,
+            "rows": self.tally.rows(self.scheduler.num_running),
+            "output_tokens": self.tally.num_output_tokens,
+            "elapsed_s": round(self.tally.elapsed(), 3),
+            "output_tokens_per_s": self.tally.tokens_per_s(),
             "eta_s": self.progress.eta_seconds(),
+            "engine_restarts": self.tally.num_engine_restarts,
             "scheduler": {"policy": self.scheduler.policy.value, "predictor": self.annotator.predictor.name,
                           "mode_switches": self.scheduler.stats.num_mode_switches,
                           "aged": self.scheduler.stats.num_aged,
@@ -345,17 +382,18 @@ class Runner:
     def _finish(self, state: mf.RunState, message: Optional[str]) -> Summary:
         self.progress.close()
         # Rows still in the engine are not done: abort them so a cached engine starts clean.
-        self.engine.abort(self.scheduler.drain_running())
+        try:
+            self.engine.abort(self.scheduler.drain_running())
+        except Exception as e:  # a dead engine cannot abort; nothing is lost by it
+            log.debug("abort at the end failed: %s", e)
         try:
             self.writer.flush()
         except Exception as e:
             log.error("could not flush the last finished rows: %s", e)
             state, message = mf.RunState.FAILED, message or f"flush failed: {e}"
-        exit_code = {mf.RunState.COMPLETED: EXIT_OK, mf.RunState.PARTIAL: EXIT_PARTIAL}.get(state, EXIT_FAILED)
+        exit_code = exit_code_for(state, self.engine_failed)
         m = self.job.manifest
-        m["counts"].update(num_done=self.num_ok + self.num_error, num_ok=self.num_ok, num_error=self.num_error,
-                           num_output_tokens=self.num_output_tokens,
-                           num_parts=self.job.scan.num_parts + self.writer.num_parts_written)
+        m["counts"] = self.tally.counts(self._num_parts())
         mf.end_attempt(m, state, message)
         status = self._status(state, exit_code, message)
         try:
@@ -363,10 +401,5 @@ class Runner:
             self.job.out.write_status(status)
         except Exception as e:
             log.error("could not write the manifest or status file: %s", e)
-        return Summary(
-            run_id=self.job.run_id, out=self.job.out.url, state=state.value, exit_code=exit_code,
-            num_rows=self.job.source.num_rows, num_done=self.num_ok + self.num_error, num_ok=self.num_ok,
-            num_error=self.num_error, num_resumed=self.num_resumed, num_duplicates=self.num_duplicates,
-            num_output_tokens=self.num_output_tokens, elapsed_s=status["elapsed_s"],
-            output_tokens_per_s=status["output_tokens_per_s"], message=message,
-            extra={"scheduler": status["scheduler"], "forecast": status["forecast"]})
+        return summary(self.tally, self.job.run_id, self.job.out.shown(), state, exit_code, message,
+                       {"scheduler": status["scheduler"], "forecast": status["forecast"], "rows": status["rows"]})

@@ -203,6 +203,13 @@ class Scheduler:
     def finish(self, request_id: str) -> Row:
         return self.running.pop(request_id)
 
+    def requeue_running(self, now: float) -> int:
+        """Put every running row back in the pool (the engine lost them); returns how many."""
+        rows = list(self.running.values())
+        self.running.clear()
+        self.add(rows, now)
+        return len(rows)
+
     def drain_running(self) -> list[str]:
         """Forget every running row (they are being aborted); return their request ids."""
         ids = list(self.running)

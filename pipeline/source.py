@@ -19,6 +19,7 @@ from typing import Iterator, Optional
 import pyarrow as pa
 
 from overnight.pipeline.config import InputConfig
+from overnight.pipeline.faults import failpoint
 from overnight.pipeline.storage import arrow_fs, unstrip, url_to_fs
 
 # Per-row columns that override the job's sampling defaults when present.
@@ -205,6 +206,7 @@ class ParquetSource:
                                              batch_readahead=2, fragment_readahead=1):
                 if batch.num_rows == 0:
                     continue
+                failpoint("source.batch")
                 if remaining is not None and batch.num_rows >= remaining:
                     yield SourceBatch(file, start, batch.slice(0, remaining))
                     return

@@ -6,17 +6,49 @@ standard config files (e.g. AWS_* variables, ~/.aws), never from arguments.
 
 from __future__ import annotations
 
+import errno
+import logging
 import os
 import posixpath
+import time
 import uuid
-from typing import Optional
+from typing import Callable, Optional, TypeVar
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
 
+log = logging.getLogger("overnight")
+T = TypeVar("T")
+
+# Errors that retrying will not fix: fail at once, with the fix in the message.
+PERMANENT_ERRNOS = {errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EPERM, errno.EFBIG, errno.ENOTDIR,
+                    errno.EISDIR, errno.EDQUOT, errno.ENAMETOOLONG}
+RETRY_DELAYS = (0.5, 1.0, 2.0, 4.0)
+
+
 class StorageError(Exception):
     "A path could not be read or written; the message names it and the fix."
+
+
+def is_permanent(e: BaseException) -> bool:
+    return isinstance(e, (PermissionError, FileNotFoundError, NotADirectoryError, IsADirectoryError)) or (
+        isinstance(e, OSError) and e.errno in PERMANENT_ERRNOS)
+
+
+def with_retries(fn: Callable[[], T], what: str, delays=None, sleep=time.sleep) -> T:
+    """Run fn, retrying transient I/O errors with exponential backoff."""
+    delays = RETRY_DELAYS if delays is None else delays
+    for attempt, delay in enumerate((*delays, None), start=1):
+        try:
+            return fn()
+        except Exception as e:
+            transient = isinstance(e, (OSError, ConnectionError, TimeoutError)) and not is_permanent(e)
+            if not transient or delay is None:
+                raise
+            log.warning("%s failed (%s), retry %d of %d in %.1f s", what, e, attempt, len(delays), delay)
+            sleep(delay)
+    raise AssertionError("unreachable")  # pragma: no cover
 
 
 def url_to_fs(url: str):
@@ -32,6 +64,17 @@ def is_local(fs) -> bool:
 def unstrip(fs, path: str) -> str:
     """Turn an fs-internal path back into a URL a user (or DuckDB) recognises."""
     return path if is_local(fs) else fs.unstrip_protocol(path)
+
+
+def redact(url: str) -> str:
+    """A URL fit for logs and manifests: credentials written into it (user:secret@host) are masked."""
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        return url
+    netloc, slash, tail = rest.partition("/")
+    if "@" in netloc:
+        netloc = "***@" + netloc.rsplit("@", 1)[1]
+    return f"{scheme}://{netloc}{slash}{tail}"
 
 
 def join(*parts: str) -> str:
@@ -59,6 +102,9 @@ def write_atomic(fs, path: str, data: bytes) -> None:
     stores make an object visible only when its upload completes, and memory://
     on close, so there a direct write is already atomic.
     """
+    from overnight.pipeline.faults import failpoint
+
+    failpoint("storage.write")
     if is_local(fs):
         directory = os.path.dirname(path) or "."
         os.makedirs(directory, exist_ok=True)
@@ -68,6 +114,7 @@ def write_atomic(fs, path: str, data: bytes) -> None:
                 f.write(data)
                 f.flush()
                 os.fsync(f.fileno())
+            failpoint("storage.before_rename")
             os.replace(tmp, path)
         finally:
             if os.path.exists(tmp):

@@ -7,6 +7,7 @@ and the column, and says what a valid value looks like.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 from dataclasses import dataclass
@@ -33,10 +34,21 @@ class Parsed:
     messages: Optional[list]
     # priority / value / deadline_at, from the per-row columns when present
     scheduling: dict
+    # Hash of the prompt (or chat) as given: a resume can tell when a row changed under the same id.
+    prompt_hash: str
 
 
 class RowError(ValueError):
     "One row's value is invalid; becomes that row's error message."
+
+
+def prompt_hash(prompt, messages) -> str:
+    """16 hex digits of BLAKE2b over the prompt text, or the chat as JSON."""
+    data = messages if messages is not None else prompt
+    if data is None:
+        return ""
+    text = data if isinstance(data, str) else json.dumps(data, sort_keys=True, default=str)
+    return hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=8).hexdigest()
 
 
 def sampling_defaults(cfg: SamplingConfig) -> dict:
@@ -88,9 +100,12 @@ def parse_batch(sb: SourceBatch, cfg: InputConfig, defaults: dict,
             if chat is None:
                 prompt = _prompt(prompts[i], cfg.prompt_column)
         except RowError as e:
-            errors.append(Result.failed(row_id, carried[i], f"{origin}: {e}"))
+            err = Result.failed(row_id, carried[i], f"{origin}: {e}")
+            err.prompt_hash = prompt_hash(prompts[i], messages[i] if messages is not None else None)
+            errors.append(err)
             continue
-        parsed.append(Parsed(row_id, origin, carried[i], sampling, prompt, chat, sched))
+        parsed.append(Parsed(row_id, origin, carried[i], sampling, prompt, chat, sched,
+                             prompt_hash(prompt, chat)))
     return parsed, errors
 
 

@@ -64,3 +64,56 @@ def overnight_cmd() -> list[str]:
     """The installed console script, as a user runs it."""
     script = Path(sys.executable).parent / "overnight"
     return [str(script)] if script.exists() else [sys.executable, "-m", "overnight.jobs"]
+
+
+def pytest_addoption(parser):
+    parser.addoption("--long", action="store_true", default=False,
+                     help="Longer reliability runs: more kills, and kills of the real engine.")
+
+
+@pytest.fixture(scope="session")
+def s3(tmp_path_factory):
+    """A real S3 API on loopback (moto's server), with a bucket; yields its endpoint URL.
+
+    In this process fsspec is pointed at it through its config; subprocesses get the same through
+    FSSPEC_S3_ENDPOINT_URL and the AWS_* variables (see s3_env)."""
+    import socket
+    import subprocess
+    import time
+    import urllib.request
+
+    import fsspec
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    server = Path(sys.executable).parent / "moto_server"
+    proc = subprocess.Popen([str(server), "-H", "127.0.0.1", "-p", str(port)], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    endpoint = f"http://127.0.0.1:{port}"
+    for _ in range(100):
+        try:
+            urllib.request.urlopen(endpoint, timeout=1)
+            break
+        except OSError:
+            time.sleep(0.1)
+    env = s3_env(endpoint)
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    fsspec.config.conf["s3"] = {"endpoint_url": endpoint}
+    fs = fsspec.filesystem("s3", skip_instance_cache=True)
+    fs.mkdir("overnight-test")
+    yield endpoint
+    fsspec.config.conf.pop("s3", None)
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+    proc.terminate()
+    proc.wait(timeout=10)
+
+
+def s3_env(endpoint: str) -> dict:
+    return {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1",
+            "FSSPEC_S3_ENDPOINT_URL": endpoint}

@@ -1,4 +1,10 @@
-"""`overnight run` as a real subprocess, as cron or Airflow runs it: SIGKILL partway, rerun, count."""
+"""`overnight run` as a real subprocess on the real engine, as cron or Airflow runs it, through its faults.
+
+One job, one output folder, one fault after another, each followed by a rerun:
+SIGKILL partway, SIGTERM (drain, exit 75), the engine's own process killed
+(exit 69), and killed again with --max-engine-restarts (restart in-process and
+finish). At the end every id is there exactly once and every part is readable.
+"""
 
 import json
 import os
@@ -6,6 +12,7 @@ import signal
 import subprocess
 import time
 
+import psutil
 import pyarrow.parquet as pq
 import pytest
 
@@ -14,55 +21,107 @@ from conftest import overnight_cmd, real_prompts
 pytestmark = pytest.mark.engine
 
 
-def run_cli(*args, timeout=600):
-    return subprocess.run([*overnight_cmd(), *map(str, args)], capture_output=True, text=True, timeout=timeout)
-
-
 def count_parts(out) -> int:
     return len(list((out / "parts").glob("part-*.parquet"))) if (out / "parts").exists() else 0
 
 
-def test_sigkill_partway_then_rerun_gives_every_id_exactly_once(tmp_path, model_path):
+def done_rows(out) -> int:
+    return pq.read_table(out / "parts").num_rows if count_parts(out) else 0
+
+
+def start(args):
+    return subprocess.Popen([*overnight_cmd(), *map(str, args)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+
+
+def wait_for_new_parts(proc, out, n_before, n_new=1, timeout=300):
+    deadline = time.monotonic() + timeout
+    while count_parts(out) < n_before + n_new and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert proc.poll() is None, f"the job ended before the fault: {proc.communicate()[1][-3000:]}"
+
+
+def engine_core(proc) -> psutil.Process:
+    for child in psutil.Process(proc.pid).children(recursive=True):
+        try:
+            if "EngineCore" in child.name() or "EngineCore" in " ".join(child.cmdline()):
+                return child
+        except psutil.NoSuchProcess:
+            continue
+    raise AssertionError("no EngineCore process found")
+
+
+def finish(proc, timeout=600):
+    out, err = proc.communicate(timeout=timeout)
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)  # stragglers of the engine, if any
+    except ProcessLookupError:
+        pass
+    return proc.returncode, out, err
+
+
+def test_one_job_through_kill_sigterm_and_engine_death(tmp_path, model_path):
     inp = tmp_path / "in.parquet"
     table = real_prompts(60)
     pq.write_table(table, inp)
     out = tmp_path / "out"
     args = ["run", inp, "--out", out, "--max-tokens", "64", "--flush-rows", "4", "--log-every", "1"]
 
-    proc = subprocess.Popen([*overnight_cmd(), *map(str, args)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
-    deadline = time.monotonic() + 300
-    while count_parts(out) < 2 and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert proc.poll() is None, f"the job ended before it could be killed: {proc.communicate()}"
-    os.kill(proc.pid, signal.SIGKILL)  # the main process only, as an OOM killer would
-    proc.wait()
-    time.sleep(2)
-    try:  # the engine's own processes exit when their parent dies; clean up any straggler
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    _, stderr = proc.communicate()
+    # 1. SIGKILL to the main process, as an OOM killer would
+    proc = start(args)
+    wait_for_new_parts(proc, out, 0, 2)
+    os.kill(proc.pid, signal.SIGKILL)
+    finish(proc)
+    after_kill = done_rows(out)
+    assert 0 < after_kill < 60
+    assert json.loads((out / "manifest.json").read_text())["state"] == "running"  # it never got to say otherwise
 
-    killed_at = pq.read_table(out / "parts").num_rows
-    assert 0 < killed_at < 60
+    # 2. SIGTERM, as Airflow or Kubernetes sends: stop admitting, drain, save, exit 75
+    proc = start([*args, "--grace", "60s"])
+    wait_for_new_parts(proc, out, count_parts(out))
+    proc.send_signal(signal.SIGTERM)
+    code, stdout, stderr = finish(proc)
+    assert code == 75, stderr[-3000:]
+    assert "interrupted by SIGTERM: stopped admitting rows" in stderr
+    assert "overnight: interrupted (resumable): " in stdout and "rerun the same command to continue" in stdout
+    assert f"{after_kill} already done" in stdout
     manifest = json.loads((out / "manifest.json").read_text())
-    assert manifest["state"] == "running"  # it never got to say otherwise
+    assert manifest["state"] == "interrupted"
+    status = json.loads((out / "status.json").read_text())
+    assert status["exit_code"] == 75 and status["rows"]["aborted"] == 0  # the grace period drained them all
+    after_term = done_rows(out)
+    assert after_kill < after_term < 60
 
-    rerun = run_cli(*args)
-    assert rerun.returncode == 0, rerun.stderr[-3000:]
-    assert f"60/60 rows (60 ok, 0 error, {killed_at} already done)" in rerun.stdout
-    # Plain log lines, not a progress bar, when stderr is not a terminal.
-    assert "rows (" in rerun.stderr and "output tok/s, ETA" in rerun.stderr and "\r" not in rerun.stderr
+    # 3. the engine's own process dies: finished rows are saved, exit 69 says so
+    proc = start(args)
+    wait_for_new_parts(proc, out, count_parts(out))
+    engine_core(proc).kill()
+    code, stdout, stderr = finish(proc)
+    assert code == 69, stderr[-3000:]
+    assert "Error: The vLLM engine failed mid-run" in stderr and "rerun the same command to continue" in stderr
+    assert json.loads((out / "status.json").read_text())["exit_code"] == 69
+    after_death = done_rows(out)
+    assert after_death > after_term
 
-    files = sorted((out / "parts").glob("part-*.parquet"))
+    # 4. again, with --max-engine-restarts: it restarts in-process and finishes the job
+    proc = start([*args, "--max-engine-restarts", "1"])
+    wait_for_new_parts(proc, out, count_parts(out))
+    engine_core(proc).kill()
+    code, stdout, stderr = finish(proc)
+    assert code == 0, stderr[-3000:]
+    assert "restarting it (1 of 1)" in stderr
+    assert "60/60 rows (60 ok, 0 error" in stdout
+    # plain log lines, not a progress bar, when stderr is not a terminal
+    assert "output tok/s, ETA" in stderr and "\r" not in stderr
+
     ids = []
+    files = sorted((out / "parts").glob("part-*.parquet"))
     for f in files:
         ids += pq.read_table(f).column("id").to_pylist()  # every part readable on its own
     assert sorted(ids) == sorted(table.column("id").to_pylist())
     assert len(ids) == len(set(ids)) == 60
     manifest = json.loads((out / "manifest.json").read_text())
-    assert manifest["state"] == "completed" and len(manifest["attempts"]) == 2
+    assert manifest["state"] == "completed" and len(manifest["attempts"]) == 4
+    assert [a["state"] for a in manifest["attempts"]] == ["running", "interrupted", "failed", "completed"]
     assert manifest["counts"]["num_done"] == 60 and manifest["counts"]["num_parts"] == len(files)
-    status = json.loads((out / "status.json").read_text())
-    assert status["exit_code"] == 0 and status["rows"]["resumed"] == killed_at
+    assert json.loads((out / "status.json").read_text())["engine_restarts"] == 1

@@ -36,10 +36,10 @@ def test_run_writes_every_row_once_with_result_columns(data, tmp_path, model_pat
     assert sorted(t.column("id").to_pylist()) == [f"q{i}" for i in range(10)]
     assert t.column_names == ["id", "prompt", "category", "text", "finish_reason", "prompt_tokens",
                               "output_tokens", "predicted_tokens", "bucket", "queued_at", "first_token_at",
-                              "finished_at", "status", "error", "run_id", "model"]
+                              "finished_at", "status", "error", "prompt_hash", "run_id", "model"]
     row = t.to_pylist()[0]
     assert row["status"] == "ok" and row["model"] == "smollm2-135m" and row["run_id"] == s.run_id
-    assert row["text"].startswith("answer ") and row["prompt_tokens"] > 5
+    assert row["text"] == f"echo of {row['prompt_tokens']} prompt tokens" and row["prompt_tokens"] > 5
     assert row["queued_at"] <= row["finished_at"]
     assert len(list((out / "parts").iterdir())) == 3  # flush_rows=4: 4 + 4 + 2
 
@@ -155,7 +155,7 @@ def test_status_file(data, tmp_path, model_path):
     st = __import__("json").loads((out / "status.json").read_text())
     assert st["state"] == "completed" and st["exit_code"] == 0
     assert st["rows"] == {"total": 10, "done": 10, "ok": 10, "error": 0, "remaining": 0, "resumed": 0,
-                          "duplicates": 0, "in_flight": 0}
+                          "duplicates": 0, "changed": 0, "removed": None, "aborted": 0, "in_flight": 0}
 
 
 def test_null_id_error_rows_are_written_once_across_resumes(write_parquet, tmp_path, model_path):
@@ -194,7 +194,7 @@ def test_time_budget_stops_early_exit_75_and_rerun_completes(write_parquet, tmp_
     assert 0 < s.num_done < 40
     assert s.message == f"deadline reached: {40 - s.num_done} rows not done; rerun the same command to continue"
     assert "deadline at risk: at " in caplog.text and "remaining rows to be left undone" in caplog.text
-    assert "deadline: stopped admitting rows at" in caplog.text
+    assert "deadline reached: stopped admitting rows;" in caplog.text
     st = __import__("json").loads((out / "status.json").read_text())
     assert st["state"] == "partial" and st["exit_code"] == 75 and st["rows"]["remaining"] == 40 - s.num_done
     assert st["forecast"]["will_miss"] is True and st["forecast"]["deadline"]

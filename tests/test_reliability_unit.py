@@ -1,0 +1,235 @@
+"""Reliability pieces without the engine: locks, retries, failpoints, redaction, signals, engine restarts."""
+
+import errno
+import json
+import os
+import signal
+import socket
+import threading
+import time
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from fakes import FakeEngine
+from overnight.pipeline import faults
+from overnight.pipeline.api import run_job
+from overnight.pipeline.checkpoint import OutputDir
+from overnight.pipeline.configio import resolve
+from overnight.pipeline.engine import EngineError
+from overnight.pipeline.lock import LockError, RunLock
+from overnight.pipeline.storage import redact, with_retries
+
+
+def cfg(inp, out, **sections):
+    layer = {"input": {"path": str(inp)}, "output": {"path": str(out), "flush_rows": 4}}
+    for k, v in sections.items():
+        layer.setdefault(k, {}).update(v)
+    return resolve(layer)
+
+
+@pytest.fixture
+def data(write_parquet):
+    return write_parquet({"id": [f"q{i:02d}" for i in range(24)], "prompt": [f"question {i}?" for i in range(24)]})
+
+
+# -- locks -------------------------------------------------------------------------------------
+
+def write_lock(out, **info):
+    os.makedirs(out, exist_ok=True)
+    base = {"host": socket.gethostname(), "pid": os.getpid(), "started_at": "2026-11-22T01:00:00+00:00",
+            "run_id": "run-x", "token": "t", "heartbeat": time.time()}
+    base.update(info)
+    (out / ".overnight.lock").write_text(json.dumps(base))
+
+
+def test_a_second_run_on_the_same_out_is_refused_naming_the_first(tmp_path):
+    out = tmp_path / "out"
+    write_lock(out, host="other-host", pid=4242)
+    with pytest.raises(LockError) as e:
+        RunLock(OutputDir(str(out))).acquire()
+    assert str(e.value).startswith(f"{out} is in use by another overnight run: host other-host, pid 4242, started "
+                                   f"2026-11-22T01:00:00+00:00 (run-x).")
+
+
+def test_a_lock_of_a_dead_process_on_this_host_is_taken_over(tmp_path, caplog):
+    out = tmp_path / "out"
+    dead = 2 ** 22 + 12345  # above the usual pid_max: no such process
+    write_lock(out, pid=dead)
+    lock = RunLock(OutputDir(str(out)))
+    lock.acquire()
+    assert json.loads((out / ".overnight.lock").read_text())["token"] == lock.token
+    assert "taking over a stale lock" in caplog.text
+    lock.release()
+    assert not (out / ".overnight.lock").exists()
+
+
+def test_a_lock_without_heartbeat_is_stale_anywhere(tmp_path):
+    out = tmp_path / "out"
+    write_lock(out, host="other-host", pid=1, heartbeat=time.time() - 3600)
+    RunLock(OutputDir(str(out))).acquire()
+
+
+def test_two_runs_at_once_through_the_job(data, tmp_path, model_path):
+    out = tmp_path / "out"
+    write_lock(out, host="busy-host", pid=7)
+    with pytest.raises(LockError, match="in use by another overnight run: host busy-host, pid 7"):
+        run_job(cfg(data, out), engine=FakeEngine(), is_tty=False)
+    assert not (out / "manifest.json").exists()  # refused before touching anything
+
+
+def test_the_lock_is_released_after_a_run(data, tmp_path, model_path):
+    out = tmp_path / "out"
+    run_job(cfg(data, out), engine=FakeEngine(), is_tty=False)
+    assert not (out / ".overnight.lock").exists()
+
+
+# -- storage -----------------------------------------------------------------------------------
+
+def test_transient_errors_are_retried_with_backoff():
+    calls, sleeps = [], []
+
+    def flaky():
+        calls.append(1)
+        if len(calls) < 3:
+            raise ConnectionError("connection reset")
+        return "ok"
+
+    assert with_retries(flaky, "writing x", sleep=sleeps.append) == "ok"
+    assert sleeps == [0.5, 1.0]
+
+
+def test_permanent_errors_are_not_retried():
+    sleeps = []
+
+    def full():
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with pytest.raises(OSError, match="No space left"):
+        with_retries(full, "writing x", sleep=sleeps.append)
+    assert sleeps == []
+
+
+def test_an_injected_transient_write_failure_is_retried_and_the_job_completes(data, tmp_path, model_path,
+                                                                               monkeypatch, caplog):
+    monkeypatch.setenv("OVERNIGHT_FAILPOINTS", "storage.write=oserror@2-3")
+    monkeypatch.setattr("overnight.pipeline.storage.RETRY_DELAYS", (0.01, 0.01, 0.01))
+    faults.reset()
+    try:
+        s = run_job(cfg(data, tmp_path / "out"), engine=FakeEngine(), is_tty=False)
+    finally:
+        monkeypatch.delenv("OVERNIGHT_FAILPOINTS")
+        faults.reset()
+    assert s.state == "completed" and s.num_done == 24
+    assert "injected I/O error" in caplog.text and "retry 1 of 3" in caplog.text
+    assert pq.read_table(tmp_path / "out" / "parts").num_rows == 24
+
+
+def test_redact_masks_credentials_in_urls():
+    assert redact("s3://bucket/x") == "s3://bucket/x"
+    assert redact("ftp://user:secret@host/dir/f.parquet") == "ftp://***@host/dir/f.parquet"
+    assert redact("/local/path") == "/local/path"
+
+
+# -- signals -----------------------------------------------------------------------------------
+
+def signal_after(sig, delay, times=1, gap=0.3):
+    def send():
+        for i in range(times):
+            time.sleep(delay if i == 0 else gap)
+            os.kill(os.getpid(), sig)
+    t = threading.Thread(target=send, daemon=True)
+    t.start()
+    return t
+
+
+def slow_engine():
+    return FakeEngine(max_num_seqs=2, step_sleep=0.05, length_of=lambda ids: 10)
+
+
+def test_sigterm_drains_within_grace_and_exits_75(data, tmp_path, model_path):
+    out = tmp_path / "out"
+    signal_after(signal.SIGTERM, 0.5)
+    eng = slow_engine()
+    s = run_job(cfg(data, out, scheduler={"grace_s": 30}), engine=eng, is_tty=False)
+    assert (s.state, s.exit_code) == ("interrupted", 75)
+    assert s.message.startswith("interrupted by SIGTERM: ") and "rows not done" in s.message
+    assert eng.aborted == []  # the grace period let the rows in flight finish
+    m = json.loads((out / "manifest.json").read_text())
+    assert m["state"] == "interrupted" and m["counts"]["num_done"] == s.num_done
+    assert 0 < s.num_done < 24 and pq.read_table(out / "parts").num_rows == s.num_done
+    again = run_job(cfg(data, out), engine=FakeEngine(), is_tty=False)
+    ids = pq.read_table(out / "parts").column("id").to_pylist()
+    assert again.state == "completed" and len(ids) == 24 == len(set(ids))
+
+
+def test_a_second_signal_aborts_at_once_and_leaves_a_consistent_checkpoint(data, tmp_path, model_path):
+    out = tmp_path / "out"
+    signal_after(signal.SIGINT, 0.5, times=2, gap=0.1)
+    eng = FakeEngine(max_num_seqs=2, step_sleep=0.05, length_of=lambda ids: 200)
+    s = run_job(cfg(data, out, scheduler={"grace_s": 60}), engine=eng, is_tty=False)
+    aborted = json.loads((out / "status.json").read_text())["rows"]["aborted"]
+    assert s.state == "interrupted" and s.exit_code == 75 and len(eng.aborted) == aborted > 0
+    done = pq.read_table(out / "parts").num_rows if (out / "parts").exists() else 0
+    assert done == s.num_done
+
+
+# -- engine death ------------------------------------------------------------------------------
+
+def test_engine_restarts_in_process_and_the_run_completes(data, tmp_path, model_path, caplog):
+    out = tmp_path / "out"
+    engines = [FakeEngine(max_num_seqs=2, fail_after_steps=5)]
+
+    def factory():
+        engines.append(FakeEngine(max_num_seqs=2))
+        return engines[-1]
+
+    from overnight.pipeline.job import open_job
+    from overnight.pipeline.runner import Runner
+    job = open_job(cfg(data, out, engine={"max_restarts": 1}))
+    try:
+        s = Runner(job, engines[0], is_tty=False, engine_factory=factory).run()
+    finally:
+        job.lock.release()
+    assert s.state == "completed" and len(engines) == 2
+    assert "restarting it (1 of 1); 4 rows in flight go back to the queue" in caplog.text  # 2 running, 2 waiting
+    ids = pq.read_table(out / "parts").column("id").to_pylist()
+    assert len(ids) == 24 == len(set(ids))
+    assert json.loads((out / "status.json").read_text())["engine_restarts"] == 1
+
+
+def test_engine_death_without_restarts_fails_with_a_clear_message(data, tmp_path, model_path):
+    out = tmp_path / "out"
+    from overnight.pipeline.job import open_job
+    from overnight.pipeline.runner import Runner
+    job = open_job(cfg(data, out))
+    try:
+        with pytest.raises(EngineError, match="The vLLM engine failed mid-run .* Pass --max-engine-restarts N"):
+            Runner(job, FakeEngine(max_num_seqs=2, fail_after_steps=15), is_tty=False,
+                   engine_factory=lambda: FakeEngine()).run()
+    finally:
+        job.lock.release()
+    st = json.loads((out / "status.json").read_text())
+    assert st["exit_code"] == 69 and st["state"] == "failed"
+    assert st["rows"]["done"] == pq.read_table(out / "parts").num_rows > 0
+
+
+# -- input changes between attempts -------------------------------------------------------------
+
+def test_resume_after_the_input_changed(write_parquet, tmp_path, model_path, caplog):
+    out = tmp_path / "out"
+    first = write_parquet({"id": ["a", "b", "c", "d"], "prompt": ["one", "two", "three", "four"]}, "v1.parquet")
+    run_job(cfg(first, out), engine=FakeEngine(), is_tty=False)
+    # b removed, c changed, e added
+    second = write_parquet({"id": ["a", "c", "d", "e"], "prompt": ["one", "THREE?", "four", "five"]}, "v2.parquet")
+    eng = FakeEngine()
+    s = run_job(cfg(second, out), engine=eng, is_tty=False)
+    assert len(eng.added) == 1  # only e
+    rows = s.extra["rows"]
+    assert (rows["resumed"], rows["changed"], rows["removed"]) == (3, 1, 1)
+    assert "id 'c' at v2.parquet#1: its prompt changed since its result was written" in caplog.text
+    assert "1 rows in" in caplog.text and "are no longer in the input (e.g. ids 'b')" in caplog.text
+    t = pq.read_table(out / "parts").to_pylist()
+    assert sorted(r["id"] for r in t) == ["a", "b", "c", "d", "e"]
+    assert all(len(r["prompt_hash"]) == 16 for r in t)
