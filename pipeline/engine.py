@@ -124,6 +124,7 @@ class VllmEngine:
         # vLLM refuses a non-zero priority unless its scheduler runs the priority policy.
         self.supports_priority: bool = str(getattr(vcfg.scheduler_config, "policy", "fcfs")).endswith("priority")
         self.num_preemptions = 0
+        self.watchdog = EngineWatchdog(llm_engine)
 
     @classmethod
     def from_config(cls, cfg: EngineConfig, model_path: str, scheduling_policy: str = "fcfs") -> "VllmEngine":
@@ -191,9 +192,65 @@ class VllmEngine:
         return self.engine.has_unfinished_requests()
 
     def shutdown(self) -> None:
+        self.watchdog.stop()
         core = getattr(self.engine, "engine_core", None)
         if core is not None and hasattr(core, "shutdown"):
             core.shutdown()
+
+
+class EngineWatchdog:
+    """Wakes a step() that would wait forever on an engine whose processes died.
+
+    vllm's sync client (0.32 at least) marks the engine dead when its engine-core process exits, but leaves
+    get_output() blocked on its output queue. This thread watches the engine's processes and, when one of
+    them is gone (or vLLM has marked the engine dead), puts an error into that queue, so step() raises and
+    the job can save its rows and restart or stop. It does nothing if the client has no such queue.
+    """
+
+    def __init__(self, llm_engine, interval: float = 0.5):
+        import threading
+
+        core = getattr(llm_engine, "engine_core", None)
+        self._queue = getattr(core, "outputs_queue", None)
+        self._resources = getattr(core, "resources", None)
+        self._pids = _engine_pids()
+        self._stop = threading.Event()
+        self._interval = interval
+        self.fired = False
+        if self._queue is not None and hasattr(self._queue, "put_nowait"):
+            threading.Thread(target=self._run, name="overnight-engine-watchdog", daemon=True).start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._interval):
+            dead = [p for p in self._pids if not _pid_running(p)]
+            if dead or getattr(self._resources, "engine_dead", False):
+                self.fired = True
+                self._queue.put_nowait(RuntimeError(
+                    f"the engine's process {dead[0] if dead else ''} exited unexpectedly".replace("  ", " ")))
+                return
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+def _engine_pids() -> list[int]:
+    try:
+        import psutil
+
+        return [c.pid for c in psutil.Process().children(recursive=True)
+                if "VLLM" in c.name() or "VLLM" in " ".join(c.cmdline())]
+    except Exception:
+        return []
+
+
+def _pid_running(pid: int) -> bool:
+    try:
+        import psutil
+
+        p = psutil.Process(pid)
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    except Exception:
+        return False
 
 
 _ENGINES: dict[tuple, VllmEngine] = {}
@@ -207,6 +264,9 @@ def get_engine(cfg: EngineConfig, model_path: str, scheduling_policy: str = "fcf
         shutdown_engines()  # one engine at a time: each holds its KV cache
         engine = VllmEngine.from_config(cfg, model_path, scheduling_policy)
         _ENGINES[key] = engine
+        from overnight.pipeline.reaper import watch_engine_processes
+
+        watch_engine_processes()  # vLLM's processes would outlive a SIGKILLed job
     return engine
 
 

@@ -86,15 +86,6 @@ def open_file(url: str, mode: str = "rb"):
     return fs.open(path, mode)
 
 
-def arrow_fs(fs):
-    """A pyarrow filesystem over an fsspec one (native for local paths)."""
-    import pyarrow.fs as pafs
-
-    if is_local(fs):
-        return pafs.LocalFileSystem()
-    return pafs.PyFileSystem(pafs.FSSpecHandler(fs))
-
-
 def write_atomic(fs, path: str, data: bytes) -> None:
     """Write ``data`` so that ``path`` is either absent, the old content, or complete.
 

@@ -8,7 +8,7 @@ through a manifest update. After the kills, one more run completes the job;
 then every Parquet file must be readable, every input id must appear exactly
 once, and the manifest's counts must match the data.
 
-    python tests/killharness.py --kills 20 --rows 1500               # echo engine, about two minutes
+    python tests/killharness.py --kills 20 --rows 4000               # echo engine, about two minutes
     python tests/killharness.py --kills 5 --rows 120 --engine vllm   # the real engine, ~40 s per restart
 """
 
@@ -86,8 +86,10 @@ def run(inp: Path, out: Path, engine: str, rows: int, kills: int, seed: int, log
     ids = make_input(inp, rows)
     report = Report(engine=engine, rows=rows)
     base_env = dict(os.environ)
-    args = [*overnight(), "run", str(inp), "--out", str(out), "--max-tokens", "48", "--flush-rows", "25",
-            "--flush-seconds", "1", "--log-every", "5"]
+    config = inp.with_name("killharness.yaml")
+    config.write_text("input:\n  batch_rows: 100\n")  # many read batches, so kills land while reading too
+    args = [*overnight(), "run", str(inp), "--out", str(out), "--config", str(config), "--max-tokens", "48",
+            "--flush-rows", "25", "--flush-seconds", "1", "--log-every", "5"]
     if engine == "echo":
         base_env["OVERNIGHT_ENGINE"] = "echo:step_ms=4"
     else:
@@ -155,7 +157,7 @@ def run(inp: Path, out: Path, engine: str, rows: int, kills: int, seed: int, log
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--kills", type=int, default=20)
-    ap.add_argument("--rows", type=int, default=1500)
+    ap.add_argument("--rows", type=int, default=4000)  # more than 20 attempts can finish, so every kill lands mid-job
     ap.add_argument("--engine", choices=["echo", "vllm"], default="echo")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", action="store_true")

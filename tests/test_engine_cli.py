@@ -155,3 +155,16 @@ def test_memory_urls_and_yaml_config(tmp_path, model_path):
         assert json.load(f)["state"] == "completed"
     q = invoke("inspect", "memory://engine-test/out", "--sql", "select count(*) as n from results", "--format", "csv")
     assert q.output.split() == ["n", "4"]
+
+
+def test_s3_input_and_output_on_the_real_engine(s3, model_path):
+    import fsspec
+    fs = fsspec.filesystem("s3")
+    with fs.open("overnight-test/engine-in/a.parquet", "wb") as f:
+        pq.write_table(real_prompts(6), f)
+    out = "s3://overnight-test/engine-out"
+    result = invoke("run", "s3://overnight-test/engine-in/", "--out", out, *FAST)
+    assert "6/6 rows (6 ok, 0 error)" in result.output
+    q = invoke("inspect", out, "--sql", "select count(*) as n, min(length(text)) > 0 as texts from results",
+               "--format", "csv")
+    assert q.output.split() == ["n,texts", "6,true"]
