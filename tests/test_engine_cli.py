@@ -167,4 +167,4 @@ def test_s3_input_and_output_on_the_real_engine(s3, model_path):
     assert "6/6 rows (6 ok, 0 error)" in result.output
     q = invoke("inspect", out, "--sql", "select count(*) as n, min(length(text)) > 0 as texts from results",
                "--format", "csv")
-    assert q.output.split() == ["n,texts", "6,true"]
+    assert q.output.split() == ["n,texts", "6,True"]

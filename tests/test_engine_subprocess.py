@@ -63,6 +63,12 @@ def engine_processes() -> list:
     return found
 
 
+def figure(fault: str, since: float, rows_done: int) -> None:
+    # for docs/RELIABILITY.md: pytest -s tests/test_engine_subprocess.py
+    print(f"\n{fault}: {time.monotonic() - since:.1f} s from the fault to the end of the process; "
+          f"{rows_done} rows done")
+
+
 def finish(proc, timeout=600):
     proc.wait(timeout=timeout)
     out, err = proc.communicate(timeout=60)
@@ -83,6 +89,7 @@ def test_one_job_through_kill_sigterm_and_engine_death(tmp_path, model_path):
     wait_for_new_parts(proc, out, 0, 2)
     before = {p.pid for p in engine_processes()}
     assert before, "the engine's processes are running"
+    t = time.monotonic()
     os.kill(proc.pid, signal.SIGKILL)
     finish(proc)
     # vLLM's processes would outlive their killed parent; the job's reaper takes them down
@@ -91,6 +98,7 @@ def test_one_job_through_kill_sigterm_and_engine_death(tmp_path, model_path):
         time.sleep(0.2)
     assert not before & {p.pid for p in engine_processes()}
     after_kill = done_rows(out)
+    figure("SIGKILL: engine processes reaped", t, after_kill)
     assert 0 < after_kill < 120
     assert json.loads((out / "manifest.json").read_text())["state"] == "running"  # it never got to say otherwise
 
@@ -98,6 +106,7 @@ def test_one_job_through_kill_sigterm_and_engine_death(tmp_path, model_path):
     #    save, exit 75
     proc = start([*args, "--grace", "3s"])
     wait_for_new_parts(proc, out, count_parts(out))
+    t = time.monotonic()
     proc.send_signal(signal.SIGTERM)
     code, stdout, stderr = finish(proc)
     assert code == 75, stderr[-3000:]
@@ -110,24 +119,29 @@ def test_one_job_through_kill_sigterm_and_engine_death(tmp_path, model_path):
     status = json.loads((out / "status.json").read_text())
     assert status["exit_code"] == 75 and status["rows"]["aborted"] > 0
     after_term = done_rows(out)
+    figure("SIGTERM --grace 3s: drained, aborted, exit 75", t, after_term)
     assert after_kill < after_term < 120
 
     # 3. the engine's own process dies: finished rows are saved, exit 69 says so
     proc = start(args)
     wait_for_new_parts(proc, out, count_parts(out))
+    t = time.monotonic()
     engine_core(proc).kill()
     code, stdout, stderr = finish(proc)
     assert code == 69, stderr[-3000:]
     assert "Error: The vLLM engine failed mid-run" in stderr and "rerun the same command to continue" in stderr
     assert json.loads((out / "status.json").read_text())["exit_code"] == 69
     after_death = done_rows(out)
+    figure("engine core killed: saved, exit 69", t, after_death)
     assert after_term < after_death < 120
 
     # 4. again, with --max-engine-restarts: it restarts in-process and finishes the job
     proc = start([*args, "--max-engine-restarts", "1"])
     wait_for_new_parts(proc, out, count_parts(out))
+    t = time.monotonic()
     engine_core(proc).kill()
     code, stdout, stderr = finish(proc)
+    figure("engine core killed, --max-engine-restarts 1: restarted and completed", t, 120)
     assert code == 0, stderr[-3000:]
     assert "restarting it (1 of 1)" in stderr
     assert "120/120 rows (120 ok, 0 error" in stdout
