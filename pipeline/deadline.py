@@ -65,7 +65,9 @@ def parse_deadline(text: str, now: float) -> float:
 
 class DeadlineTracker:
     def __init__(self, deadline: Optional[float], margin_s: float = 0.0, clock: Callable[[], float] = time.time,
-                 initial_tokens_per_s: Optional[float] = None, window_s: float = 30.0, warmup_s: float = 3.0):
+                 initial_tokens_per_s: Optional[float] = None, window_s: float = 30.0, warmup_s: float = 10.0):
+        # warmup_s: the first seconds of a run measure prefill and start-up more than generation; a rate
+        # measured over less than this is not trusted (a configured tokens_per_second is used meanwhile).
         self.deadline = deadline
         self.stop_at = None if deadline is None else deadline - margin_s
         self.clock = clock

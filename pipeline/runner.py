@@ -72,6 +72,7 @@ class Runner:
         self.queued_at: dict[str, float] = {}
         self.emitted: set = set()  # ids this run has handed on (or skipped as already done)
         self.in_flight_predicted = 0
+        self.generated_estimate = 0  # output tokens generated in this attempt, counted by step (see _collect)
         self.predicted_sum = 0
         self.predicted_n = 0
         self.signals = StopRequests()
@@ -157,11 +158,16 @@ class Runner:
                                             f"{a.row.origin}: the engine refused the row: {e}", time.time())])
 
     def _collect(self) -> None:
+        running = min(self.scheduler.num_running, self.engine.max_num_seqs)
         try:
             finished = self.engine.step()
         except Exception as e:
             self._on_engine_failure(e)
             return
+        # vLLM reports a row's tokens only when it finishes, so the first minutes of a job, before any long
+        # row is done, would measure almost nothing. A step gives each running sequence one token: counting
+        # those measures the rate from the first step on (it overcounts a little while prompts prefill).
+        self.generated_estimate += running
         if finished:
             results, rows = [], []
             for fin in finished:
@@ -269,7 +275,7 @@ class Runner:
         if now - self._last_tick < TICK_S:
             return
         self._last_tick = now
-        self.tracker.observe(self.tally.attempt_tokens)
+        self.tracker.observe(self.generated_estimate)
         if self.job.lock is not None:
             self.job.lock.heartbeat()
         if now - self._last_refresh >= REFRESH_S and self.annotator.wants_refresh():
@@ -292,7 +298,8 @@ class Runner:
         f = self.tracker.forecast(self.in_flight_predicted / 2, self.scheduler.num_running, tokens, unread, mean)
         self.forecast = f
         if f.tokens_per_s and self.scheduler.num_running:
-            self.scheduler.per_seq_tokens_per_s = f.tokens_per_s / self.scheduler.num_running
+            self.scheduler.per_seq_tokens_per_s = f.tokens_per_s / min(self.scheduler.num_running,
+                                                                       self.engine.max_num_seqs)
         self.progress.set_forecast(f.eta_s, f.time_left_s if self.tracker.deadline else None, f.will_miss)
         if self.tracker.deadline is None or self.stopping:
             return
