@@ -23,7 +23,7 @@ import numpy as np
 from overnight.buckets.features import HASH_DIM, NUMERIC_NAMES, FeatureBatch
 from overnight.buckets.predictors import Prediction, Predictor
 
-FORMAT = "overnight-predictor/1"
+FORMAT = "overnight-predictor/2"
 
 
 class PredictorFileError(Exception):
@@ -37,7 +37,10 @@ def _model(emb: int, hidden: int):
         def __init__(self):
             super().__init__()
             self.emb = nn.EmbeddingBag(HASH_DIM, emb, mode="sum")
-            self.mlp = nn.Sequential(nn.Linear(emb + len(NUMERIC_NAMES), hidden), nn.ReLU(), nn.Linear(hidden, 1))
+            # Hashed features a file never saw in training must add nothing: start every embedding at zero
+            # (PyTorch's default N(0, 1) leaves unseen features as random noise at prediction time).
+            nn.init.zeros_(self.emb.weight)
+            self.mlp = nn.Sequential(nn.Linear(emb + NUM_INPUTS, hidden), nn.ReLU(), nn.Linear(hidden, 1))
 
         def forward(self, indices, offsets, weights, numeric):
             import torch
@@ -48,11 +51,19 @@ def _model(emb: int, hidden: int):
     return RankModel()
 
 
+# The numeric features, plus the heuristic's log prediction as a prior the model corrects.
+NUM_INPUTS = len(NUMERIC_NAMES) + 1
+
+
+def _numeric(fb: FeatureBatch) -> np.ndarray:
+    return np.concatenate([fb.numeric, np.log(np.maximum(fb.heuristic, 1.0))[:, None]], axis=1)
+
+
 def _tensors(fb: FeatureBatch, mean: np.ndarray, std: np.ndarray):
     import torch
 
     return (torch.from_numpy(fb.indices.astype(np.int64)), torch.from_numpy(fb.indptr[:-1].astype(np.int64)),
-            torch.from_numpy(fb.values), torch.from_numpy(((fb.numeric - mean) / std).astype(np.float32)))
+            torch.from_numpy(fb.values), torch.from_numpy(((_numeric(fb) - mean) / std).astype(np.float32)))
 
 
 def _subset(fb: FeatureBatch, rows: np.ndarray) -> FeatureBatch:
@@ -105,8 +116,8 @@ class TrainedPredictor(Predictor):
         started = time.monotonic()
         torch.manual_seed(seed)
         rng = np.random.default_rng(seed)
-        mean = fb.numeric.mean(axis=0)
-        std = fb.numeric.std(axis=0) + 1e-6
+        mean = _numeric(fb).mean(axis=0)
+        std = _numeric(fb).std(axis=0) + 1e-6
         model = _model(emb, hidden)
         opt = torch.optim.Adam(model.parameters(), lr=lr, weight_decay=1e-6)
         y_all = np.log(np.maximum(actual, 1)).astype(np.float32)
@@ -136,7 +147,7 @@ class TrainedPredictor(Predictor):
             if (epoch + 1) % 10 == 0 or epoch + 1 == epochs:
                 log(f"epoch {epoch + 1}/{epochs}: loss {loss.item():.3f}")
         meta = {"format": FORMAT, "emb": emb, "hidden": hidden, "hash_dim": HASH_DIM,
-                "numeric": list(NUMERIC_NAMES), "num_rows": n, "sources": sources or [],
+                "numeric": [*NUMERIC_NAMES, "log_heuristic"], "num_rows": n, "sources": sources or [],
                 "trained_at": time.time()}
         p = cls(model, mean, std, meta)
         train_tau = kendall_tau(p.predict(fb).score, actual)
