@@ -213,7 +213,9 @@ class EngineWatchdog:
         core = getattr(llm_engine, "engine_core", None)
         self._queue = getattr(core, "outputs_queue", None)
         self._resources = getattr(core, "resources", None)
-        self._pids = _engine_pids()
+        from overnight.pipeline.reaper import engine_child_pids
+
+        self._pids = engine_child_pids()
         self._stop = threading.Event()
         self._interval = interval
         self.fired = False
@@ -221,8 +223,10 @@ class EngineWatchdog:
             threading.Thread(target=self._run, name="overnight-engine-watchdog", daemon=True).start()
 
     def _run(self) -> None:
+        from overnight.pipeline.reaper import is_running
+
         while not self._stop.wait(self._interval):
-            dead = [p for p in self._pids if not _pid_running(p)]
+            dead = [p for p in self._pids if not is_running(p)]
             if dead or getattr(self._resources, "engine_dead", False):
                 self.fired = True
                 self._queue.put_nowait(RuntimeError(
@@ -231,26 +235,6 @@ class EngineWatchdog:
 
     def stop(self) -> None:
         self._stop.set()
-
-
-def _engine_pids() -> list[int]:
-    try:
-        import psutil
-
-        return [c.pid for c in psutil.Process().children(recursive=True)
-                if "VLLM" in c.name() or "VLLM" in " ".join(c.cmdline())]
-    except Exception:
-        return []
-
-
-def _pid_running(pid: int) -> bool:
-    try:
-        import psutil
-
-        p = psutil.Process(pid)
-        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
-    except Exception:
-        return False
 
 
 _ENGINES: dict[tuple, VllmEngine] = {}

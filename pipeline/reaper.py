@@ -74,6 +74,28 @@ def main() -> None:
     reap(pids)
 
 
+def engine_child_pids() -> list[int]:
+    """Pids of vLLM's processes (engine core, workers) below this process."""
+    try:
+        import psutil
+
+        children = psutil.Process().children(recursive=True)
+    except Exception:
+        return []
+    return [c.pid for c in children if _is_engine(c.pid)]
+
+
+def is_running(pid: int) -> bool:
+    """Alive and not a zombie."""
+    try:
+        import psutil
+
+        p = psutil.Process(pid)
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    except Exception:
+        return False
+
+
 class Reaper:
     """The job's side: start the reaper, report engine processes to it."""
 
@@ -85,13 +107,7 @@ class Reaper:
 
     def watch_children(self) -> None:
         """Report every engine process below this one (call after the engine starts or restarts)."""
-        try:
-            import psutil
-
-            children = psutil.Process().children(recursive=True)
-        except Exception:
-            return
-        new = [c.pid for c in children if c.pid not in self.reported and c.pid != self.proc.pid and _is_engine(c.pid)]
+        new = [p for p in engine_child_pids() if p not in self.reported and p != self.proc.pid]
         if new and self.proc.poll() is None:
             self.proc.stdin.write("".join(f"{p}\n" for p in new))
             self.proc.stdin.flush()

@@ -31,6 +31,7 @@ from overnight.pipeline.prefetch import Prefetcher
 from overnight.pipeline.progress import Progress, fmt_duration
 from overnight.pipeline.prompts import PromptBuilder
 from overnight.pipeline.records import Result, Row
+from overnight.pipeline.resume import ResumeFilter
 from overnight.pipeline.report import EXIT_PARTIAL, Summary, forecast_dict, iso
 from overnight.pipeline.scheduler import Mode, Policy, Scheduler
 from overnight.pipeline.signals import StopRequests
@@ -70,7 +71,7 @@ class Runner:
         self.passthrough = job.source.passthrough_columns()
         self.tally = Tally(job.source.num_rows, job.scan.num_ok, job.scan.num_error, job.scan.num_output_tokens)
         self.queued_at: dict[str, float] = {}
-        self.emitted: set = set()  # ids this run has handed on (or skipped as already done)
+        self.resume = ResumeFilter(job.scan, self.tally, job.out.url)
         self.in_flight_predicted = 0
         self.generated_estimate = 0  # output tokens generated in this attempt, counted by step (see _collect)
         self.predicted_sum = 0
@@ -142,7 +143,7 @@ class Runner:
                 self._collect()
             elif self.stopping is not None or (self.exhausted and self.scheduler.is_done()):
                 if self.exhausted and self.scheduler.is_done():
-                    self._report_removed()
+                    self.resume.report_removed(self.job.cfg.input.limit is not None)
                 return
 
     def _admit(self) -> None:
@@ -218,50 +219,13 @@ class Runner:
         for sb in self.job.source.batches():
             self.tally.num_read += sb.batch.num_rows
             parsed, errors = parse_batch(sb, cfg.input, self.defaults, self.passthrough)
-            parsed = [p for p in parsed if self._is_new(p.id, p.origin, p.prompt_hash)]
-            errors = [e for e in errors if self._is_new_error(e)]
+            parsed = [p for p in parsed if self.resume.is_new(p.id, p.origin, p.prompt_hash)]
+            errors = [e for e in errors if self.resume.is_new_error(e)]
             ready, texts, bad = self.builder.build(parsed)
             self.annotator.annotate(ready, texts)
             self.predicted_sum += sum(row.predicted_tokens or 0 for row in ready)
             self.predicted_n += len(ready)
             yield ready, errors + bad
-
-    def _is_new_error(self, e: Result) -> bool:
-        if e.id is None:  # matched by origin: its message starts with "<file>#<row>"
-            return e.error.split(": ", 1)[0] not in self.job.scan.null_id_origins
-        return self._is_new(e.id, e.error, e.prompt_hash)
-
-    def _is_new(self, row_id, origin: str, prompt_hash: Optional[str]) -> bool:
-        done = self.job.scan.done_ids
-        if row_id in done and row_id not in self.emitted:
-            self.tally.num_resumed += 1
-            self.emitted.add(row_id)  # a later duplicate of a resumed id is a duplicate
-            old = done[row_id]
-            if old and prompt_hash and old != prompt_hash:
-                self.tally.num_changed += 1
-                if self.tally.num_changed <= 5:
-                    log.warning(f"id {row_id!r} at {origin.split(': ')[0]}: its prompt changed since its result was "
-                                f"written (prompt_hash {old} -> {prompt_hash}); the old result is kept. Use --fresh "
-                                f"to answer every row again, or a new --out")
-            return False
-        if row_id in self.emitted:
-            self.tally.num_duplicates += 1
-            if self.tally.num_duplicates <= 5:
-                log.warning("duplicate id %r at %s: the first row with this id is kept, this one is skipped",
-                            row_id, origin.split(": ")[0])
-            return False
-        self.emitted.add(row_id)
-        return True
-
-    def _report_removed(self) -> None:
-        """After a full pass: finished rows whose ids are no longer in the input."""
-        if self.job.cfg.input.limit is not None or not self.job.scan.done_ids:
-            return
-        gone = [i for i in self.job.scan.done_ids if i not in self.emitted and i is not None]
-        self.tally.num_removed = len(gone)
-        if gone:
-            log.warning(f"{len(gone)} rows in {self.job.out.url} are no longer in the input (e.g. ids "
-                        f"{', '.join(repr(i) for i in gone[:3])}); their results are kept")
 
     # -- time, signals, deadline -----------------------------------------------------------------
     def _tick(self) -> None:
