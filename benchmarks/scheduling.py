@@ -49,6 +49,22 @@ def workload(data_dir: str, n_gsm: int, n_mt: int, n_vic: int, seed: int):
     return table.slice(0, half), table.slice(half)
 
 
+def deadline_goodput(args, ours, job, pb_path: str, budget: float, trained_path: str):
+    print(f"\ndeadline goodput on half B: time budget {budget:.1f} s ({args.deadline_share:.0%} of the "
+          f"LLM.generate makespan); rows completed by the deadline:")
+    done: dict[str, list[int]] = {"auto": [], "fifo": []}
+    for r in range(args.repeats):
+        for pol in (["auto", "fifo"] if r % 2 == 0 else ["fifo", "auto"]):
+            extra = {"predictor": trained_path} if pol == "auto" else {}
+            _, summ = ours(job(pb_path, f"b-deadline-{pol}", scheduler={"policy": pol, "time_budget": f"{budget}s",
+                                                                        "on_deadline": "abort"}, buckets=extra))
+            done[pol].append(summ.num_done)
+            print(f"  rep {r} {pol:5s}: {summ.num_done:4d} rows ({summ.state}, exit {summ.exit_code})", flush=True)
+    ratios = [x / max(1, y) for x, y in zip(done["auto"], done["fifo"])]
+    print(f"  auto / fifo: {', '.join(f'{x:.2f}x' for x in ratios)} (median {statistics.median(ratios):.2f}x)")
+    return done, budget
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--data", default=os.path.join(REPO, "..", "shared", "data"))
@@ -59,6 +75,9 @@ def main() -> None:
     ap.add_argument("--deadline-share", type=float, default=0.3)
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--out", default=None, help="Folder for the runs' outputs (default: a temporary one).")
+    ap.add_argument("--deadline-only", nargs=2, metavar=("BUDGET_S", "PREDICTOR"), default=None,
+                    help="Run only the deadline comparison, with this time budget and the predictor file an "
+                         "earlier full run trained (its budget and lengths.pt), to compare a change of policy.")
     args = ap.parse_args()
 
     import pyarrow.parquet as pq
@@ -107,6 +126,10 @@ def main() -> None:
         summary = run_job(cfg, fresh=True, engine=engine, is_tty=False)
         return time.perf_counter() - t0, summary
 
+    if args.deadline_only:
+        deadline_goodput(args, ours, job, pb_path, float(args.deadline_only[0]), args.deadline_only[1])
+        return
+
     # 1. train on half A
     t_a, sa = ours(job(pa_path, "a-fifo", scheduler={"policy": "fifo"}))
     data_a = load_outputs([os.path.join(root, "a-fifo")])
@@ -150,19 +173,7 @@ def main() -> None:
               f"(per rep: {', '.join(f'{100 * (1 - x / y):+.1f}%' for x, y in zip(times[n], times[names[0]]))})")
 
     # 3. deadline goodput on half B
-    budget = args.deadline_share * raw_med
-    print(f"\ndeadline goodput on half B: time budget {budget:.1f} s ({args.deadline_share:.0%} of the "
-          f"LLM.generate makespan); rows completed by the deadline:")
-    done: dict[str, list[int]] = {"auto": [], "fifo": []}
-    for r in range(args.repeats):
-        for pol in (["auto", "fifo"] if r % 2 == 0 else ["fifo", "auto"]):
-            extra = {"predictor": trained_path} if pol == "auto" else {}
-            _, summ = ours(job(pb_path, f"b-deadline-{pol}", scheduler={"policy": pol, "time_budget": f"{budget}s",
-                                                                        "on_deadline": "abort"}, buckets=extra))
-            done[pol].append(summ.num_done)
-            print(f"  rep {r} {pol:5s}: {summ.num_done:4d} rows ({summ.state}, exit {summ.exit_code})", flush=True)
-    ratios = [x / max(1, y) for x, y in zip(done["auto"], done["fifo"])]
-    print(f"  auto / fifo: {', '.join(f'{x:.2f}x' for x in ratios)} (median {statistics.median(ratios):.2f}x)")
+    done, budget = deadline_goodput(args, ours, job, pb_path, args.deadline_share * raw_med, trained_path)
 
     # 4. prediction on half B (actual lengths from the trained longest-first run)
     data_b = load_outputs([os.path.join(root, "b-lf-trained")])

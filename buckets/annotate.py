@@ -1,7 +1,18 @@
-"""Give rows their predicted output length and bucket; let the predictor learn from finished rows."""
+"""Give rows their predicted output length and bucket; let the predictor learn from finished rows.
+
+Three threads touch it in a run. The input thread annotates new rows. The
+engine loop hands finished rows to observe() and asks for the waiting pool to
+be re-predicted; with ``background=True`` both cost it only a hand-off: a
+learner thread does the learning and the re-predicting while the loop waits
+on the engine's step, and the loop applies the new predictions when they are
+ready (scheduler.repredict). Without it, everything happens in the caller's
+thread, in order (tests, `overnight plan`).
+"""
 
 from __future__ import annotations
 
+import collections
+import threading
 import time
 from typing import Optional
 
@@ -12,9 +23,13 @@ from overnight.buckets.features import featurize, stack
 from overnight.buckets.predictors import Predictor
 
 
+# How often the learner thread looks for finished rows to learn from.
+LEARN_POLL_S = 0.25
+
+
 class LengthAnnotator:
     def __init__(self, predictor: Predictor, max_tokens: int, bucket_kind: str = "log", num_buckets: int = 8,
-                 refresh_every: int = 64):
+                 refresh_every: int = 64, background: bool = False):
         self.predictor = predictor
         self.max_tokens = max_tokens
         self.bucket_kind = bucket_kind
@@ -23,15 +38,26 @@ class LengthAnnotator:
         self.refresh_every = refresh_every
         self._observed_since_refresh = 0
         # Finished rows wait here and are learned from in batches: one step per row would cost more than it teaches.
+        self._inbox: collections.deque = collections.deque()
         self._pending: list = []
         self._pending_actual: list[int] = []
         self._pending_capped: list[bool] = []
         self.learn_batch = 256
-        # Time spent predicting and learning, for the scheduler-cost benchmark: annotating new rows (done in the
-        # input thread, overlapping the engine) and learning / refreshing (done in the engine loop).
+        # A re-prediction asked for (entries) and its answer (entries, tokens, buckets), handed between threads.
+        self._refresh_request: Optional[list] = None
+        self._refresh_result: Optional[tuple] = None
+        # Time spent predicting and learning, for the scheduler-cost benchmark: annotating new rows (input
+        # thread), learning and re-predicting (learner thread, or the engine loop without one).
         self.seconds = 0.0
         self.loop_seconds = 0.0
+        self.background_seconds = 0.0
+        self._wake = threading.Event()
+        self._closed = False
+        self._thread: Optional[threading.Thread] = None
+        # Started with the first finished row, so an annotator that never learns costs no thread.
+        self._background = background and predictor.learns
 
+    # -- the input thread ----------------------------------------------------------------------
     def annotate(self, rows: list, texts: list[str]) -> None:
         """Set each row's features, predicted_tokens and bucket."""
         if not rows:
@@ -48,40 +74,81 @@ class LengthAnnotator:
             row.bucket = int(b)
         self.seconds += time.perf_counter() - t0
 
+    # -- the engine loop -----------------------------------------------------------------------
     def observe(self, rows: list, actual: list[int], finish_reasons: list) -> None:
         """Finished rows: the online predictor learns from their actual lengths."""
         if not self.predictor.learns or not rows:
             return
-        self._pending.extend(r.features for r in rows)
-        self._pending_actual.extend(actual)
-        self._pending_capped.extend(fr == "length" for fr in finish_reasons)
-        if len(self._pending) >= self.learn_batch:
-            self._learn()
-
-    def _learn(self) -> None:
-        t0 = time.perf_counter()
-        fb = stack(self._pending)
-        self.predictor.observe(fb, np.asarray(self._pending_actual, dtype=np.float64), np.asarray(self._pending_capped))
-        self._observed_since_refresh += len(self._pending)
-        self._pending, self._pending_actual, self._pending_capped = [], [], []
-        self.loop_seconds += time.perf_counter() - t0
+        self._inbox.append(([r.features for r in rows], actual, [fr == "length" for fr in finish_reasons]))
+        if self._thread is None and self._background and not self._closed:
+            self._thread = threading.Thread(target=self._work, name="overnight-learner", daemon=True)
+            self._thread.start()
+        if self._thread is None:
+            t0 = time.perf_counter()
+            self._learn_inbox()
+            self.loop_seconds += time.perf_counter() - t0
+        # else the learner thread takes it within LEARN_POLL_S
 
     def wants_refresh(self) -> bool:
         """After the first refresh_every rows, then whenever what it learned from has doubled:
         the model changes most early on, and each refresh re-predicts the whole pool."""
-        seen = self.predictor.num_observed if self.predictor.learns else 0
-        return self.predictor.learns and self._observed_since_refresh >= max(self.refresh_every, seen // 2)
+        if not self.predictor.learns or self._refresh_request is not None or self._refresh_result is not None:
+            return False
+        return self._observed_since_refresh >= max(self.refresh_every, self.predictor.num_observed // 2)
 
-    def refresh(self, rows: list) -> None:
-        """Re-predict waiting rows with what the predictor has learned since."""
+    def request_refresh(self, entries: list) -> None:
+        """Re-predict the waiting rows (scheduler entries) with what the predictor has learned since;
+        take_refresh() hands the answer back."""
         self._observed_since_refresh = 0
-        if not rows:
+        if not entries:
             return
-        t0 = time.perf_counter()
-        fb = stack([r.features for r in rows])
-        pred = self.predictor.predict(fb)
-        buckets = assign(pred.tokens, self.bounds)
-        for row, tokens, b in zip(rows, pred.tokens, buckets):
-            row.predicted_tokens = int(round(tokens))
-            row.bucket = int(b)
-        self.loop_seconds += time.perf_counter() - t0
+        self._refresh_request = entries
+        if self._thread is None:
+            t0 = time.perf_counter()
+            self._repredict()
+            self.loop_seconds += time.perf_counter() - t0
+        else:
+            self._wake.set()
+
+    def take_refresh(self) -> Optional[tuple]:
+        """(entries, tokens, buckets) once a requested re-prediction is done; else None."""
+        out, self._refresh_result = self._refresh_result, None
+        return out
+
+    def close(self) -> None:
+        self._closed = True
+        if self._thread is not None:
+            self._wake.set()
+            self._thread.join(timeout=5)
+
+    # -- the learner thread (or the caller's, without one) --------------------------------------
+    def _work(self) -> None:
+        while not self._closed:
+            self._wake.wait(LEARN_POLL_S)
+            self._wake.clear()
+            t0 = time.perf_counter()
+            self._learn_inbox()
+            if self._refresh_request is not None:
+                self._repredict()
+            self.background_seconds += time.perf_counter() - t0
+
+    def _learn_inbox(self) -> None:
+        while self._inbox:
+            features, actual, capped = self._inbox.popleft()
+            self._pending.extend(features)
+            self._pending_actual.extend(actual)
+            self._pending_capped.extend(capped)
+        if len(self._pending) < self.learn_batch:
+            return
+        fb = stack(self._pending)
+        self.predictor.observe(fb, np.asarray(self._pending_actual, dtype=np.float64), np.asarray(self._pending_capped))
+        self._observed_since_refresh += len(self._pending)
+        self._pending, self._pending_actual, self._pending_capped = [], [], []
+
+    def _repredict(self) -> None:
+        entries = self._refresh_request
+        pred = self.predictor.predict(stack([e.row.features for e in entries]))
+        tokens = np.rint(pred.tokens).astype(np.int64).tolist()
+        buckets = assign(pred.tokens, self.bounds).tolist()
+        self._refresh_result = (entries, tokens, buckets)
+        self._refresh_request = None

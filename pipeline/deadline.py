@@ -98,13 +98,18 @@ class DeadlineTracker:
     def time_left(self) -> float:
         return math.inf if self.stop_at is None else max(0.0, self.stop_at - self.clock())
 
-    def forecast(self, in_flight_tokens: float, num_in_flight: int, pending_tokens: np.ndarray,
-                 num_unread: int, mean_tokens_per_row: float) -> Forecast:
-        """pending_tokens: predicted output tokens of pending rows, in scheduling order."""
+    def forecast(self, in_flight_tokens: float, num_in_flight: int, pending_tokens, num_unread: int,
+                 mean_tokens_per_row: float, pending_counts=None) -> Forecast:
+        """pending_tokens: predicted output tokens of pending rows, in scheduling order; or, with
+        pending_counts, distinct lengths in scheduling order and how many rows have each."""
         tps = self.tokens_per_s or 0.0
+        values = np.asarray(pending_tokens, dtype=np.float64)
+        counts = np.ones(len(values)) if pending_counts is None else np.asarray(pending_counts, dtype=np.float64)
+        pending_sum = float(values @ counts) if len(values) else 0.0
+        num_pending = int(counts.sum())
         unread_tokens = num_unread * mean_tokens_per_row
-        remaining = in_flight_tokens + float(np.sum(pending_tokens)) + unread_tokens
-        rows = num_in_flight + len(pending_tokens) + num_unread
+        remaining = in_flight_tokens + pending_sum + unread_tokens
+        rows = num_in_flight + num_pending + num_unread
         eta = remaining / tps if tps > 0 else None
         left = self.time_left()
         if self.stop_at is None or eta is None:
@@ -112,10 +117,12 @@ class DeadlineTracker:
         budget = tps * left - in_flight_tokens
         done = num_in_flight if budget >= 0 else 0
         if budget > 0:
-            cum = np.cumsum(pending_tokens)
-            k = int(np.searchsorted(cum, budget, side="right"))
-            done += k
+            cum = np.cumsum(values * counts)
+            k = int(np.searchsorted(cum, budget, side="right"))  # lengths whose rows all fit
+            done += int(counts[:k].sum())
             spare = budget - (float(cum[k - 1]) if k else 0.0)
-            if k == len(pending_tokens) and mean_tokens_per_row > 0:
+            if k < len(values):  # some of the next length's rows fit
+                done += int(min(counts[k], spare // values[k]))
+            elif mean_tokens_per_row > 0:
                 done += min(num_unread, int(spare // mean_tokens_per_row))
         return Forecast(tps, remaining, rows, eta, left, eta > left, max(0, rows - done))

@@ -12,6 +12,14 @@ and need no abort at a deadline. Which rows go first is the policy's call:
     auto            longest-first while the deadline is safe; once it is at risk, the most value per
                     predicted token first (the `value` column, else 1 per row: shortest-first)
 
+In auto's deadline mode a row is admitted only if it can finish in time: its
+predicted tokens, scaled by ``fit_ratio`` (an optimistic reading of how
+actual lengths compare with predicted ones in this run), at the engine's
+measured output rate shared among the rows running beside it, must fit
+before ``finish_by`` (when rows in flight are aborted or drained). A row started too late cannot finish, and on an engine
+whose output rate does not grow with more sequences (a CPU) it slows the rows
+that could; holding it back leaves it to the next run.
+
 Two rules apply under every policy. A row with a per-row `deadline` that is at
 risk (little time left for its predicted length) goes first, earliest
 deadline first. And no row waits forever: one pending for longer than
@@ -43,16 +51,18 @@ class Mode(str, enum.Enum):
     DEADLINE = "deadline"
 
 
-@dataclass(eq=False)
 class _Entry:
-    seq: int
-    row: Row
-    enqueued_at: float
-    key: float = 0.0
-    is_taken: bool = False
+    __slots__ = ("seq", "row", "enqueued_at", "key", "is_taken")
+
+    def __init__(self, seq: int, row: Row, enqueued_at: float, key: float):
+        self.seq = seq
+        self.row = row
+        self.enqueued_at = enqueued_at
+        self.key = key
+        self.is_taken = False
 
 
-@dataclass
+@dataclass(slots=True)
 class Admission:
     request_id: str
     row: Row
@@ -67,6 +77,8 @@ class SchedulerStats:
     num_aged: int = 0
     num_deadline_first: int = 0
     num_mode_switches: int = 0
+    # Times admission started holding back rows that could not finish before the deadline.
+    num_held_for_deadline: int = 0
     mode_history: list = field(default_factory=list)
 
 
@@ -74,6 +86,7 @@ class Scheduler:
     def __init__(self, max_running: int, queue_factor: float = 1.0, policy: Policy | str = Policy.FIFO,
                  lookahead: int = 0, max_wait_s: Optional[float] = None, has_values: bool = False):
         self.policy = Policy(policy)
+        self.max_running = max_running
         # Rows in the engine at once: what it can run plus a waiting margin.
         self.capacity = max(1, int(round(max_running * (1 + queue_factor))))
         # Rows held for reordering, beyond one full refill of the engine.
@@ -87,10 +100,19 @@ class Scheduler:
         self._arrivals: deque[_Entry] = deque()
         self._deadlines: list[tuple[float, int, _Entry]] = []
         self._num_pending = 0
+        # Pending rows by predicted output tokens ({tokens: rows}): the deadline forecast reads it in O(distinct
+        # lengths) instead of sorting the pool every time.
+        self._lengths: dict[int, int] = {}
         self._next_seq = 0
         self._next_request = 0
         self._epoch = 0  # bumps at each mode switch, so newly admitted rows outrank ones already waiting in vLLM
         self.per_seq_tokens_per_s: Optional[float] = None
+        # Auto's deadline mode: the engine's measured output tokens/s, and when rows still running are stopped.
+        self.tokens_per_s: Optional[float] = None
+        self.finish_by: Optional[float] = None
+        # actual / predicted output tokens that a row is assumed to need when judging whether it can finish
+        self.fit_ratio = 1.0
+        self.is_held = False  # the last row considered was held back: it could not finish in time
         self.is_admitting = True
 
     # -- state ---------------------------------------------------------------------------------
@@ -115,15 +137,28 @@ class Scheduler:
 
     # -- input ---------------------------------------------------------------------------------
     def add(self, rows: Iterable[Row], now: float = 0.0) -> None:
+        heap, lengths, key = self._heap, self._lengths, self._key
+        arrivals = self._arrivals if self.max_wait_s is not None else None
+        seq = self._next_seq
+        n = 0
         for row in rows:
-            e = _Entry(self._next_seq, row, now, self._key(row))
-            self._next_seq += 1
-            heapq.heappush(self._heap, (e.key, e.seq, e))
-            if self.max_wait_s is not None:
-                self._arrivals.append(e)
+            e = _Entry(seq, row, now, key(row))
+            heapq.heappush(heap, (e.key, seq, e))
+            if arrivals is not None:
+                arrivals.append(e)
             if row.deadline_at is not None:
-                heapq.heappush(self._deadlines, (row.deadline_at, e.seq, e))
-            self._num_pending += 1
+                heapq.heappush(self._deadlines, (row.deadline_at, seq, e))
+            t = row.predicted_tokens or 0
+            lengths[t] = lengths.get(t, 0) + 1
+            seq += 1
+            n += 1
+        self._next_seq = seq
+        self._num_pending += n
+
+    def _take(self, e: _Entry) -> None:
+        e.is_taken = True
+        self._num_pending -= 1
+        self._lengths[e.row.predicted_tokens or 0] -= 1
 
     def _key(self, row: Row) -> float:
         p = self.policy
@@ -156,15 +191,19 @@ class Scheduler:
         out: list[Admission] = []
         while self.is_admitting and self._num_pending and len(self.running) < self.capacity:
             entry, reason = self._pick(now)
-            entry.is_taken = True
-            self._num_pending -= 1
+            if entry is None:
+                self.stats.num_held_for_deadline += not self.is_held
+                self.is_held = True
+                break
+            self.is_held = False
+            self._take(entry)
             request_id = str(self._next_request)
             self._next_request += 1
             self.running[request_id] = entry.row
             out.append(Admission(request_id, entry.row, self._engine_priority(entry), reason))
         return out
 
-    def _pick(self, now: float) -> tuple[_Entry, str]:
+    def _pick(self, now: float) -> tuple[Optional[_Entry], str]:
         # 1. aging: the oldest row, if it has waited too long
         if self.max_wait_s is not None:
             while self._arrivals and self._arrivals[0].is_taken:
@@ -181,11 +220,21 @@ class Scheduler:
                 heapq.heappop(self._deadlines)
                 self.stats.num_deadline_first += 1
                 return e, "deadline"
-        # 3. the policy
-        while True:
-            _, _, e = heapq.heappop(self._heap)
-            if not e.is_taken:
-                return e, "policy"
+        # 3. the policy, unless its pick cannot finish before the deadline
+        heap = self._heap
+        while heap[0][2].is_taken:
+            heapq.heappop(heap)
+        e = heap[0][2]
+        if not self._can_finish(e.row, now):
+            return None, "held"
+        heapq.heappop(heap)
+        return e, "policy"
+
+    def _can_finish(self, row: Row, now: float) -> bool:
+        if self.mode != Mode.DEADLINE or self.finish_by is None or not self.tokens_per_s:
+            return True
+        sharing = min(len(self.running) + 1, self.max_running)
+        return (row.predicted_tokens or 0) * self.fit_ratio * sharing / self.tokens_per_s <= self.finish_by - now
 
     def _is_at_risk(self, row: Row, deadline: float, now: float) -> bool:
         rate = self.per_seq_tokens_per_s
@@ -222,8 +271,7 @@ class Scheduler:
         while self._deadlines and (self._deadlines[0][2].is_taken or self._deadlines[0][0] <= now):
             _, _, e = heapq.heappop(self._deadlines)
             if not e.is_taken:
-                e.is_taken = True
-                self._num_pending -= 1
+                self._take(e)
                 expired.append(e.row)
         return expired
 
@@ -231,14 +279,42 @@ class Scheduler:
         """Pending rows, in no particular order."""
         return [e.row for _, _, e in self._heap if not e.is_taken]
 
+    def pending_entries(self) -> list[_Entry]:
+        """A snapshot of the pool for re-predicting it elsewhere (see repredict)."""
+        return [e for _, _, e in self._heap if not e.is_taken]
+
+    def repredict(self, entries: list[_Entry], tokens, buckets) -> int:
+        """New predictions for a snapshot from pending_entries(); rows admitted since keep theirs (the engine
+        has them). Re-orders the pool; returns how many rows changed."""
+        lengths = self._lengths
+        n = 0
+        for e, t, b in zip(entries, tokens, buckets):
+            if e.is_taken:
+                continue
+            row = e.row
+            old = row.predicted_tokens or 0
+            if t != old:
+                lengths[old] -= 1
+                lengths[t] = lengths.get(t, 0) + 1
+                row.predicted_tokens = t
+                n += 1
+            row.bucket = b
+        if n:
+            self.rekey()
+        return n
+
+    def pending_lengths(self) -> tuple[list[int], list[int]]:
+        """Predicted output tokens of the pending rows, as (distinct lengths ascending, rows of each)."""
+        items = sorted((t, c) for t, c in self._lengths.items() if c > 0)
+        return [t for t, _ in items], [c for _, c in items]
+
     def rekey(self) -> None:
         """Re-order the pool after rows' predictions changed."""
+        key = self._key
         live = [e for _, _, e in self._heap if not e.is_taken]
+        heap = []
         for e in live:
-            e.key = self._key(e.row)
-        self._heap = [(e.key, e.seq, e) for e in live]
-        heapq.heapify(self._heap)
-
-    def pending_in_order(self) -> list[Row]:
-        """Pending rows in the order the policy would admit them (ignoring aging and deadlines)."""
-        return [e.row for _, _, e in sorted(self._heap, key=lambda t: (t[0], t[1])) if not e.is_taken]
+            e.key = key(e.row)
+            heap.append((e.key, e.seq, e))
+        heapq.heapify(heap)
+        self._heap = heap

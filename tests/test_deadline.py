@@ -97,3 +97,25 @@ def test_should_stop_and_past_deadline():
     assert t.should_stop() and not t.is_past_deadline()
     clock.t += 10
     assert t.is_past_deadline() and t.time_left() == 0
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_forecast_from_lengths_and_counts_matches_the_row_by_row_forecast(seed):
+    """The runner passes pending rows as (distinct lengths, rows of each); the answer is the one the
+    expanded row-by-row list gives."""
+    rng = np.random.default_rng(seed)
+    lengths = np.sort(rng.choice(np.arange(1, 600), size=rng.integers(1, 40), replace=False)).astype(float)
+    counts = rng.integers(1, 30, size=len(lengths))
+    if seed % 2:
+        lengths, counts = lengths[::-1], counts[::-1]
+    clock = Clock()
+    t = DeadlineTracker(clock.t + 100 + 50 * seed, margin_s=5, clock=clock, warmup_s=3)
+    t.observe(0)
+    measured(t, clock, 40 + 10 * seed, 10)
+    unread, mean = int(rng.integers(0, 50)), float(rng.integers(50, 300))
+    in_flight = float(rng.integers(0, 3000))
+    rows = t.forecast(in_flight, 7, np.repeat(lengths, counts), unread, mean)
+    runs = t.forecast(in_flight, 7, lengths, unread, mean, pending_counts=counts)
+    assert runs.rows_expected_left == rows.rows_expected_left
+    assert runs.will_miss == rows.will_miss and runs.remaining_rows == rows.remaining_rows
+    assert runs.remaining_tokens == pytest.approx(rows.remaining_tokens)

@@ -165,19 +165,55 @@ def test_stop_admitting():
     assert s.schedule(0) == []
 
 
-def test_rekey_after_predictions_change():
-    s = one_at_a_time("longest-first")
-    rows = [row("a", 10), row("b", 20)]
-    s.add(rows)
-    rows[0].predicted_tokens = 99
-    s.rekey()
-    assert drain(s) == ["a", "b"]
+def test_repredict_reorders_the_pool_and_leaves_admitted_rows_alone():
+    s = Scheduler(max_running=1, queue_factor=0, policy="longest-first")
+    s.add([row("a", 10), row("b", 20), row("c", 5)])
+    snapshot = s.pending_entries()
+    (first,) = s.schedule(0)  # b is admitted after the snapshot was taken
+    assert first.row.id == "b"
+    new = {"a": 99, "b": 1, "c": 300}
+    changed = s.repredict(snapshot, [new[e.row.id] for e in snapshot], [7] * len(snapshot))
+    assert changed == 2 and first.row.predicted_tokens == 20  # the engine has b: its prediction stays
+    assert s.pending_lengths() == ([99, 300], [1, 1])
+    s.finish(first.request_id)
+    assert drain(s) == ["c", "a"]
+    assert s.pending_lengths() == ([], [])
 
 
-def test_pending_in_order_and_drain_running():
+def test_pending_lengths_follow_adds_admissions_and_expiry():
     s = Scheduler(max_running=1, queue_factor=0, policy="shortest-first")
-    s.add([row("x", 30), row("y", 10), row("z", 20)])
+    s.add([row("x", 30), row("y", 10), row("z", 30), row("w", 50, deadline=5.0)])
+    assert s.pending_lengths() == ([10, 30, 50], [1, 2, 1])
     (a,) = s.schedule(0)
-    assert [r.id for r in s.pending_in_order()] == ["z", "x"]
+    assert a.row.id == "y" and s.pending_lengths() == ([30, 50], [2, 1])
+    assert [r.id for r in s.take_expired(now=6.0)] == ["w"]
+    assert s.pending_lengths() == ([30], [2])
     assert s.drain_running() == [a.request_id] and s.num_running == 0
     assert Policy("auto") is Policy.AUTO
+
+
+def test_auto_deadline_mode_holds_back_rows_that_cannot_finish_in_time():
+    s = Scheduler(max_running=2, queue_factor=0, policy="auto")
+    s.add([row("short", 50), row("mid", 300), row("long", 2000)])
+    s.tokens_per_s, s.finish_by = 10.0, 100.0
+    # Throughput mode admits regardless (longest first).
+    assert [a.row.id for a in s.schedule(0)] == ["long", "mid"]
+    s = Scheduler(max_running=2, queue_factor=0, policy="auto")
+    s.add([row("short", 50), row("mid", 300), row("long", 2000)])
+    s.tokens_per_s, s.finish_by = 10.0, 100.0
+    s.set_mode(Mode.DEADLINE)
+    # 50 tokens alone: 5 s; 300 tokens sharing the engine with one other row: 60 s; both fit in 100 s.
+    first = s.schedule(0)
+    assert [a.row.id for a in first] == ["short", "mid"] and not s.is_held
+    s.finish(first[0].request_id)
+    # 2000 tokens sharing with one: 400 s, but 20 s are left: held, and the pool keeps it.
+    assert s.schedule(80) == [] and s.is_held and s.num_pending == 1
+    assert s.schedule(81) == [] and s.stats.num_held_for_deadline == 1  # one episode, however many calls
+    s.finish_by = 1000.0  # e.g. the forecast's rate went up, or a later deadline: it goes
+    assert [a.row.id for a in s.schedule(82)] == ["long"] and not s.is_held
+    # Without a measured rate nothing is held back.
+    s = Scheduler(max_running=2, queue_factor=0, policy="auto")
+    s.add([row("long", 2000)])
+    s.set_mode(Mode.DEADLINE)
+    s.finish_by = 1.0
+    assert [a.row.id for a in s.schedule(0)] == ["long"]
