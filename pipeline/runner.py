@@ -16,10 +16,7 @@ from __future__ import annotations
 import logging
 import sys
 import time
-from collections import deque
 from typing import Callable, Iterator, Optional
-
-import numpy as np
 
 from overnight.buckets.annotate import LengthAnnotator
 from overnight.buckets.predictors import make_predictor
@@ -45,10 +42,6 @@ TICK_S = 1.0
 FORECAST_S = 2.0
 # Re-predict the waiting rows with what the online predictor learned, at most this often.
 REFRESH_S = 5.0
-# Whether a row can still finish before the deadline is judged with this quantile of actual / predicted length
-# over the last FIT_WINDOW finished rows: optimistic, so a row is held back only when even a good outcome is late.
-FIT_QUANTILE = 0.2
-FIT_WINDOW = 512
 
 
 class Runner:
@@ -69,7 +62,6 @@ class Runner:
             # Throughput-first needs evidence that the deadline is safe: until a forecast shows it, auto
             # runs the most rows per token first.
             self.scheduler.set_mode(Mode.DEADLINE, count=False)
-            self.scheduler.finish_by = self.tracker.stop_at if sc.on_deadline == "abort" else self.tracker.deadline
         self.builder = PromptBuilder(job.tokenizer, job.chat, cfg.prompt.system_prompt, engine.max_model_len)
         self.writer = CheckpointWriter(job.out, job.schema, job.run_id, job.model.requested, job.scan.next_index,
                                        cfg.output.flush_rows, cfg.output.flush_seconds, on_flush=self._on_flush)
@@ -82,7 +74,6 @@ class Runner:
         self.generated_estimate = 0  # output tokens generated in this attempt, counted by step (see _collect)
         self.predicted_sum = 0
         self.predicted_n = 0
-        self.length_ratios: deque = deque(maxlen=FIT_WINDOW)  # actual / predicted tokens of finished rows
         self.signals = StopRequests()
         self.stopping: Optional[str] = None  # why admission stopped early, once it has
         self.hard_stop_at: Optional[float] = None  # when rows still in flight are aborted
@@ -149,10 +140,6 @@ class Runner:
                 return
             if self.engine.has_unfinished():
                 self._collect()
-            elif self.stopping is None and self.scheduler.is_held and self.scheduler.num_pending:
-                # Nothing runs, and the next row would not finish before the deadline even alone: stop now.
-                self._begin_stop(f"deadline near: the next waiting row is predicted to need more than the "
-                                 f"{fmt_duration(self.scheduler.finish_by - self.clock())} left", self.clock())
             elif self.stopping is not None or (self.exhausted and self.scheduler.is_done()):
                 if self.exhausted and self.scheduler.is_done():
                     self.resume.report_removed(self.job.cfg.input.limit is not None)
@@ -188,8 +175,6 @@ class Runner:
                 row = self._forget(fin.request_id)
                 rows.append(row)
                 results.append(Result.from_engine(row, fin, queued))
-                if row.predicted_tokens:
-                    self.length_ratios.append(fin.num_output_tokens / row.predicted_tokens)
             self.annotator.observe(rows, [r.output_tokens for r in results], [r.finish_reason for r in results])
             self._record(results)
         self.writer.maybe_flush()
@@ -284,9 +269,6 @@ class Runner:
         f = self.tracker.forecast(self.in_flight_predicted / 2, self.scheduler.num_running, lengths, unread, mean,
                                   counts)
         self.forecast = f
-        self.scheduler.tokens_per_s = f.tokens_per_s or None
-        if self.length_ratios:
-            self.scheduler.fit_ratio = float(np.quantile(self.length_ratios, FIT_QUANTILE))
         if f.tokens_per_s and self.scheduler.num_running:
             self.scheduler.per_seq_tokens_per_s = f.tokens_per_s / min(self.scheduler.num_running,
                                                                        self.engine.max_num_seqs)
@@ -371,7 +353,6 @@ class Runner:
                           "mode_switches": self.scheduler.stats.num_mode_switches,
                           "aged": self.scheduler.stats.num_aged,
                           "deadline_first": self.scheduler.stats.num_deadline_first,
-                          "held_for_deadline": self.scheduler.stats.num_held_for_deadline,
                           "predictor_seconds": round(self.annotator.seconds + self.annotator.loop_seconds
                                                      + self.annotator.background_seconds, 3)},
             "forecast": forecast_dict(self.forecast, self.tracker.deadline, self.scheduler.mode.value),

@@ -12,14 +12,6 @@ and need no abort at a deadline. Which rows go first is the policy's call:
     auto            longest-first while the deadline is safe; once it is at risk, the most value per
                     predicted token first (the `value` column, else 1 per row: shortest-first)
 
-In auto's deadline mode a row is admitted only if it can finish in time: its
-predicted tokens, scaled by ``fit_ratio`` (an optimistic reading of how
-actual lengths compare with predicted ones in this run), at the engine's
-measured output rate shared among the rows running beside it, must fit
-before ``finish_by`` (when rows in flight are aborted or drained). A row started too late cannot finish, and on an engine
-whose output rate does not grow with more sequences (a CPU) it slows the rows
-that could; holding it back leaves it to the next run.
-
 Two rules apply under every policy. A row with a per-row `deadline` that is at
 risk (little time left for its predicted length) goes first, earliest
 deadline first. And no row waits forever: one pending for longer than
@@ -77,8 +69,6 @@ class SchedulerStats:
     num_aged: int = 0
     num_deadline_first: int = 0
     num_mode_switches: int = 0
-    # Times admission started holding back rows that could not finish before the deadline.
-    num_held_for_deadline: int = 0
     mode_history: list = field(default_factory=list)
 
 
@@ -86,7 +76,6 @@ class Scheduler:
     def __init__(self, max_running: int, queue_factor: float = 1.0, policy: Policy | str = Policy.FIFO,
                  lookahead: int = 0, max_wait_s: Optional[float] = None, has_values: bool = False):
         self.policy = Policy(policy)
-        self.max_running = max_running
         # Rows in the engine at once: what it can run plus a waiting margin.
         self.capacity = max(1, int(round(max_running * (1 + queue_factor))))
         # Rows held for reordering, beyond one full refill of the engine.
@@ -107,12 +96,6 @@ class Scheduler:
         self._next_request = 0
         self._epoch = 0  # bumps at each mode switch, so newly admitted rows outrank ones already waiting in vLLM
         self.per_seq_tokens_per_s: Optional[float] = None
-        # Auto's deadline mode: the engine's measured output tokens/s, and when rows still running are stopped.
-        self.tokens_per_s: Optional[float] = None
-        self.finish_by: Optional[float] = None
-        # actual / predicted output tokens that a row is assumed to need when judging whether it can finish
-        self.fit_ratio = 1.0
-        self.is_held = False  # the last row considered was held back: it could not finish in time
         self.is_admitting = True
 
     # -- state ---------------------------------------------------------------------------------
@@ -191,11 +174,6 @@ class Scheduler:
         out: list[Admission] = []
         while self.is_admitting and self._num_pending and len(self.running) < self.capacity:
             entry, reason = self._pick(now)
-            if entry is None:
-                self.stats.num_held_for_deadline += not self.is_held
-                self.is_held = True
-                break
-            self.is_held = False
             self._take(entry)
             request_id = str(self._next_request)
             self._next_request += 1
@@ -203,7 +181,7 @@ class Scheduler:
             out.append(Admission(request_id, entry.row, self._engine_priority(entry), reason))
         return out
 
-    def _pick(self, now: float) -> tuple[Optional[_Entry], str]:
+    def _pick(self, now: float) -> tuple[_Entry, str]:
         # 1. aging: the oldest row, if it has waited too long
         if self.max_wait_s is not None:
             while self._arrivals and self._arrivals[0].is_taken:
@@ -220,21 +198,11 @@ class Scheduler:
                 heapq.heappop(self._deadlines)
                 self.stats.num_deadline_first += 1
                 return e, "deadline"
-        # 3. the policy, unless its pick cannot finish before the deadline
-        heap = self._heap
-        while heap[0][2].is_taken:
-            heapq.heappop(heap)
-        e = heap[0][2]
-        if not self._can_finish(e.row, now):
-            return None, "held"
-        heapq.heappop(heap)
-        return e, "policy"
-
-    def _can_finish(self, row: Row, now: float) -> bool:
-        if self.mode != Mode.DEADLINE or self.finish_by is None or not self.tokens_per_s:
-            return True
-        sharing = min(len(self.running) + 1, self.max_running)
-        return (row.predicted_tokens or 0) * self.fit_ratio * sharing / self.tokens_per_s <= self.finish_by - now
+        # 3. the policy
+        while True:
+            _, _, e = heapq.heappop(self._heap)
+            if not e.is_taken:
+                return e, "policy"
 
     def _is_at_risk(self, row: Row, deadline: float, now: float) -> bool:
         rate = self.per_seq_tokens_per_s

@@ -61,25 +61,6 @@ def test_tight_time_budget_exits_75_and_the_rerun_completes(warm, tmp_path):
     assert sorted(ids) == sorted(pq.read_table(inp).column("id").to_pylist())
 
 
-def test_auto_holds_back_rows_that_cannot_finish_and_stops_early(warm, tmp_path):
-    inp, _ = warm
-    out = tmp_path / "out"
-    # As if the engine made 1 output token/s: an 8-token row needs 8 s of the 30 s, the others (up to 96 tokens)
-    # mostly more than is left. The short rows finish in a few seconds, well inside the 10 s before a measured rate
-    # replaces the configured one.
-    args = ["run", inp, "--out", out, "--flush-rows", "5"]
-    partial = invoke(*args, "--time-budget", "30s", "--throughput", "1", code=75)
-    assert "deadline near: the next waiting row is predicted to need more than the" in partial.output
-    status = json.loads((out / "status.json").read_text())
-    assert status["scheduler"]["held_for_deadline"] >= 1 and status["forecast"]["mode"] == "deadline"
-    assert status["elapsed_s"] < 20  # it stopped when nothing more could finish, not at the deadline
-    done = set(pq.read_table(out / "parts").column("id").to_pylist())
-    table = pq.read_table(inp).to_pylist()
-    assert {r["id"] for r in table if r["max_tokens"] == 8} <= done and len(done) < 40
-    full = invoke(*args)
-    assert f"40/40 rows (40 ok, 0 error, {len(done)} already done)" in full.output
-
-
 def test_plan_uses_measured_throughput_and_judges_the_deadline(warm):
     inp, first = warm
     p = invoke("plan", inp).output

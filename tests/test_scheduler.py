@@ -191,29 +191,3 @@ def test_pending_lengths_follow_adds_admissions_and_expiry():
     assert s.drain_running() == [a.request_id] and s.num_running == 0
     assert Policy("auto") is Policy.AUTO
 
-
-def test_auto_deadline_mode_holds_back_rows_that_cannot_finish_in_time():
-    s = Scheduler(max_running=2, queue_factor=0, policy="auto")
-    s.add([row("short", 50), row("mid", 300), row("long", 2000)])
-    s.tokens_per_s, s.finish_by = 10.0, 100.0
-    # Throughput mode admits regardless (longest first).
-    assert [a.row.id for a in s.schedule(0)] == ["long", "mid"]
-    s = Scheduler(max_running=2, queue_factor=0, policy="auto")
-    s.add([row("short", 50), row("mid", 300), row("long", 2000)])
-    s.tokens_per_s, s.finish_by = 10.0, 100.0
-    s.set_mode(Mode.DEADLINE)
-    # 50 tokens alone: 5 s; 300 tokens sharing the engine with one other row: 60 s; both fit in 100 s.
-    first = s.schedule(0)
-    assert [a.row.id for a in first] == ["short", "mid"] and not s.is_held
-    s.finish(first[0].request_id)
-    # 2000 tokens sharing with one: 400 s, but 20 s are left: held, and the pool keeps it.
-    assert s.schedule(80) == [] and s.is_held and s.num_pending == 1
-    assert s.schedule(81) == [] and s.stats.num_held_for_deadline == 1  # one episode, however many calls
-    s.finish_by = 1000.0  # e.g. the forecast's rate went up, or a later deadline: it goes
-    assert [a.row.id for a in s.schedule(82)] == ["long"] and not s.is_held
-    # Without a measured rate nothing is held back.
-    s = Scheduler(max_running=2, queue_factor=0, policy="auto")
-    s.add([row("long", 2000)])
-    s.set_mode(Mode.DEADLINE)
-    s.finish_by = 1.0
-    assert [a.row.id for a in s.schedule(0)] == ["long"]
