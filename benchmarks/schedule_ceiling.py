@@ -12,7 +12,8 @@ each serves as the truth in turn, and the other as the best predictor a
 sampling model allows (tau between them is the noise ceiling that
 `length_noise.py` measures). "exact" knows the very lengths it is scored on:
 no predictor can do better. Deadline goodput is also shown with fewer
-sequences in flight (the best cap in hindsight, an optimistic bound).
+sequences in flight: the best fixed cap in hindsight, and a cap that shrinks
+as the deadline nears, from the step-cost model (see shrinking_cap).
 
     python benchmarks/schedule_ceiling.py --run /tmp/bench/sched-final --fixed-ms 38 --per-seq-ms 3.4 --prefill-ms 1.55
 """
@@ -25,15 +26,31 @@ import os
 import numpy as np
 
 
-def simulate(order, lengths, prompts, cost, max_seqs: int, budget: float = float("inf")) -> tuple[int, float]:
-    """(rows finished, seconds) running rows in `order`, at most max_seqs at once, until done or the budget."""
+def shrinking_cap(fixed: float, per_seq: float, predicted, max_seqs: int):
+    """Rows in flight as the deadline nears: with R(c) = c / (fixed + per_seq * c) tokens/s and about half a
+    row's tokens lost per row still in flight at the stop, tokens finished by then are about
+    R(c) * time_left - c * mean_length / 2, largest at c = (sqrt(2 * time_left * fixed / mean_length) - fixed)
+    / per_seq. mean_length: predicted, over the next max_seqs rows in line."""
+    def cap(time_left: float, queue: list[int]) -> int:
+        nxt = queue[-max_seqs:]
+        mean = float(np.mean([predicted[i] for i in nxt])) if nxt else 1.0
+        c = (np.sqrt(2 * max(time_left, 0.0) * fixed / max(mean, 1.0)) - fixed) / per_seq
+        return int(max(1, min(max_seqs, c)))
+    return cap
+
+
+def simulate(order, lengths, prompts, cost, max_seqs: int, budget: float = float("inf"),
+             cap=None) -> tuple[int, float]:
+    """(rows finished, seconds) running rows in `order`, at most max_seqs at once (or cap(time_left, queue)),
+    until done or the budget."""
     fixed, per_seq, prefill = cost
     queue = list(order)[::-1]
     running: dict[int, int] = {}
     t, done = 0.0, 0
     while True:
         started = 0
-        while len(running) < max_seqs and queue:
+        limit = max_seqs if cap is None else cap(budget - t, queue)
+        while len(running) < limit and queue:
             i = queue.pop()
             running[i] = 0
             started += prompts[i]
@@ -95,8 +112,10 @@ def main() -> None:
             order = np.argsort(pred, kind="stable")
             n, _ = simulate(order, lengths, prompts, cost, m, budget)
             capped = max((simulate(order, lengths, prompts, cost, c, budget)[0], c) for c in range(8, m + 1, 8))
-            print(f"  goodput, shortest-first by {name:18s} {n:4d} rows ({n / base:.2f}x); best cap "
-                  f"{capped[1]:2d} in flight: {capped[0]} rows ({capped[0] / base:.2f}x)")
+            shrink, _ = simulate(order, lengths, prompts, cost, m, budget, shrinking_cap(cost[0], cost[1], pred, m))
+            print(f"  goodput, shortest-first by {name:18s} {n:4d} rows ({n / base:.2f}x); best fixed cap "
+                  f"{capped[1]:2d} in flight: {capped[0]} rows ({capped[0] / base:.2f}x); shrinking cap: {shrink} "
+                  f"rows ({shrink / base:.2f}x)")
 
 
 if __name__ == "__main__":
