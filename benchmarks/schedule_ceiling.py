@@ -100,7 +100,7 @@ def main() -> None:
     for truth, lengths in samples.items():
         other = next(v for k, v in samples.items() if k != truth)
         orders = {**{f"{k} predictor": v for k, v in predicted.items()}, "other sampling": other, "exact": lengths}
-        n_fifo, t_fifo = simulate(fifo, lengths, prompts, cost, m)
+        _, t_fifo = simulate(fifo, lengths, prompts, cost, m)
         print(f"\ntruth: the {truth}'s lengths ({int(lengths.sum())} tokens); input order finishes in {t_fifo:.1f} s")
         for name, pred in orders.items():
             _, t = simulate(np.argsort(-pred, kind="stable"), lengths, prompts, cost, m)
