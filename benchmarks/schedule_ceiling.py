@@ -80,11 +80,20 @@ def main() -> None:
     import duckdb
     import pyarrow.parquet as pq
 
+    needed = ["b.parquet", "b-lf-trained", "b-lf-online"]
+    missing = [n for n in needed if not os.path.exists(os.path.join(args.run, n))]
+    if missing:
+        raise SystemExit(f"{args.run} lacks {', '.join(missing)}: pass the --out folder of a finished full run of "
+                         f"benchmarks/scheduling.py (not a --deadline-only run).")
     ids = pq.read_table(os.path.join(args.run, "b.parquet"), columns=["id"]).column(0).to_pylist()
 
     def column(side: str, name: str) -> np.ndarray:
         path = os.path.join(args.run, side, "**", "*.parquet")
         got = dict(duckdb.sql(f"select id, {name} from read_parquet('{path}') where status = 'ok'").fetchall())
+        lacking = [i for i in ids if got.get(i) is None]
+        if lacking:
+            raise SystemExit(f"{os.path.join(args.run, side)} has no finished row (status 'ok') for {len(lacking)} "
+                             f"of half B's ids, e.g. {lacking[0]!r}: the run did not complete; rerun scheduling.py.")
         return np.array([got[i] for i in ids], dtype=float)
 
     samples = {"trained run": column("b-lf-trained", "output_tokens"),
