@@ -7,7 +7,7 @@ VENV   ?= .venv
 BIN     = $(VENV)/bin
 STAMP   = $(VENV)/.overnight-installed
 
-.PHONY: setup demo test bench clean
+.PHONY: setup demo test check clean
 
 setup: $(STAMP)
 

@@ -36,8 +36,8 @@ def main() -> None:
     import pyarrow.parquet as pq
 
     from overnight.pipeline.configio import resolve
-    from overnight.pipeline.engine import _quiet_vllm, configure_cpu_env, engine_args, is_cpu_platform
-    from overnight.pipeline.models import load_tokenizer, resolve as resolve_model
+    from overnight.pipeline.engine.vllm import _quiet_vllm, configure_cpu_env, engine_args, is_cpu_platform
+    from overnight.pipeline.tools.models import load_tokenizer, resolve as resolve_model
 
     prompts = []
     for name, n in (("gsm8k_test", 120), ("mt_bench", 40), ("vicuna_bench", 40)):

@@ -22,7 +22,7 @@ def main() -> None:
     args = ap.parse_args()
 
     from overnight.buckets.metrics import kendall_tau
-    from overnight.pipeline.inspect import open_results
+    from overnight.pipeline.tools.inspection import open_results
 
     lengths = []
     for url in args.runs:

@@ -22,8 +22,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CHILD = r"""
 import json, resource, sys
 from overnight.pipeline.config import InputConfig, SamplingConfig
-from overnight.pipeline.source import ParquetSource
-from overnight.pipeline.validate import parse_batch, sampling_defaults
+from overnight.pipeline.input.source import ParquetSource
+from overnight.pipeline.input.validate import parse_batch, sampling_defaults
 path, limit = sys.argv[1], (int(sys.argv[2]) if sys.argv[2] != "none" else None)
 cfg = InputConfig(path=path, limit=limit)
 src = ParquetSource(cfg)

@@ -34,8 +34,8 @@ def main() -> None:
 
     from overnight.pipeline.api import run_job
     from overnight.pipeline.configio import resolve
-    from overnight.pipeline.engine import VllmEngine, _quiet_vllm, configure_cpu_env, engine_args, is_cpu_platform
-    from overnight.pipeline.models import load_tokenizer, resolve as resolve_model
+    from overnight.pipeline.engine.vllm import VllmEngine, _quiet_vllm, configure_cpu_env, engine_args, is_cpu_platform
+    from overnight.pipeline.tools.models import load_tokenizer, resolve as resolve_model
 
     out_root = tempfile.mkdtemp(prefix="overnight-bench-")
     # fifo: the same order as LLM.generate, so the comparison is of overhead alone.
@@ -68,7 +68,7 @@ def main() -> None:
 
     def ours() -> tuple[float, int]:
         t0 = time.perf_counter()
-        summary = run_job(cfg, fresh=True, engine=engine, is_tty=False)
+        summary = run_job(cfg, fresh=True, engine_factory=lambda job: engine, is_tty=False)
         dt = time.perf_counter() - t0
         assert summary.num_ok == args.n, summary
         return dt, summary.num_output_tokens

@@ -39,8 +39,8 @@ def main() -> None:
     args = ap.parse_args()
 
     from overnight.pipeline.config import EngineConfig
-    from overnight.pipeline.engine import VllmEngine
-    from overnight.pipeline.models import load_tokenizer, resolve
+    from overnight.pipeline.engine.vllm import VllmEngine
+    from overnight.pipeline.tools.models import load_tokenizer, resolve
 
     model = resolve("smollm2-135m")
     tok = load_tokenizer(model)

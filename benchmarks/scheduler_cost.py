@@ -47,7 +47,7 @@ def main() -> None:
     from overnight.pipeline import runner as runner_mod
     from overnight.pipeline.api import run_job
     from overnight.pipeline.configio import resolve
-    from overnight.pipeline.scheduler import Scheduler
+    from overnight.pipeline.scheduling.scheduler import Scheduler
 
     tmp = tempfile.mkdtemp(prefix="overnight-cost-")
     base = pq.read_table(os.path.join(REPO, "examples", "prompts.parquet"), columns=["id", "prompt"])
@@ -93,11 +93,11 @@ def main() -> None:
                    "sampling": {"max_tokens": 512}})
     # One-time start-up (imports, loading the tokenizer) is not per-row cost; a real job hides it behind the
     # engine's own start-up.
-    from overnight.pipeline.models import load_tokenizer, resolve as resolve_model
+    from overnight.pipeline.tools.models import load_tokenizer, resolve as resolve_model
     load_tokenizer(resolve_model(cfg.engine.model))
     import overnight.buckets.trained  # noqa: F401
     t0 = time.perf_counter()
-    summary = run_job(cfg, engine=engine, is_tty=False)
+    summary = run_job(cfg, engine_factory=lambda job: engine, is_tty=False)
     wall = time.perf_counter() - t0
     reader_s = annotators[-1].seconds  # predicting new rows, in the input thread
     predictor_s = annotators[-1].loop_seconds  # learning and refreshing, in the engine loop (none with a learner)

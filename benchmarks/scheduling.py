@@ -87,8 +87,8 @@ def main() -> None:
     from overnight.buckets.trained import TrainedPredictor
     from overnight.pipeline.api import run_job
     from overnight.pipeline.configio import resolve
-    from overnight.pipeline.engine import VllmEngine, _quiet_vllm, configure_cpu_env, engine_args, is_cpu_platform
-    from overnight.pipeline.models import load_tokenizer, resolve as resolve_model
+    from overnight.pipeline.engine.vllm import VllmEngine, _quiet_vllm, configure_cpu_env, engine_args, is_cpu_platform
+    from overnight.pipeline.tools.models import load_tokenizer, resolve as resolve_model
 
     root = args.out or tempfile.mkdtemp(prefix="overnight-sched-")
     os.makedirs(root, exist_ok=True)
@@ -123,7 +123,7 @@ def main() -> None:
 
     def ours(cfg):
         t0 = time.perf_counter()
-        summary = run_job(cfg, fresh=True, engine=engine, is_tty=False)
+        summary = run_job(cfg, fresh=True, engine_factory=lambda job: engine, is_tty=False)
         return time.perf_counter() - t0, summary
 
     if args.deadline_only:

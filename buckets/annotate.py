@@ -25,6 +25,8 @@ from overnight.buckets.predictors import Predictor
 
 # How often the learner thread looks for finished rows to learn from.
 LEARN_POLL_S = 0.25
+# Re-predict the waiting rows with what the online predictor learned, at most this often.
+REFRESH_S = 5.0
 
 
 class LengthAnnotator:
@@ -46,6 +48,7 @@ class LengthAnnotator:
         # A re-prediction asked for (entries) and its answer (entries, tokens, buckets), handed between threads.
         self._refresh_request: Optional[list] = None
         self._refresh_result: Optional[tuple] = None
+        self._last_refresh = -1e18
         # Time spent predicting and learning, for the scheduler-cost benchmark: annotating new rows (input
         # thread), learning and re-predicting (learner thread, or the engine loop without one).
         self.seconds = 0.0
@@ -109,6 +112,17 @@ class LengthAnnotator:
             self.loop_seconds += time.perf_counter() - t0
         else:
             self._wake.set()
+
+    def refresh(self, scheduler, now: float) -> None:
+        """From the engine loop: ask for a re-prediction of the scheduler's pool when one is due (at most every
+        REFRESH_S), and apply a finished one. The loop only snapshots the pool and applies the answer; the
+        work happens in the learner thread."""
+        if now - self._last_refresh >= REFRESH_S and self.wants_refresh():
+            self._last_refresh = now
+            self.request_refresh(scheduler.pending_entries())
+        done = self.take_refresh()
+        if done is not None:
+            scheduler.repredict(*done)
 
     def take_refresh(self) -> Optional[tuple]:
         """(entries, tokens, buckets) once a requested re-prediction is done; else None."""

@@ -33,8 +33,8 @@ class LengthData:
 
 
 def load_outputs(urls: list[str]) -> LengthData:
-    from overnight.pipeline.checkpoint import OutputDir
-    from overnight.pipeline.inspect import open_results
+    from overnight.pipeline.output.checkpoint import OutputDir
+    from overnight.pipeline.tools.inspection import open_results
 
     texts, ptok, caps, actual, hit, stored, finished = [], [], [], [], [], [], []
     for url in urls:

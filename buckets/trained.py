@@ -163,7 +163,7 @@ class TrainedPredictor(Predictor):
 
         import torch
 
-        from overnight.pipeline.storage import url_to_fs, write_atomic
+        from overnight.pipeline.output.storage import url_to_fs, write_atomic
 
         buf = io.BytesIO()
         torch.save({"meta": json.dumps(self.meta), "state_dict": self.model.state_dict(),
@@ -177,7 +177,7 @@ class TrainedPredictor(Predictor):
 
         import torch
 
-        from overnight.pipeline.storage import url_to_fs
+        from overnight.pipeline.output.storage import url_to_fs
 
         fs, p = url_to_fs(path)
         if not fs.exists(p):

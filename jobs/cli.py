@@ -8,7 +8,7 @@ import sys
 
 import click
 
-from overnight.jobs.inspect import inspect_cmd
+from overnight.jobs.inspection import inspect_cmd
 from overnight.jobs.models import models
 from overnight.jobs.plan import plan
 from overnight.jobs.predictor import predictor

@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 
 from overnight.jobs.options import user_errors
-from overnight.pipeline import models as store
+from overnight.pipeline.tools import models as store
 
 
 @click.group()

@@ -9,12 +9,12 @@ import click
 
 from overnight.buckets.dataset import DatasetError
 from overnight.buckets.trained import PredictorFileError
-from overnight.pipeline.checkpoint import OutputError
+from overnight.pipeline.output.checkpoint import OutputError
 from overnight.pipeline.config import ConfigError
 from overnight.pipeline.engine import EngineError
-from overnight.pipeline.models import ModelError
-from overnight.pipeline.source import InputError
-from overnight.pipeline.storage import StorageError
+from overnight.pipeline.tools.models import ModelError
+from overnight.pipeline.input.source import InputError
+from overnight.pipeline.output.storage import StorageError
 
 # Library exceptions whose message is already written for the user.
 USER_ERRORS = (ConfigError, InputError, OutputError, ModelError, StorageError, EngineError, DatasetError,
@@ -102,7 +102,7 @@ schedule_options = _stack(
 def parse_grace(text):
     if text is None:
         return None
-    from overnight.pipeline.deadline import parse_budget
+    from overnight.pipeline.scheduling.deadline import parse_budget
     return parse_budget(text)
 
 

@@ -34,7 +34,7 @@ def plan(input_path, out, config_file, as_json, **options):
         overnight plan prompts.parquet --out results/ --time-budget 2h
     """
     from overnight.pipeline.configio import resolve
-    from overnight.pipeline.plan import make_plan
+    from overnight.pipeline.scheduling.plan import make_plan
     from overnight.pipeline.report import iso
 
     if input_path and input_path.endswith((".yaml", ".yml")) and not config_file:

@@ -41,9 +41,9 @@ def tune(input_path, config_file, batched_tokens, seqs, sample, time_limit, save
         overnight run prompts.parquet --out results/ --config configs/tuned.yaml
     """
     from overnight.pipeline.configio import resolve
-    from overnight.pipeline.deadline import parse_budget
-    from overnight.pipeline.storage import url_to_fs, write_atomic
-    from overnight.pipeline.tune import preset_yaml, tune as run_tune
+    from overnight.pipeline.scheduling.deadline import parse_budget
+    from overnight.pipeline.output.storage import url_to_fs, write_atomic
+    from overnight.pipeline.tools.tune import preset_yaml, tune as run_tune
 
     b, s = int_list(batched_tokens), int_list(seqs)
     cfg = resolve(config_layer(input_path, None, **options), config_file)

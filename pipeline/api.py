@@ -3,6 +3,10 @@
     from overnight.pipeline.api import run_job
     from overnight.pipeline.configio import resolve
     summary = run_job(resolve({"input": {"path": "prompts.parquet"}, "output": {"path": "results/"}}))
+
+``engine_factory`` is the one seam for the engine: ``factory(job) -> engine`` (see
+``overnight.pipeline.engine``). Without it, ``engine.kind`` chooses vLLM or the echo engine. The factory is
+called once to start the engine, and again only to restart it after a mid-run failure.
 """
 
 from __future__ import annotations
@@ -11,19 +15,19 @@ import logging
 import time
 from typing import Callable, Optional
 
-from overnight.pipeline import manifest as mf
 from overnight.pipeline.config import JobConfig
-from overnight.pipeline.echo_engine import engine_from_env
-from overnight.pipeline.engine import get_engine, shutdown_engines
+from overnight.pipeline.engine import EngineFactory, factory_for
+from overnight.pipeline.engine.supervisor import EngineSupervisor
 from overnight.pipeline.job import open_job
-from overnight.pipeline.report import Summary
+from overnight.pipeline.output import manifest as mf
+from overnight.pipeline.report import Summary, nothing_to_do
 from overnight.pipeline.runner import Runner
 
 log = logging.getLogger("overnight")
 
 
-def run_job(cfg: JobConfig, fresh: bool = False, engine=None, is_tty: Optional[bool] = None,
-            clock: Callable[[], float] = time.time) -> Summary:
+def run_job(cfg: JobConfig, fresh: bool = False, engine_factory: Optional[EngineFactory] = None,
+            is_tty: Optional[bool] = None, clock: Callable[[], float] = time.time) -> Summary:
     """Run (or resume) a job. Job-level problems raise before the engine starts."""
     job = open_job(cfg, fresh=fresh, now=clock())
     try:
@@ -32,37 +36,15 @@ def run_job(cfg: JobConfig, fresh: bool = False, engine=None, is_tty: Optional[b
         if job.scan.num_done:
             log.info("resuming %s: %d rows already done in %d parts", job.run_id, job.scan.num_done,
                      job.scan.num_parts)
-        policy = "priority" if cfg.scheduler.policy in ("auto", "priority") else "fcfs"
-
-        def fresh_engine():
-            shutdown_engines()
-            return get_engine(cfg.engine, job.model.path, policy)
-
-        factory = None
-        if engine is None:
-            engine = engine_from_env(cfg.engine)
-            factory = (lambda: engine_from_env(cfg.engine)) if engine is not None else fresh_engine
-        if engine is None:
+        supervisor = EngineSupervisor(engine_factory or factory_for(cfg), job)
+        if cfg.engine.kind == "vllm" and engine_factory is None:
             log.info("starting vLLM with %s", job.model.path)
-            try:
-                engine = get_engine(cfg.engine, job.model.path, policy)
-            except BaseException as e:
-                mf.end_attempt(job.manifest, mf.RunState.FAILED, f"engine start failed: {e}")
-                job.out.write_manifest(job.manifest)
-                raise
-        return Runner(job, engine, is_tty=is_tty, clock=clock, engine_factory=factory).run()
+        try:
+            supervisor.start()
+        except BaseException as e:
+            mf.end_attempt(job.manifest, mf.RunState.FAILED, f"engine start failed: {e}")
+            job.out.write_manifest(job.manifest)
+            raise
+        return Runner(job, supervisor, is_tty=is_tty, clock=clock).run()
     finally:
         job.lock.release()
-
-
-def nothing_to_do(job) -> Summary:
-    """An empty input: no engine is started; the run is complete with no rows."""
-    from overnight.pipeline.tally import Tally, summary
-
-    message = f"nothing to do: {job.source.url} has no rows"
-    log.info(message)
-    mf.end_attempt(job.manifest, mf.RunState.COMPLETED, message)
-    job.out.write_manifest(job.manifest)
-    job.out.write_status({"state": "completed", "exit_code": 0, "message": message, "run_id": job.run_id,
-                          "rows": {"total": 0, "done": 0}, "updated_at": mf.now_iso()})
-    return summary(Tally(0), job.run_id, job.out.shown(), mf.RunState.COMPLETED, 0, message, {})

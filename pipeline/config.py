@@ -9,6 +9,7 @@ are errors (see ``overnight.pipeline.configio``).
 from __future__ import annotations
 
 import dataclasses
+import enum
 from dataclasses import dataclass, field
 from typing import Optional, Union
 
@@ -84,8 +85,16 @@ class SamplingConfig:
                f"sampling.repetition_penalty is {self.repetition_penalty}; it must be above 0 (1.0 is off).")
 
 
+ENGINE_KINDS = ("vllm", "echo")
+
+
 @dataclass
 class EngineConfig:
+    # vllm, or echo: a stand-in with vLLM's add/step/abort shape that generates no model output, for tests,
+    # fault injection and trying a config without a model (OVERNIGHT_ENGINE=echo is an alias).
+    kind: str = "vllm"
+    # echo: how long each engine step takes, in milliseconds (a GPU step is ~10-50 ms).
+    echo_step_ms: float = 0.0
     # Model alias (see `overnight models list`), local Hugging Face folder, or hub id.
     model: str = DEFAULT_MODEL
     # Longest prompt + output, in tokens. None: the model's own limit.
@@ -121,6 +130,8 @@ class EngineConfig:
     max_restarts: int = 0
 
     def __post_init__(self) -> None:
+        _check(self.kind in ENGINE_KINDS, f"engine.kind is {self.kind!r}; use one of {', '.join(ENGINE_KINDS)}.")
+        _check(self.echo_step_ms >= 0, f"engine.echo_step_ms is {self.echo_step_ms}; it must be 0 or more.")
         _check(bool(self.model), "engine.model is empty; give a model alias, folder or hub id.")
         _check(self.max_num_seqs >= 1, f"engine.max_num_seqs is {self.max_num_seqs}; it must be at least 1.")
         _check(self.max_model_len is None or self.max_model_len >= 16,
@@ -140,7 +151,13 @@ class EngineConfig:
                f"engine.dtype is {self.dtype!r}; use auto, bfloat16, float16 or float32.")
 
 
-POLICIES = ("auto", "fifo", "longest-first", "shortest-first", "priority")
+class Policy(str, enum.Enum):
+    """The order of work; the one list of policy names (the CLI's choices and the docs come from it)."""
+    AUTO = "auto"
+    FIFO = "fifo"
+    LONGEST_FIRST = "longest-first"
+    SHORTEST_FIRST = "shortest-first"
+    PRIORITY = "priority"
 
 
 @dataclass
@@ -184,7 +201,8 @@ class SchedulerConfig:
     grace_s: float = 30.0
 
     def __post_init__(self) -> None:
-        _check(self.policy in POLICIES, f"scheduler.policy is {self.policy!r}; use one of {', '.join(POLICIES)}.")
+        names = [p.value for p in Policy]
+        _check(self.policy in names, f"scheduler.policy is {self.policy!r}; use one of {', '.join(names)}.")
         _check(self.queue_factor >= 0, f"scheduler.queue_factor is {self.queue_factor}; it must be 0 or more.")
         _check(self.lookahead_rows >= 1, f"scheduler.lookahead_rows is {self.lookahead_rows}; it must be at least 1.")
         _check(self.max_wait_s is None or self.max_wait_s > 0,

@@ -1,4 +1,4 @@
-"""Build a JobConfig from layered dicts: defaults < model preset < user YAML < command line.
+"""Build a JobConfig from layered dicts: defaults < model preset < user YAML < OVERNIGHT_ENGINE < command line.
 
 Every layer is a plain dict shaped like ``JobConfig.to_dict()``. Building is
 strict: an unknown key or a value of the wrong type raises ``ConfigError``
@@ -8,6 +8,7 @@ naming the source, the dotted key and the fix.
 from __future__ import annotations
 
 import dataclasses
+import os
 import typing
 from typing import Any, Optional, Union
 
@@ -18,7 +19,7 @@ def load_yaml(path: str) -> dict:
     """Read a YAML config with ``yaml.safe_load``; errors name the file."""
     import yaml
 
-    from overnight.pipeline.storage import open_file
+    from overnight.pipeline.output.storage import open_file
 
     try:
         with open_file(path, "rb") as f:
@@ -113,8 +114,28 @@ def _coerce(tp, value: Any, source: str, key: str):
     raise ConfigError(f"{source}: {key} has an unsupported type {tp!r}.")  # pragma: no cover
 
 
+def env_layer(environ=os.environ) -> dict:
+    """OVERNIGHT_ENGINE=echo (or echo:step_ms=20,max_num_seqs=32): an alias for engine.kind: echo."""
+    spec = environ.get("OVERNIGHT_ENGINE", "")
+    if not spec:
+        return {}
+    kind, _, opts = spec.partition(":")
+    if kind not in ("echo", "vllm"):
+        raise ConfigError(f"OVERNIGHT_ENGINE is {spec!r}; use echo, echo:step_ms=20,max_num_seqs=32, or vllm.")
+    engine: dict[str, Any] = {"kind": kind}
+    for item in filter(None, opts.split(",")):
+        key, _, value = item.partition("=")
+        if key == "step_ms":
+            engine["echo_step_ms"] = float(value)
+        elif key == "max_num_seqs":
+            engine["max_num_seqs"] = int(value)
+        else:
+            raise ConfigError(f"OVERNIGHT_ENGINE has an unknown setting {key!r}; use step_ms or max_num_seqs.")
+    return {"engine": engine}
+
+
 def resolve(cli: dict, config_file: Optional[str] = None) -> JobConfig:
-    """Layer the model's preset, the user's YAML and the command line into one JobConfig."""
+    """Layer the model's preset, the user's YAML, OVERNIGHT_ENGINE and the command line into one JobConfig."""
     from overnight.configs import preset_for_model
 
     user = load_yaml(config_file) if config_file else {}
@@ -123,7 +144,7 @@ def resolve(cli: dict, config_file: Optional[str] = None) -> JobConfig:
         from overnight.pipeline.config import DEFAULT_MODEL
         model = DEFAULT_MODEL
     preset = preset_for_model(model)
-    data = merge(merge(preset, user), cli)
+    data = merge(merge(merge(preset, user), env_layer()), cli)
     data.setdefault("engine", {})["model"] = model
     # Validate each layer separately first, so an error names the file it came from.
     if config_file:

@@ -10,18 +10,15 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Optional
 
-import pyarrow as pa
-
-from overnight.pipeline import manifest as mf
-from overnight.pipeline.checkpoint import OutputDir, OutputError, OutputSchema, Scan
 from overnight.pipeline.config import JobConfig
-from overnight.pipeline.lock import RunLock
-from overnight.pipeline.models import ModelError, ResolvedModel, load_tokenizer, resolve
-from overnight.pipeline.storage import redact
-from overnight.pipeline.prompts import has_chat_template
-from overnight.pipeline.source import ParquetSource
+from overnight.pipeline.input.source import ParquetSource
+from overnight.pipeline.input.stage import OpenModel, open_model
+from overnight.pipeline.output import manifest as mf
+from overnight.pipeline.output.checkpoint import OutputDir, OutputError, OutputSchema, Scan
+from overnight.pipeline.output.lock import RunLock
+from overnight.pipeline.output.storage import redact
 
 log = logging.getLogger("overnight")
 
@@ -31,9 +28,8 @@ class OpenJob:
     cfg: JobConfig
     source: ParquetSource
     out: OutputDir
-    model: ResolvedModel
-    tokenizer: Any
-    chat: bool
+    # The model's folder, tokenizer, chat mode and context (the engine's own context once it runs).
+    model: OpenModel
     scan: Scan
     schema: OutputSchema
     manifest: dict
@@ -61,24 +57,18 @@ def open_job(cfg: JobConfig, fresh: bool = False, now: Optional[float] = None) -
         TrainedPredictor.load(cfg.buckets.predictor)  # fail now, not after the engine started
     source = ParquetSource(cfg.input)
     out = OutputDir(cfg.output.path)
-    model = resolve(cfg.engine.model)
-    tokenizer = load_tokenizer(model, trust_remote_code=cfg.engine.trust_remote_code)
-    chat = cfg.prompt.chat if cfg.prompt.chat is not None else has_chat_template(tokenizer)
-    if chat and not has_chat_template(tokenizer):
-        raise ModelError(f"Model {model.requested} has no chat template, so --chat cannot apply one. "
-                         f"Run with --no-chat to send prompts as plain text.")
-
-    fields = mf.fingerprint_fields(cfg, model.requested, chat)
+    model = open_model(cfg)
+    fields = mf.fingerprint_fields(cfg, model.requested, model.chat)
     lock = RunLock(out)
     lock.acquire()
     try:
-        return _open_locked(cfg, fresh, source, out, model, tokenizer, chat, fields, lock, deadline_at, margin_s)
+        return _open_locked(cfg, fresh, source, out, model, fields, lock, deadline_at, margin_s)
     except BaseException:
         lock.release()
         raise
 
 
-def _open_locked(cfg, fresh, source, out, model, tokenizer, chat, fields, lock, deadline_at, margin_s) -> OpenJob:
+def _open_locked(cfg, fresh, source, out, model, fields, lock, deadline_at, margin_s) -> OpenJob:
     previous = out.read_manifest()
     if fresh:
         if previous or out.part_paths():
@@ -104,12 +94,12 @@ def _open_locked(cfg, fresh, source, out, model, tokenizer, chat, fields, lock, 
     lock.info["run_id"] = manifest["run_id"]
     manifest["counts"] = counts_from_scan(scan, source.num_rows)
     out.write_manifest(manifest)
-    return OpenJob(cfg, source, out, model, tokenizer, chat, scan, schema, manifest, deadline_at, margin_s, lock)
+    return OpenJob(cfg, source, out, model, scan, schema, manifest, deadline_at, margin_s, lock)
 
 
 def resolve_deadline(sc, now: float) -> tuple[Optional[float], float]:
     """(deadline as seconds since the epoch, safety margin in seconds), or (None, 0) without one."""
-    from overnight.pipeline.deadline import parse_budget, parse_deadline
+    from overnight.pipeline.scheduling.deadline import parse_budget, parse_deadline
 
     if sc.deadline:
         at = parse_deadline(sc.deadline, now)
@@ -125,6 +115,3 @@ def counts_from_scan(scan: Scan, num_rows: int) -> dict:
     return {"num_rows": num_rows, "num_done": scan.num_done, "num_ok": scan.num_ok, "num_error": scan.num_error,
             "num_output_tokens": scan.num_output_tokens, "num_parts": scan.num_parts}
 
-
-def id_type_of(schema: OutputSchema) -> pa.DataType:
-    return schema.schema.field(schema.id_name).type

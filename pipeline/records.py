@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Optional
 
 
@@ -104,17 +104,3 @@ RESULT_FIELDS = (
     "queued_at", "first_token_at", "finished_at", "status", "error", "prompt_hash", "run_id", "model",
 )
 
-
-@dataclass
-class Counts:
-    """Running totals of a job."""
-
-    num_ok: int = 0
-    num_error: int = 0
-    num_output_tokens: int = 0
-    num_prompt_tokens: int = 0
-    extra: dict = field(default_factory=dict)
-
-    @property
-    def num_done(self) -> int:
-        return self.num_ok + self.num_error

@@ -1,12 +1,18 @@
-"""What a job tells the operator: the status file's snapshot and the closing summary."""
+"""What a job tells the operator: status.json and the manifest's counts at every flush, and at the end the
+attempt's state, the exit code and the closing summary."""
 
 from __future__ import annotations
 
 import datetime as dt
+import logging
 from dataclasses import dataclass, field
 from typing import Optional
 
+from overnight.pipeline.output import manifest as mf
 from overnight.pipeline.progress import fmt_duration
+from overnight.pipeline.tally import Tally
+
+log = logging.getLogger("overnight")
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -65,3 +71,91 @@ def forecast_dict(f, deadline: Optional[float], mode: str) -> dict:
         "will_miss": f.will_miss,
         "rows_expected_left": f.rows_expected_left,
     }
+
+
+def exit_code_for(state: mf.RunState, engine_failed: bool) -> int:
+    if state == mf.RunState.COMPLETED:
+        return EXIT_OK
+    if state in (mf.RunState.PARTIAL, mf.RunState.INTERRUPTED):
+        return EXIT_PARTIAL
+    return EXIT_ENGINE if engine_failed else EXIT_FAILED
+
+
+def summary(t: Tally, run_id: str, out: str, state: mf.RunState, exit_code: int, message: Optional[str],
+            extra: dict) -> Summary:
+    return Summary(run_id=run_id, out=out, state=state.value, exit_code=exit_code, num_rows=t.num_rows,
+                   num_done=t.num_done, num_ok=t.num_ok, num_error=t.num_error, num_resumed=t.num_resumed,
+                   num_duplicates=t.num_duplicates, num_output_tokens=t.num_output_tokens,
+                   elapsed_s=round(t.elapsed(), 3), output_tokens_per_s=t.tokens_per_s(), message=message,
+                   extra=extra)
+
+
+def nothing_to_do(job) -> Summary:
+    """An empty input: no engine is started; the run is complete with no rows."""
+    message = f"nothing to do: {job.source.url} has no rows"
+    mf.end_attempt(job.manifest, mf.RunState.COMPLETED, message)
+    job.out.write_manifest(job.manifest)
+    job.out.write_status({"state": "completed", "exit_code": 0, "message": message, "run_id": job.run_id,
+                          "rows": {"total": 0, "done": 0}, "updated_at": mf.now_iso()})
+    return summary(Tally(0), job.run_id, job.out.shown(), mf.RunState.COMPLETED, 0, message, {})
+
+
+class Reporter:
+    """Reads the running job's parts (it changes none of them) and writes what they say."""
+
+    def __init__(self, job, tally: Tally, scheduler, annotator, tracker, progress):
+        self.job = job
+        self.tally = tally
+        self.scheduler = scheduler
+        self.annotator = annotator
+        self.tracker = tracker
+        self.progress = progress
+        self.num_parts_written = 0
+
+    def on_flush(self, results, path: str) -> None:
+        """After each part: the manifest's counts and a fresh status snapshot."""
+        self.num_parts_written += 1
+        m = self.job.manifest
+        m["counts"] = self.tally.counts(self.job.scan.num_parts + self.num_parts_written)
+        m["updated_at"] = mf.now_iso()
+        self.job.out.write_manifest(m)
+        self.job.out.write_status(self.status(mf.RunState.RUNNING, None))
+
+    def status(self, state: mf.RunState, exit_code: Optional[int], message: Optional[str] = None) -> dict:
+        a, st = self.annotator, self.scheduler.stats
+        return {
+            "state": state.value,
+            "exit_code": exit_code,
+            "message": message,
+            "run_id": self.job.run_id,
+            "out": self.job.out.shown(),
+            "model": self.job.model.requested,
+            "attempt": len(self.job.manifest["attempts"]),
+            "rows": self.tally.rows(self.scheduler.num_running),
+            "output_tokens": self.tally.num_output_tokens,
+            "elapsed_s": round(self.tally.elapsed(), 3),
+            "output_tokens_per_s": self.tally.tokens_per_s(),
+            "eta_s": self.progress.eta_seconds(),
+            "engine_restarts": self.tally.num_engine_restarts,
+            "scheduler": {"policy": self.scheduler.policy.value, "predictor": a.predictor.name,
+                          "mode_switches": st.num_mode_switches, "aged": st.num_aged,
+                          "deadline_first": st.num_deadline_first,
+                          "predictor_seconds": round(a.seconds + a.loop_seconds + a.background_seconds, 3)},
+            "forecast": forecast_dict(self.tracker.last, self.tracker.deadline, self.scheduler.mode.value),
+            "updated_at": mf.now_iso(),
+        }
+
+    def finish(self, state: mf.RunState, message: Optional[str], engine_failed: bool) -> Summary:
+        """Close the attempt in the manifest, write the last status, and return the summary."""
+        exit_code = exit_code_for(state, engine_failed)
+        m = self.job.manifest
+        m["counts"] = self.tally.counts(self.job.scan.num_parts + self.num_parts_written)
+        mf.end_attempt(m, state, message)
+        status = self.status(state, exit_code, message)
+        try:
+            self.job.out.write_manifest(m)
+            self.job.out.write_status(status)
+        except Exception as e:
+            log.error("could not write the manifest or status file: %s", e)
+        return summary(self.tally, self.job.run_id, self.job.out.shown(), state, exit_code, message,
+                       {"scheduler": status["scheduler"], "forecast": status["forecast"], "rows": status["rows"]})

@@ -6,9 +6,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Optional
 
-from overnight.pipeline import manifest as mf
 from overnight.pipeline.records import Result
-from overnight.pipeline.report import EXIT_ENGINE, EXIT_FAILED, EXIT_OK, EXIT_PARTIAL, Summary
 
 
 @dataclass
@@ -25,6 +23,8 @@ class Tally:
     num_removed: Optional[int] = None  # finished rows no longer in the input (known after a full pass)
     num_aborted: int = 0          # rows stopped in flight (deadline, signal, engine death): not done
     num_engine_restarts: int = 0
+    num_predicted: int = 0        # rows read by this attempt that got a predicted length ...
+    predicted_tokens: int = 0     # ... and the sum of those predictions (their mean stands in for unread rows)
     started: float = field(default_factory=time.monotonic)
 
     @property
@@ -48,6 +48,14 @@ class Tally:
         self.attempt_tokens += tokens
         return tokens
 
+    def observe_predictions(self, rows) -> None:
+        self.num_predicted += len(rows)
+        self.predicted_tokens += sum(r.predicted_tokens or 0 for r in rows)
+
+    @property
+    def mean_predicted(self) -> float:
+        return self.predicted_tokens / self.num_predicted if self.num_predicted else 0.0
+
     def elapsed(self) -> float:
         return time.monotonic() - self.started
 
@@ -65,19 +73,3 @@ class Tally:
         e = self.elapsed()
         return round(self.attempt_tokens / e, 2) if e > 0 else 0.0
 
-
-def exit_code_for(state: mf.RunState, engine_failed: bool) -> int:
-    if state == mf.RunState.COMPLETED:
-        return EXIT_OK
-    if state in (mf.RunState.PARTIAL, mf.RunState.INTERRUPTED):
-        return EXIT_PARTIAL
-    return EXIT_ENGINE if engine_failed else EXIT_FAILED
-
-
-def summary(t: Tally, run_id: str, out: str, state: mf.RunState, exit_code: int, message: Optional[str],
-            extra: dict) -> Summary:
-    return Summary(run_id=run_id, out=out, state=state.value, exit_code=exit_code, num_rows=t.num_rows,
-                   num_done=t.num_done, num_ok=t.num_ok, num_error=t.num_error, num_resumed=t.num_resumed,
-                   num_duplicates=t.num_duplicates, num_output_tokens=t.num_output_tokens,
-                   elapsed_s=round(t.elapsed(), 3), output_tokens_per_s=t.tokens_per_s(), message=message,
-                   extra=extra)

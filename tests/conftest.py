@@ -48,14 +48,14 @@ def write_parquet(tmp_path):
 @pytest.fixture(scope="session")
 def model_path() -> str:
     """The embedded model, prepared once (the README's setup does this; here it is a no-op then)."""
-    from overnight.pipeline.models import prepare
+    from overnight.pipeline.tools.models import prepare
 
     return prepare("smollm2-135m")
 
 
 @pytest.fixture(scope="session")
 def tokenizer(model_path):
-    from overnight.pipeline.models import ResolvedModel, load_tokenizer
+    from overnight.pipeline.tools.models import ResolvedModel, load_tokenizer
 
     return load_tokenizer(ResolvedModel(requested="smollm2-135m", path=model_path, alias="smollm2-135m"))
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from overnight.pipeline.echo_engine import EchoEngine
+from overnight.pipeline.engine.echo import EchoEngine
 
 
 class FakeClock:
@@ -29,3 +29,8 @@ class FakeEngine(EchoEngine):
         if self.clock is not None:
             self.clock.t += self.step_seconds
         return super()._step()
+
+
+def given(engine):
+    """An engine factory for run_job that hands over this one engine (restarts get the same object)."""
+    return lambda job: engine

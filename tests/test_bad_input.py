@@ -69,7 +69,7 @@ def run_args(e: Env, inp: str, *more) -> list:
 
 
 def model_without_tokenizer(e: Env) -> str:
-    from overnight.pipeline.models import prepare
+    from overnight.pipeline.tools.models import prepare
     src = prepare("smollm2-135m")
     dst = e.root / "no-tokenizer"
     dst.mkdir()

@@ -5,8 +5,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from overnight.pipeline import manifest as mf
-from overnight.pipeline.checkpoint import CheckpointWriter, OutputDir, OutputError, OutputSchema
+from overnight.pipeline.output import manifest as mf
+from overnight.pipeline.output.checkpoint import CheckpointWriter, OutputDir, OutputError, OutputSchema
 from overnight.pipeline.config import JobConfig
 from overnight.pipeline.records import Result
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from overnight.pipeline.config import ConfigError
-from overnight.pipeline.deadline import DeadlineTracker, parse_budget, parse_deadline
+from overnight.pipeline.scheduling.deadline import DeadlineTracker, parse_budget, parse_deadline
 from overnight.pipeline.job import resolve_deadline
 from overnight.pipeline.config import SchedulerConfig
 

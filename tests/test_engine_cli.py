@@ -21,7 +21,7 @@ FAST = ["--max-tokens", "48"]
 @pytest.fixture(scope="module", autouse=True)
 def one_engine_per_module():
     yield
-    from overnight.pipeline.engine import shutdown_engines
+    from overnight.pipeline.engine.vllm import shutdown_engines
     shutdown_engines()
 
 

@@ -25,7 +25,7 @@ def warm(tmp_path_factory, model_path):
     out = d / "first"
     invoke("run", inp, "--out", out)
     yield inp, out
-    from overnight.pipeline.engine import shutdown_engines
+    from overnight.pipeline.engine.vllm import shutdown_engines
     shutdown_engines()
 
 

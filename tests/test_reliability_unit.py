@@ -12,14 +12,14 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from fakes import FakeEngine
-from overnight.pipeline import faults
+from fakes import FakeEngine, given
+from overnight.pipeline.output import faults
 from overnight.pipeline.api import run_job
-from overnight.pipeline.checkpoint import OutputDir
+from overnight.pipeline.output.checkpoint import OutputDir
 from overnight.pipeline.configio import resolve
 from overnight.pipeline.engine import EngineError
-from overnight.pipeline.lock import LockError, RunLock
-from overnight.pipeline.storage import redact, with_retries
+from overnight.pipeline.output.lock import LockError, RunLock
+from overnight.pipeline.output.storage import redact, with_retries
 
 
 def cfg(inp, out, **sections):
@@ -75,13 +75,13 @@ def test_two_runs_at_once_through_the_job(data, tmp_path, model_path):
     out = tmp_path / "out"
     write_lock(out, host="busy-host", pid=7)
     with pytest.raises(LockError, match="in use by another overnight run: host busy-host, pid 7"):
-        run_job(cfg(data, out), engine=FakeEngine(), is_tty=False)
+        run_job(cfg(data, out), engine_factory=given(FakeEngine()), is_tty=False)
     assert not (out / "manifest.json").exists()  # refused before touching anything
 
 
 def test_the_lock_is_released_after_a_run(data, tmp_path, model_path):
     out = tmp_path / "out"
-    run_job(cfg(data, out), engine=FakeEngine(), is_tty=False)
+    run_job(cfg(data, out), engine_factory=given(FakeEngine()), is_tty=False)
     assert not (out / ".overnight.lock").exists()
 
 
@@ -114,10 +114,10 @@ def test_permanent_errors_are_not_retried():
 def test_an_injected_transient_write_failure_is_retried_and_the_job_completes(data, tmp_path, model_path,
                                                                                monkeypatch, caplog):
     monkeypatch.setenv("OVERNIGHT_FAILPOINTS", "storage.write=oserror@2-3")
-    monkeypatch.setattr("overnight.pipeline.storage.RETRY_DELAYS", (0.01, 0.01, 0.01))
+    monkeypatch.setattr("overnight.pipeline.output.storage.RETRY_DELAYS", (0.01, 0.01, 0.01))
     faults.reset()
     try:
-        s = run_job(cfg(data, tmp_path / "out"), engine=FakeEngine(), is_tty=False)
+        s = run_job(cfg(data, tmp_path / "out"), engine_factory=given(FakeEngine()), is_tty=False)
     finally:
         monkeypatch.delenv("OVERNIGHT_FAILPOINTS")
         faults.reset()
@@ -152,14 +152,14 @@ def test_sigterm_drains_within_grace_and_exits_75(data, tmp_path, model_path):
     out = tmp_path / "out"
     signal_after(signal.SIGTERM, 0.5)
     eng = slow_engine()
-    s = run_job(cfg(data, out, scheduler={"grace_s": 30}), engine=eng, is_tty=False)
+    s = run_job(cfg(data, out, scheduler={"grace_s": 30}), engine_factory=given(eng), is_tty=False)
     assert (s.state, s.exit_code) == ("interrupted", 75)
     assert s.message.startswith("interrupted by SIGTERM: ") and "rows not done" in s.message
     assert eng.aborted == []  # the grace period let the rows in flight finish
     m = json.loads((out / "manifest.json").read_text())
     assert m["state"] == "interrupted" and m["counts"]["num_done"] == s.num_done
     assert 0 < s.num_done < 24 and pq.read_table(out / "parts").num_rows == s.num_done
-    again = run_job(cfg(data, out), engine=FakeEngine(), is_tty=False)
+    again = run_job(cfg(data, out), engine_factory=given(FakeEngine()), is_tty=False)
     ids = pq.read_table(out / "parts").column("id").to_pylist()
     assert again.state == "completed" and len(ids) == 24 == len(set(ids))
 
@@ -168,7 +168,7 @@ def test_a_second_signal_aborts_at_once_and_leaves_a_consistent_checkpoint(data,
     out = tmp_path / "out"
     signal_after(signal.SIGINT, 0.5, times=2, gap=0.1)
     eng = FakeEngine(max_num_seqs=2, step_sleep=0.05, length_of=lambda ids: 200)
-    s = run_job(cfg(data, out, scheduler={"grace_s": 60}), engine=eng, is_tty=False)
+    s = run_job(cfg(data, out, scheduler={"grace_s": 60}), engine_factory=given(eng), is_tty=False)
     aborted = json.loads((out / "status.json").read_text())["rows"]["aborted"]
     assert s.state == "interrupted" and s.exit_code == 75 and len(eng.aborted) == aborted > 0
     done = pq.read_table(out / "parts").num_rows if (out / "parts").exists() else 0
@@ -179,19 +179,13 @@ def test_a_second_signal_aborts_at_once_and_leaves_a_consistent_checkpoint(data,
 
 def test_engine_restarts_in_process_and_the_run_completes(data, tmp_path, model_path, caplog):
     out = tmp_path / "out"
-    engines = [FakeEngine(max_num_seqs=2, fail_after_steps=5)]
+    engines = []
 
-    def factory():
-        engines.append(FakeEngine(max_num_seqs=2))
+    def factory(job):  # the first engine dies after 5 steps, the restarted one does not
+        engines.append(FakeEngine(max_num_seqs=2, fail_after_steps=None if engines else 5))
         return engines[-1]
 
-    from overnight.pipeline.job import open_job
-    from overnight.pipeline.runner import Runner
-    job = open_job(cfg(data, out, engine={"max_restarts": 1}))
-    try:
-        s = Runner(job, engines[0], is_tty=False, engine_factory=factory).run()
-    finally:
-        job.lock.release()
+    s = run_job(cfg(data, out, engine={"max_restarts": 1}), engine_factory=factory, is_tty=False)
     assert s.state == "completed" and len(engines) == 2
     assert "restarting it (1 of 1); 4 rows in flight go back to the queue" in caplog.text  # 2 running, 2 waiting
     ids = pq.read_table(out / "parts").column("id").to_pylist()
@@ -201,15 +195,8 @@ def test_engine_restarts_in_process_and_the_run_completes(data, tmp_path, model_
 
 def test_engine_death_without_restarts_fails_with_a_clear_message(data, tmp_path, model_path):
     out = tmp_path / "out"
-    from overnight.pipeline.job import open_job
-    from overnight.pipeline.runner import Runner
-    job = open_job(cfg(data, out))
-    try:
-        with pytest.raises(EngineError, match="The vLLM engine failed mid-run .* Pass --max-engine-restarts N"):
-            Runner(job, FakeEngine(max_num_seqs=2, fail_after_steps=15), is_tty=False,
-                   engine_factory=lambda: FakeEngine()).run()
-    finally:
-        job.lock.release()
+    with pytest.raises(EngineError, match="The vLLM engine failed mid-run .* Pass --max-engine-restarts N"):
+        run_job(cfg(data, out), engine_factory=given(FakeEngine(max_num_seqs=2, fail_after_steps=15)), is_tty=False)
     st = json.loads((out / "status.json").read_text())
     assert st["exit_code"] == 69 and st["state"] == "failed"
     assert st["rows"]["done"] == pq.read_table(out / "parts").num_rows > 0
@@ -220,11 +207,11 @@ def test_engine_death_without_restarts_fails_with_a_clear_message(data, tmp_path
 def test_resume_after_the_input_changed(write_parquet, tmp_path, model_path, caplog):
     out = tmp_path / "out"
     first = write_parquet({"id": ["a", "b", "c", "d"], "prompt": ["one", "two", "three", "four"]}, "v1.parquet")
-    run_job(cfg(first, out), engine=FakeEngine(), is_tty=False)
+    run_job(cfg(first, out), engine_factory=given(FakeEngine()), is_tty=False)
     # b removed, c changed, e added
     second = write_parquet({"id": ["a", "c", "d", "e"], "prompt": ["one", "THREE?", "four", "five"]}, "v2.parquet")
     eng = FakeEngine()
-    s = run_job(cfg(second, out), engine=eng, is_tty=False)
+    s = run_job(cfg(second, out), engine_factory=given(eng), is_tty=False)
     assert len(eng.added) == 1  # only e
     rows = s.extra["rows"]
     assert (rows["resumed"], rows["changed"], rows["removed"]) == (3, 1, 1)

@@ -4,9 +4,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from fakes import FakeClock, FakeEngine
+from fakes import FakeClock, FakeEngine, given
 from overnight.pipeline.api import run_job
-from overnight.pipeline.checkpoint import OutputError
+from overnight.pipeline.output.checkpoint import OutputError
 from overnight.pipeline.configio import resolve
 from overnight.pipeline.engine import EngineError
 
@@ -30,7 +30,7 @@ def data(write_parquet):
 
 def test_run_writes_every_row_once_with_result_columns(data, tmp_path, model_path):
     out = tmp_path / "out"
-    s = run_job(cfg(data, out), engine=FakeEngine(), is_tty=False)
+    s = run_job(cfg(data, out), engine_factory=given(FakeEngine()), is_tty=False)
     assert (s.state, s.exit_code, s.num_ok, s.num_error, s.num_done) == ("completed", 0, 10, 0, 10)
     t = output(out)
     assert sorted(t.column("id").to_pylist()) == [f"q{i}" for i in range(10)]
@@ -47,10 +47,10 @@ def test_run_writes_every_row_once_with_result_columns(data, tmp_path, model_pat
 def test_resume_processes_only_rows_not_done(data, tmp_path, model_path):
     out = tmp_path / "out"
     first = FakeEngine()
-    run_job(cfg(data, out, input={"limit": 6}), engine=first, is_tty=False)
+    run_job(cfg(data, out, input={"limit": 6}), engine_factory=given(first), is_tty=False)
     assert len(first.added) == 6
     second = FakeEngine()
-    s = run_job(cfg(data, out), engine=second, is_tty=False)
+    s = run_job(cfg(data, out), engine_factory=given(second), is_tty=False)
     assert len(second.added) == 4
     assert s.num_resumed == 6 and s.num_done == 10
     ids = output(out).column("id").to_pylist()
@@ -61,9 +61,9 @@ def test_resume_processes_only_rows_not_done(data, tmp_path, model_path):
 
 def test_rerun_of_a_finished_job_does_nothing(data, tmp_path, model_path):
     out = tmp_path / "out"
-    run_job(cfg(data, out), engine=FakeEngine(), is_tty=False)
+    run_job(cfg(data, out), engine_factory=given(FakeEngine()), is_tty=False)
     again = FakeEngine()
-    s = run_job(cfg(data, out), engine=again, is_tty=False)
+    s = run_job(cfg(data, out), engine_factory=given(again), is_tty=False)
     assert again.added == [] and s.num_done == 10 and s.num_resumed == 10
 
 
@@ -71,7 +71,7 @@ def test_error_rows_and_duplicates(write_parquet, tmp_path, model_path):
     inp = write_parquet({"id": ["a", "b", "c", "a", "d"], "prompt": ["ok", None, "fine", "dup", ""],
                          "max_tokens": [5, 5, -1, 5, 5]})
     out = tmp_path / "out"
-    s = run_job(cfg(inp, out), engine=FakeEngine(), is_tty=False)
+    s = run_job(cfg(inp, out), engine_factory=given(FakeEngine()), is_tty=False)
     assert (s.num_ok, s.num_error, s.num_duplicates) == (1, 3, 1)
     rows = {r["id"]: r for r in output(out).to_pylist()}
     assert sorted(rows) == ["a", "b", "c", "d"]
@@ -85,7 +85,7 @@ def test_error_rows_and_duplicates(write_parquet, tmp_path, model_path):
 def test_prompt_longer_than_context_is_an_error_row(write_parquet, tmp_path, model_path):
     inp = write_parquet({"id": ["short", "long"], "prompt": ["hi", "word " * 400]})
     out = tmp_path / "out"
-    s = run_job(cfg(inp, out), engine=FakeEngine(max_model_len=128), is_tty=False)
+    s = run_job(cfg(inp, out), engine_factory=given(FakeEngine(max_model_len=128)), is_tty=False)
     assert (s.num_ok, s.num_error) == (1, 1)
     err = [r for r in output(out).to_pylist() if r["status"] == "error"][0]
     assert err["id"] == "long"
@@ -95,40 +95,40 @@ def test_prompt_longer_than_context_is_an_error_row(write_parquet, tmp_path, mod
 def test_max_tokens_is_clipped_to_the_context(write_parquet, tmp_path, model_path):
     inp = write_parquet({"id": ["x"], "prompt": ["hello"]})
     eng = FakeEngine(max_model_len=64, length_of=lambda ids: 10_000)
-    run_job(cfg(inp, tmp_path / "out", sampling={"max_tokens": 500}), engine=eng, is_tty=False)
+    run_job(cfg(inp, tmp_path / "out", sampling={"max_tokens": 500}), engine_factory=given(eng), is_tty=False)
     row = output(tmp_path / "out").to_pylist()[0]
     assert row["prompt_tokens"] + row["output_tokens"] == 64 and row["finish_reason"] == "length"
 
 
 def test_fingerprint_mismatch_is_refused_and_fresh_starts_over(data, tmp_path, model_path):
     out = tmp_path / "out"
-    run_job(cfg(data, out, input={"limit": 3}), engine=FakeEngine(), is_tty=False)
+    run_job(cfg(data, out, input={"limit": 3}), engine_factory=given(FakeEngine()), is_tty=False)
     with pytest.raises(OutputError, match=r"sampling.temperature: 0.2 -> 0.9"):
-        run_job(cfg(data, out, sampling={"temperature": 0.9}), engine=FakeEngine(), is_tty=False)
+        run_job(cfg(data, out, sampling={"temperature": 0.9}), engine_factory=given(FakeEngine()), is_tty=False)
     eng = FakeEngine()
-    s = run_job(cfg(data, out, sampling={"temperature": 0.9}), fresh=True, engine=eng, is_tty=False)
+    s = run_job(cfg(data, out, sampling={"temperature": 0.9}), fresh=True, engine_factory=given(eng), is_tty=False)
     assert len(eng.added) == 10 and s.num_resumed == 0 and output(out).num_rows == 10
 
 
 def test_parts_without_manifest_are_refused(data, tmp_path, model_path):
     out = tmp_path / "out"
-    run_job(cfg(data, out), engine=FakeEngine(), is_tty=False)
+    run_job(cfg(data, out), engine_factory=given(FakeEngine()), is_tty=False)
     (out / "manifest.json").unlink()
     with pytest.raises(OutputError, match="holds result parts but no manifest.json"):
-        run_job(cfg(data, out), engine=FakeEngine(), is_tty=False)
+        run_job(cfg(data, out), engine_factory=given(FakeEngine()), is_tty=False)
 
 
 def test_engine_failure_keeps_finished_rows(data, tmp_path, model_path):
     out = tmp_path / "out"
     eng = FakeEngine(max_num_seqs=2, fail_after_steps=12)
     with pytest.raises(EngineError, match="The vLLM engine failed mid-run \\(RuntimeError: engine died\\)"):
-        run_job(cfg(data, out, output={"flush_rows": 100}), engine=eng, is_tty=False)
+        run_job(cfg(data, out, output={"flush_rows": 100}), engine_factory=given(eng), is_tty=False)
     done = output(out).column("id").to_pylist()
     assert 0 < len(done) < 10
     m = __import__("json").loads((out / "manifest.json").read_text())
     assert m["state"] == "failed" and "engine died" in m["attempts"][-1]["message"]
     assert m["counts"]["num_done"] == len(done)
-    s = run_job(cfg(data, out), engine=FakeEngine(), is_tty=False)
+    s = run_job(cfg(data, out), engine_factory=given(FakeEngine()), is_tty=False)
     ids = output(out).column("id").to_pylist()
     assert s.state == "completed" and sorted(ids) == sorted(set(ids)) and len(ids) == 10
 
@@ -136,22 +136,22 @@ def test_engine_failure_keeps_finished_rows(data, tmp_path, model_path):
 def test_derived_ids_without_id_column(write_parquet, tmp_path, model_path):
     inp = write_parquet({"prompt": ["a", "b", "c"]}, "data.parquet")
     out = tmp_path / "out"
-    run_job(cfg(inp, out, input={"limit": 2}), engine=FakeEngine(), is_tty=False)
-    run_job(cfg(inp, out), engine=FakeEngine(), is_tty=False)
+    run_job(cfg(inp, out, input={"limit": 2}), engine_factory=given(FakeEngine()), is_tty=False)
+    run_job(cfg(inp, out), engine_factory=given(FakeEngine()), is_tty=False)
     assert sorted(output(out).column("id").to_pylist()) == ["data.parquet#0", "data.parquet#1", "data.parquet#2"]
 
 
 def test_passthrough_none_and_list(data, tmp_path, model_path):
-    run_job(cfg(data, tmp_path / "a", input={"passthrough": "none"}), engine=FakeEngine(), is_tty=False)
+    run_job(cfg(data, tmp_path / "a", input={"passthrough": "none"}), engine_factory=given(FakeEngine()), is_tty=False)
     assert "prompt" not in output(tmp_path / "a").column_names
-    run_job(cfg(data, tmp_path / "b", input={"passthrough": ["category"]}), engine=FakeEngine(), is_tty=False)
+    run_job(cfg(data, tmp_path / "b", input={"passthrough": ["category"]}), engine_factory=given(FakeEngine()), is_tty=False)
     names = output(tmp_path / "b").column_names
     assert "category" in names and "prompt" not in names
 
 
 def test_status_file(data, tmp_path, model_path):
     out = tmp_path / "out"
-    run_job(cfg(data, out), engine=FakeEngine(), is_tty=False)
+    run_job(cfg(data, out), engine_factory=given(FakeEngine()), is_tty=False)
     st = __import__("json").loads((out / "status.json").read_text())
     assert st["state"] == "completed" and st["exit_code"] == 0
     assert st["rows"] == {"total": 10, "done": 10, "ok": 10, "error": 0, "remaining": 0, "resumed": 0,
@@ -161,13 +161,13 @@ def test_status_file(data, tmp_path, model_path):
 def test_null_id_error_rows_are_written_once_across_resumes(write_parquet, tmp_path, model_path):
     inp = write_parquet({"id": pa.array([1, None, 3, None], pa.int64()), "prompt": ["a", "b", "c", "d"]})
     out = tmp_path / "out"
-    run_job(cfg(inp, out, input={"limit": 2}), engine=FakeEngine(), is_tty=False)
-    s = run_job(cfg(inp, out), engine=FakeEngine(), is_tty=False)
+    run_job(cfg(inp, out, input={"limit": 2}), engine_factory=given(FakeEngine()), is_tty=False)
+    s = run_job(cfg(inp, out), engine_factory=given(FakeEngine()), is_tty=False)
     rows = output(out).to_pylist()
     assert sorted((r["id"] is None, r["status"]) for r in rows) == [(False, "ok"), (False, "ok"),
                                                                     (True, "error"), (True, "error")]
     assert sorted(r["error"].split(":")[0] for r in rows if r["id"] is None) == ["in.parquet#1", "in.parquet#3"]
-    again = run_job(cfg(inp, out), engine=FakeEngine(), is_tty=False)
+    again = run_job(cfg(inp, out), engine_factory=given(FakeEngine()), is_tty=False)
     assert output(out).num_rows == 4 and again.num_done == 4 and s.num_done == 4
 
 
@@ -181,7 +181,7 @@ def deadline_data(write_parquet, n=40):
 def budget_run(inp, out, policy, budget="60s", **kw):
     clock = FakeClock()
     eng = FakeEngine(max_num_seqs=2, clock=clock, step_seconds=1.0, length_of=lambda ids: max(2, (len(ids) - 30) // 2))
-    return run_job(cfg(inp, out, scheduler={"time_budget": budget, "policy": policy, **kw}), engine=eng,
+    return run_job(cfg(inp, out, scheduler={"time_budget": budget, "policy": policy, **kw}), engine_factory=given(eng),
                    is_tty=False, clock=clock), eng
 
 
@@ -198,7 +198,7 @@ def test_time_budget_stops_early_exit_75_and_rerun_completes(write_parquet, tmp_
     st = __import__("json").loads((out / "status.json").read_text())
     assert st["state"] == "partial" and st["exit_code"] == 75 and st["rows"]["remaining"] == 40 - s.num_done
     assert st["forecast"]["will_miss"] is True and st["forecast"]["deadline"]
-    again = run_job(cfg(inp, out), engine=FakeEngine(), is_tty=False)
+    again = run_job(cfg(inp, out), engine_factory=given(FakeEngine()), is_tty=False)
     ids = output(out).column("id").to_pylist()
     assert again.state == "completed" and sorted(ids) == [f"r{i:02d}" for i in range(40)] and len(set(ids)) == 40
 
@@ -222,7 +222,7 @@ def test_abort_on_deadline_leaves_in_flight_rows_not_done(write_parquet, tmp_pat
 
 def test_predictions_are_stored_next_to_actual_lengths(data, tmp_path, model_path):
     out = tmp_path / "out"
-    run_job(cfg(data, out), engine=FakeEngine(), is_tty=False)
+    run_job(cfg(data, out), engine_factory=given(FakeEngine()), is_tty=False)
     rows = output(out).to_pylist()
     assert all(r["predicted_tokens"] >= 1 and r["bucket"] is not None for r in rows)
 
@@ -231,7 +231,7 @@ def test_per_row_deadline_that_passed_becomes_an_error_row(write_parquet, tmp_pa
     import datetime as dt
     past = dt.datetime(2020, 1, 1)
     inp = write_parquet({"id": ["a", "b"], "prompt": ["x", "y"], "deadline": pa.array([past, None], pa.timestamp("s"))})
-    run_job(cfg(inp, tmp_path / "out"), engine=FakeEngine(), is_tty=False)
+    run_job(cfg(inp, tmp_path / "out"), engine_factory=given(FakeEngine()), is_tty=False)
     rows = {r["id"]: r for r in output(tmp_path / "out").to_pylist()}
     assert rows["b"]["status"] == "ok"
     assert rows["a"]["error"] == "in.parquet#0: its deadline 2020-01-01T00:00:00+00:00 passed before the row could start"

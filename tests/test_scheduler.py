@@ -3,7 +3,7 @@
 import pytest
 
 from overnight.pipeline.records import Row
-from overnight.pipeline.scheduler import Mode, Policy, Scheduler
+from overnight.pipeline.scheduling.scheduler import Mode, Policy, Scheduler
 
 
 def row(i, pred=100, priority=0, value=1.0, deadline=None):

@@ -4,7 +4,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from overnight.pipeline.config import InputConfig
-from overnight.pipeline.source import InputError, ParquetSource
+from overnight.pipeline.input.source import InputError, ParquetSource
 
 
 def source(path, **kw) -> ParquetSource:

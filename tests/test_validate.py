@@ -2,8 +2,8 @@ import pyarrow as pa
 import pytest
 
 from overnight.pipeline.config import InputConfig, SamplingConfig
-from overnight.pipeline.source import InputFile, SourceBatch
-from overnight.pipeline.validate import parse_batch, sampling_defaults
+from overnight.pipeline.input.source import InputFile, SourceBatch
+from overnight.pipeline.input.validate import parse_batch, sampling_defaults
 
 DEFAULTS = sampling_defaults(SamplingConfig(max_tokens=100, temperature=0.5))
 

@@ -1,0 +1,48 @@
+"""`overnight inspect`: DuckDB over the completed parts of an output folder."""
+
+from __future__ import annotations
+
+import json
+
+import click
+
+from overnight.jobs.options import user_errors
+
+
+@click.command("inspect")
+@click.argument("out")
+@click.option("--sql", help="Query to run; the results are in a view named `results`.")
+@click.option("--format", "fmt", type=click.Choice(["table", "csv", "json"]), default="table",
+              show_default=True, help="How to print query results.")
+@user_errors
+def inspect_cmd(out: str, sql: str, fmt: str) -> None:
+    """Summarise an output folder, or query it with SQL through DuckDB.
+
+    The view `results` holds every completed part (one row per input id).
+
+    \b
+    Example:
+        overnight inspect results/
+        overnight inspect results/ --sql "select finish_reason, count(*) from results group by 1"
+    """
+    from overnight.pipeline.tools.inspection import open_results, render, summary_lines
+
+    con, m = open_results(out)
+    if sql:
+        import duckdb
+
+        try:
+            cur = con.execute(sql)
+        except duckdb.Error as e:
+            raise click.ClickException(f"SQL failed: {e}. The view is named `results`; "
+                                       f"see its columns with --sql 'describe results'.") from None
+        if cur.description is None:
+            return
+        columns, rows = [d[0] for d in cur.description], cur.fetchall()
+        if fmt == "json":
+            click.echo(json.dumps([dict(zip(columns, r)) for r in rows], default=str, indent=2))
+        else:
+            click.echo(render(columns, rows, csv=(fmt == "csv")))
+        return
+    for line in summary_lines(con, m):
+        click.echo(line)

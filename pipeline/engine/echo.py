@@ -1,0 +1,92 @@
+"""A stand-in engine with vLLM's add/step/abort shape that generates no model output.
+
+For testing the pipeline around the engine: fault injection (a job killed
+twenty times needs a fast engine), scheduler and runner tests, and trying a
+config without a GPU. Each request produces one token per step up to its
+length; a step can be made to take real time, as a GPU step does.
+
+Selected with ``engine.kind: echo`` (``--engine echo``, ``--echo-step-ms 20``), or the environment alias
+OVERNIGHT_ENGINE=echo (or echo:step_ms=20); never by default.
+"""
+
+from __future__ import annotations
+
+import heapq
+import time
+from typing import Callable, Optional
+
+from overnight.pipeline.records import Finished
+
+
+class EchoEngine:
+    supports_priority = True
+
+    def __init__(self, max_num_seqs: int = 64, max_model_len: int = 2048,
+                 length_of: Optional[Callable[[list], int]] = None, step_sleep: float = 0.0):
+        self.max_num_seqs = max_num_seqs
+        self.max_model_len = max_model_len
+        self.kv_cache_tokens = None
+        self.num_preemptions = 0
+        self.length_of = length_of or (lambda ids: 8 + len(ids) % 56)
+        self.step_sleep = step_sleep
+        self.waiting: dict[str, dict] = {}
+        self._queue: list = []  # (priority, arrival, request id), as vLLM's priority queue
+        self.running: dict[str, dict] = {}
+        self.added: list[str] = []
+        self.aborted: list[str] = []
+        self.priorities: dict[str, int] = {}
+        self.num_steps = 0
+        self.step_total = 0.0  # seconds spent inside step(): the engine's share of a run's wall time
+
+    @classmethod
+    def from_config(cls, cfg) -> "EchoEngine":
+        """Limits from the engine config, as vLLM's are; ``echo_step_ms`` makes each step take real time."""
+        return cls(max_num_seqs=cfg.max_num_seqs, max_model_len=cfg.max_model_len or 2048,
+                   step_sleep=cfg.echo_step_ms / 1000)
+
+    def add(self, request_id, prompt_token_ids, sampling, priority=0):
+        target = min(sampling["max_tokens"], self.length_of(prompt_token_ids))
+        self.waiting[request_id] = {"n": len(prompt_token_ids), "target": target, "done": 0,
+                                    "length": target == sampling["max_tokens"]}
+        heapq.heappush(self._queue, (priority, len(self.added), request_id))
+        self.added.append(request_id)
+        self.priorities[request_id] = priority
+
+    def step(self):
+        t0 = time.perf_counter()
+        try:
+            return self._step()
+        finally:
+            self.step_total += time.perf_counter() - t0
+
+    def _step(self):
+        self.num_steps += 1
+        while self._queue and len(self.running) < self.max_num_seqs:
+            _, _, rid = heapq.heappop(self._queue)
+            if rid in self.waiting:  # else aborted
+                self.running[rid] = self.waiting.pop(rid)
+        if self.step_sleep:
+            time.sleep(self.step_sleep)
+        out = []
+        for rid in list(self.running):
+            req = self.running[rid]
+            req["done"] += 1
+            if req["done"] >= req["target"]:
+                del self.running[rid]
+                now = time.time()
+                out.append(Finished(rid, f"echo of {req['n']} prompt tokens", "length" if req["length"] else "stop",
+                                    req["n"], req["done"], now, now))
+        return out
+
+    def abort(self, request_ids):
+        for rid in request_ids:
+            self.waiting.pop(rid, None)
+            self.running.pop(rid, None)
+            self.aborted.append(rid)
+
+    def has_unfinished(self):
+        return bool(self.waiting or self.running)
+
+    def shutdown(self) -> None:
+        pass
+

@@ -1,0 +1,104 @@
+"""The input stage, written once for run, plan and tune.
+
+    model = open_model(cfg)                      # the model's folder, tokenizer, chat mode and context
+    for batch in prepare(cfg, source, model, ...):
+        batch.rows                               # ready for the engine: parsed, tokenized, predicted
+        batch.errors                             # bad rows, as error results that name the file and row
+
+A source batch is parsed and validated (``validate``), rows already done are left out (``resume``, when a
+filter is given), prompts are rendered with the chat template and tokenized (``prompts``), and each row's
+output length is predicted (``buckets/``, when an annotator is given).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+from overnight.pipeline.config import JobConfig
+from overnight.pipeline.input.prompts import PromptBuilder, has_chat_template
+from overnight.pipeline.input.source import ParquetSource
+from overnight.pipeline.input.validate import parse_batch, sampling_defaults
+from overnight.pipeline.records import Result, Row
+from overnight.pipeline.tools.models import ModelError, ResolvedModel, load_tokenizer, resolve
+
+# The context assumed for a hub model whose config cannot be read before the engine starts.
+FALLBACK_CONTEXT = 2048
+
+
+@dataclass
+class OpenModel:
+    resolved: ResolvedModel
+    tokenizer: Any
+    # Apply the chat template (config, else: the tokenizer has one).
+    chat: bool
+    # Longest prompt + output: engine.max_model_len, else the model's own context. A running engine's own
+    # value replaces it (see with_context).
+    max_model_len: int
+
+    @property
+    def requested(self) -> str:
+        """The model as the user named it (alias, folder or hub id)."""
+        return self.resolved.requested
+
+    @property
+    def path(self) -> str:
+        """What vLLM loads: a local folder or a hub id."""
+        return self.resolved.path
+
+    def with_context(self, max_model_len: int) -> "OpenModel":
+        return OpenModel(self.resolved, self.tokenizer, self.chat, max_model_len)
+
+
+@dataclass
+class Prepared:
+    rows: list[Row] = field(default_factory=list)
+    errors: list[Result] = field(default_factory=list)
+    num_read: int = 0  # input rows in this source batch
+
+
+def open_model(cfg: JobConfig) -> OpenModel:
+    """Resolve the model and load its tokenizer; the job-level checks on the model happen here."""
+    model = resolve(cfg.engine.model)
+    tokenizer = load_tokenizer(model, trust_remote_code=cfg.engine.trust_remote_code)
+    chat = cfg.prompt.chat if cfg.prompt.chat is not None else has_chat_template(tokenizer)
+    if chat and not has_chat_template(tokenizer):
+        raise ModelError(f"Model {model.requested} has no chat template, so --chat cannot apply one. "
+                         f"Run with --no-chat to send prompts as plain text.")
+    return OpenModel(model, tokenizer, chat, cfg.engine.max_model_len or model_context(model))
+
+
+def model_context(model: ResolvedModel) -> int:
+    """The model's own context length, from its config.json (what vLLM uses when max_model_len is unset)."""
+    if model.is_hub:
+        return FALLBACK_CONTEXT
+    try:
+        with open(os.path.join(model.path, "config.json")) as f:
+            return int(json.load(f).get("max_position_embeddings") or FALLBACK_CONTEXT)
+    except (OSError, ValueError):
+        return FALLBACK_CONTEXT
+
+
+def prepare(cfg: JobConfig, source: ParquetSource, model: OpenModel, annotator=None, resume=None,
+            passthrough=(), tally=None) -> Iterator[Prepared]:
+    """Engine-ready rows and error results, one source batch at a time.
+
+    annotator: a ``LengthAnnotator`` that predicts each row's output length; resume: a ``ResumeFilter`` that
+    leaves out rows already done and duplicate ids; tally: counts rows read and predicted tokens."""
+    builder = PromptBuilder(model.tokenizer, model.chat, cfg.prompt.system_prompt, model.max_model_len)
+    defaults = sampling_defaults(cfg.sampling)
+    for sb in source.batches():
+        if tally is not None:
+            tally.num_read += sb.batch.num_rows
+        parsed, errors = parse_batch(sb, cfg.input, defaults, passthrough)
+        if resume is not None:
+            parsed = [p for p in parsed if resume.is_new(p.id, p.origin, p.prompt_hash)]
+            errors = [e for e in errors if resume.is_new_error(e)]
+        rows, texts, bad = builder.build(parsed)
+        if annotator is not None:
+            annotator.annotate(rows, texts)
+        if tally is not None:
+            tally.observe_predictions(rows)
+        yield Prepared(rows, errors + bad, sb.batch.num_rows)

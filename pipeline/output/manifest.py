@@ -1,0 +1,125 @@
+"""The run's manifest: identity, resolved config, fingerprint, counts, state and attempts.
+
+The fingerprint covers what determines the outputs (model, sampling defaults,
+prompt/messages/id columns, chat settings). Engine tuning (max_num_seqs, ...)
+is left out, so a job may be resumed with different throughput settings.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import enum
+import hashlib
+import json
+import os
+import socket
+import uuid
+from typing import Optional
+
+from overnight.pipeline.output.checkpoint import OutputError
+
+FORMAT = 1
+
+
+class RunState(str, enum.Enum):
+    RUNNING = "running"
+    COMPLETED = "completed"
+    # Stopped early at the deadline; rerunning the command continues.
+    PARTIAL = "partial"
+    # Stopped by SIGTERM / SIGINT; rerunning the command continues.
+    INTERRUPTED = "interrupted"
+    FAILED = "failed"
+
+
+def now_iso() -> str:
+    return dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+
+
+def fingerprint_fields(cfg, model: str, chat: bool) -> dict:
+    return {
+        "model": model,
+        "prompt_column": cfg.input.prompt_column,
+        "messages_column": cfg.input.messages_column,
+        "id_column": cfg.input.id_column,
+        "chat": chat,
+        "system_prompt": cfg.prompt.system_prompt,
+        "sampling": {
+            "max_tokens": cfg.sampling.max_tokens,
+            "temperature": cfg.sampling.temperature,
+            "top_p": cfg.sampling.top_p,
+            "top_k": cfg.sampling.top_k,
+            "repetition_penalty": cfg.sampling.repetition_penalty,
+            "seed": cfg.sampling.seed,
+            "stop": list(cfg.sampling.stop),
+        },
+    }
+
+
+def fingerprint(fields: dict) -> str:
+    return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _flatten(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def check_resume(previous: dict, fields: dict, out_url: str) -> None:
+    """Refuse to mix outputs of different settings in one OUT."""
+    if previous.get("fingerprint") == fingerprint(fields):
+        return
+    old, new = _flatten(previous.get("fingerprint_fields", {})), _flatten(fields)
+    diffs = [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)]
+    detail = "; ".join(diffs[:6]) or "settings differ"
+    raise OutputError(
+        f"{out_url} holds results of a run with different settings ({detail}). Resuming would mix outputs. "
+        f"Rerun with the original settings to continue, pass --fresh to discard those results and start over, "
+        f"or choose another --out.")
+
+
+def new_manifest(cfg_dict: dict, fields: dict, input_info: dict) -> dict:
+    return {
+        "format": FORMAT,
+        "run_id": f"run-{dt.datetime.now(dt.timezone.utc):%Y%m%dT%H%M%S}-{uuid.uuid4().hex[:6]}",
+        "created_at": now_iso(),
+        "updated_at": now_iso(),
+        "state": RunState.RUNNING.value,
+        "fingerprint": fingerprint(fields),
+        "fingerprint_fields": fields,
+        "config": cfg_dict,
+        "input": input_info,
+        "counts": {},
+        "attempts": [],
+    }
+
+
+def start_attempt(manifest: dict, cfg_dict: dict, input_info: dict) -> dict:
+    manifest["config"] = cfg_dict
+    manifest["input"] = input_info
+    manifest["state"] = RunState.RUNNING.value
+    manifest["updated_at"] = now_iso()
+    manifest["attempts"].append({
+        "attempt": len(manifest["attempts"]) + 1,
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "started_at": now_iso(),
+        "ended_at": None,
+        "state": RunState.RUNNING.value,
+    })
+    return manifest
+
+
+def end_attempt(manifest: dict, state: RunState, message: Optional[str] = None) -> dict:
+    manifest["state"] = state.value
+    manifest["updated_at"] = now_iso()
+    attempt = manifest["attempts"][-1]
+    attempt["ended_at"] = now_iso()
+    attempt["state"] = state.value
+    if message:
+        attempt["message"] = message
+    return manifest

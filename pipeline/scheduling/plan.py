@@ -1,0 +1,109 @@
+"""A dry run: predict every row's output length and forecast the job, without starting the engine."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+import numpy as np
+
+from overnight.buckets.annotate import LengthAnnotator
+from overnight.buckets.bucketing import assign, describe, quantile_bounds
+from overnight.buckets.predictors import make_predictor
+from overnight.pipeline.output.checkpoint import OutputDir, Scan
+from overnight.pipeline.config import JobConfig
+from overnight.pipeline.input.resume import ResumeFilter
+from overnight.pipeline.input.source import ParquetSource
+from overnight.pipeline.input.stage import open_model, prepare
+from overnight.pipeline.job import resolve_deadline
+from overnight.pipeline.tally import Tally
+
+
+@dataclass
+class BucketLine:
+    label: str
+    num_rows: int
+    prompt_tokens: int
+    predicted_tokens: int
+
+
+@dataclass
+class Plan:
+    num_rows: int
+    num_done: int
+    num_errors: int
+    num_todo: int
+    predictor: str
+    buckets: list[BucketLine]
+    predicted_tokens: int
+    tokens_per_s: Optional[float]
+    throughput_source: str
+    eta_s: Optional[float]
+    deadline_at: Optional[float] = None
+    time_left_s: Optional[float] = None
+    is_feasible: Optional[bool] = None
+    rows_left: Optional[int] = None
+    tokens_left: Optional[int] = None
+    errors: list = field(default_factory=list)
+
+
+def measured_throughput(out_url: str) -> Optional[float]:
+    """Output tokens/s a previous run of this job measured (its status.json)."""
+    status = OutputDir(out_url).read_status()
+    if status and status.get("output_tokens_per_s"):
+        return float(status["output_tokens_per_s"])
+    return None
+
+
+def make_plan(cfg: JobConfig, out: Optional[str] = None, throughput: Optional[float] = None,
+              now: Optional[float] = None) -> Plan:
+    now = time.time() if now is None else now
+    deadline_at, margin = resolve_deadline(cfg.scheduler, now)
+    source = ParquetSource(cfg.input)
+    annotator = LengthAnnotator(make_predictor(cfg.buckets.predictor), cfg.sampling.max_tokens, "log",
+                                cfg.buckets.num_buckets)
+    done = OutputDir(out).scan(cfg.input.id_column) if out and OutputDir(out).read_manifest() else Scan()
+    tally = Tally(source.num_rows)
+    resume = ResumeFilter(done, tally, out or "")
+    predicted, prompt_tokens = [], []
+    num_errors = 0
+    errors = []
+    for batch in prepare(cfg, source, open_model(cfg), annotator, resume):
+        num_errors += len(batch.errors)
+        errors.extend(e.error for e in batch.errors[:5 - len(errors)])
+        predicted.extend(r.predicted_tokens for r in batch.rows)
+        prompt_tokens.extend(r.num_prompt_tokens for r in batch.rows)
+    num_done = tally.num_resumed
+    pred = np.asarray(predicted, dtype=np.float64)
+    ptok = np.asarray(prompt_tokens, dtype=np.int64)
+    bounds = quantile_bounds(pred, cfg.buckets.num_buckets) if cfg.buckets.kind == "quantile" else annotator.bounds
+    if bounds is None:
+        bounds = np.array([cfg.sampling.max_tokens])
+    b = assign(pred, bounds)
+    lines = [BucketLine(label, int((b == i).sum()), int(ptok[b == i].sum()), int(pred[b == i].sum()))
+             for i, label in enumerate(describe(bounds))]
+
+    source_name = "none"
+    tps = throughput
+    if tps:
+        source_name = "--throughput"
+    elif cfg.scheduler.tokens_per_second:
+        tps, source_name = cfg.scheduler.tokens_per_second, "config scheduler.tokens_per_second"
+    elif out and measured_throughput(out):
+        tps, source_name = measured_throughput(out), f"measured by the last run in {out}"
+    total = float(pred.sum())
+    plan = Plan(num_rows=source.num_rows, num_done=num_done, num_errors=num_errors, num_todo=len(pred),
+                predictor=annotator.predictor.name, buckets=lines, predicted_tokens=int(total),
+                tokens_per_s=tps, throughput_source=source_name, eta_s=total / tps if tps else None, errors=errors)
+    if deadline_at is not None:
+        plan.deadline_at = deadline_at
+        plan.time_left_s = max(0.0, deadline_at - margin - now)
+        if tps:
+            plan.is_feasible = plan.eta_s <= plan.time_left_s
+            # What the auto policy would leave: it runs the shortest predicted rows first once at risk.
+            cum = np.cumsum(np.sort(pred))
+            fits = int(np.searchsorted(cum, tps * plan.time_left_s, side="right"))
+            plan.rows_left = len(pred) - fits
+            plan.tokens_left = int(total - (cum[fits - 1] if fits else 0.0))
+    return plan

@@ -1,0 +1,293 @@
+"""Which pending rows go to the engine next: a pure state machine, no engine, clock or I/O.
+
+The runner reads input into a lookahead pool; the scheduler hands rows to
+vLLM, keeping its waiting queue topped up a little above what it can run
+(``capacity``) but not flooded: rows not yet admitted stay cheap to reorder
+and need no abort at a deadline. Which rows go first is the policy's call:
+
+    fifo            input order
+    longest-first   longest predicted output first: long answers start early, so the tail is short
+    shortest-first  shortest predicted output first: the most rows finished soonest
+    priority        the per-row `priority` column, lower first (as in vLLM), then input order
+    auto            longest-first while the deadline is safe; once it is at risk, the most value per
+                    predicted token first (the `value` column, else 1 per row: shortest-first)
+
+Two rules apply under every policy. A row with a per-row `deadline` that is at
+risk (little time left for its predicted length) goes first, earliest
+deadline first. And no row waits forever: one pending for longer than
+``max_wait_s`` goes ahead of the policy's choice (aging).
+"""
+
+from __future__ import annotations
+
+import enum
+import heapq
+from collections import deque
+from dataclasses import dataclass
+from typing import Iterable, Optional
+
+from overnight.pipeline.config import Policy
+from overnight.pipeline.records import Row
+
+__all__ = ["Admission", "Mode", "Policy", "Scheduler", "SchedulerStats"]
+
+
+class Mode(str, enum.Enum):
+    # auto's two regimes
+    THROUGHPUT = "throughput"
+    DEADLINE = "deadline"
+
+
+class _Entry:
+    __slots__ = ("seq", "row", "enqueued_at", "key", "is_taken")
+
+    def __init__(self, seq: int, row: Row, enqueued_at: float, key: float):
+        self.seq = seq
+        self.row = row
+        self.enqueued_at = enqueued_at
+        self.key = key
+        self.is_taken = False
+
+
+@dataclass(slots=True)
+class Admission:
+    request_id: str
+    row: Row
+    # Priority for vLLM's own scheduler (lower runs sooner); 0 unless the policy orders vLLM's queue too.
+    priority: int = 0
+    # Why this row went now: "policy", "aged" or "deadline".
+    reason: str = "policy"
+
+
+@dataclass
+class SchedulerStats:
+    num_aged: int = 0
+    num_deadline_first: int = 0
+    num_mode_switches: int = 0
+
+
+class Scheduler:
+    def __init__(self, max_running: int, queue_factor: float = 1.0, policy: Policy | str = Policy.FIFO,
+                 lookahead: int = 0, max_wait_s: Optional[float] = None, has_values: bool = False):
+        self.policy = Policy(policy)
+        # Rows in the engine at once: what it can run plus a waiting margin.
+        self.capacity = max(1, int(round(max_running * (1 + queue_factor))))
+        # Rows held for reordering, beyond one full refill of the engine.
+        self.lookahead = max(self.capacity, lookahead)
+        self.max_wait_s = max_wait_s
+        self.has_values = has_values
+        self.mode = Mode.THROUGHPUT
+        self.running: dict[str, Row] = {}
+        self.running_predicted = 0  # predicted output tokens of the running rows
+        self.stats = SchedulerStats()
+        self._heap: list[tuple[float, int, _Entry]] = []
+        self._arrivals: deque[_Entry] = deque()
+        self._deadlines: list[tuple[float, int, _Entry]] = []
+        self._num_pending = 0
+        # Pending rows by predicted output tokens ({tokens: rows}): the deadline forecast reads it in O(distinct
+        # lengths) instead of sorting the pool every time.
+        self._lengths: dict[int, int] = {}
+        self._next_seq = 0
+        self._next_request = 0
+        self._epoch = 0  # bumps at each mode switch, so newly admitted rows outrank ones already waiting in vLLM
+        self.per_seq_tokens_per_s: Optional[float] = None
+        self.is_admitting = True
+
+    # -- state ---------------------------------------------------------------------------------
+    @property
+    def num_pending(self) -> int:
+        return self._num_pending
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def wants_rows(self) -> bool:
+        """True while the pool holds less than the lookahead."""
+        return self._num_pending < self.lookahead
+
+    def is_done(self) -> bool:
+        return self._num_pending == 0 and not self.running
+
+    # -- input ---------------------------------------------------------------------------------
+    def add(self, rows: Iterable[Row], now: float = 0.0) -> None:
+        heap, lengths, key = self._heap, self._lengths, self._key
+        arrivals = self._arrivals if self.max_wait_s is not None else None
+        seq = self._next_seq
+        n = 0
+        for row in rows:
+            e = _Entry(seq, row, now, key(row))
+            heapq.heappush(heap, (e.key, seq, e))
+            if arrivals is not None:
+                arrivals.append(e)
+            if row.deadline_at is not None:
+                heapq.heappush(self._deadlines, (row.deadline_at, seq, e))
+            t = row.predicted_tokens or 0
+            lengths[t] = lengths.get(t, 0) + 1
+            seq += 1
+            n += 1
+        self._next_seq = seq
+        self._num_pending += n
+
+    def _take(self, e: _Entry) -> None:
+        e.is_taken = True
+        self._num_pending -= 1
+        self._lengths[e.row.predicted_tokens or 0] -= 1
+
+    def _key(self, row: Row) -> float:
+        p = self.policy
+        pred = float(row.predicted_tokens or 0)
+        if p == Policy.FIFO:
+            return 0.0
+        if p == Policy.PRIORITY:
+            return float(row.priority)
+        if p == Policy.SHORTEST_FIRST:
+            return pred
+        if p == Policy.LONGEST_FIRST or self.mode == Mode.THROUGHPUT:
+            return -pred
+        # auto, deadline at risk: most value per predicted token first
+        return -(row.value / max(pred, 1.0)) if self.has_values else pred
+
+    def set_mode(self, mode: Mode, count: bool = True) -> bool:
+        """Switch auto's regime; re-orders the pool. Returns True when the mode changed."""
+        if mode == self.mode or self.policy != Policy.AUTO:
+            return False
+        self.mode = mode
+        self._epoch += 1
+        if count:
+            self.stats.num_mode_switches += 1
+        self.rekey()
+        return True
+
+    # -- output --------------------------------------------------------------------------------
+    def schedule(self, now: float) -> list[Admission]:
+        """Rows to admit now, each with its engine request id."""
+        out: list[Admission] = []
+        while self.is_admitting and self._num_pending and len(self.running) < self.capacity:
+            entry, reason = self._pick(now)
+            self._take(entry)
+            request_id = str(self._next_request)
+            self._next_request += 1
+            self.running[request_id] = entry.row
+            self.running_predicted += entry.row.predicted_tokens or 0
+            out.append(Admission(request_id, entry.row, self._engine_priority(entry), reason))
+        return out
+
+    def _pick(self, now: float) -> tuple[_Entry, str]:
+        # 1. aging: the oldest row, if it has waited too long
+        if self.max_wait_s is not None:
+            while self._arrivals and self._arrivals[0].is_taken:
+                self._arrivals.popleft()
+            if self._arrivals and now - self._arrivals[0].enqueued_at >= self.max_wait_s:
+                self.stats.num_aged += 1
+                return self._arrivals.popleft(), "aged"
+        # 2. per-row deadlines at risk, earliest first
+        while self._deadlines and self._deadlines[0][2].is_taken:
+            heapq.heappop(self._deadlines)
+        if self._deadlines:
+            deadline, _, e = self._deadlines[0]
+            if self._is_at_risk(e.row, deadline, now):
+                heapq.heappop(self._deadlines)
+                self.stats.num_deadline_first += 1
+                return e, "deadline"
+        # 3. the policy
+        while True:
+            _, _, e = heapq.heappop(self._heap)
+            if not e.is_taken:
+                return e, "policy"
+
+    def _is_at_risk(self, row: Row, deadline: float, now: float) -> bool:
+        rate = self.per_seq_tokens_per_s
+        needed = (row.predicted_tokens or 0) / rate if rate else 0.0
+        # Twice the predicted generation time, for queueing and prediction error.
+        return deadline - now <= 2.0 * needed + 1.0
+
+    def _engine_priority(self, e: _Entry) -> int:
+        if self.policy == Policy.PRIORITY:
+            return int(e.row.priority)
+        if self.policy == Policy.AUTO:
+            return int(e.key) - self._epoch * 1_000_000_000
+        return 0
+
+    def finish(self, request_id: str) -> Row:
+        row = self.running.pop(request_id)
+        self.running_predicted -= row.predicted_tokens or 0
+        return row
+
+    def requeue_running(self, now: float) -> int:
+        """Put every running row back in the pool (the engine lost them); returns how many."""
+        rows = list(self.running.values())
+        self.running.clear()
+        self.running_predicted = 0
+        self.add(rows, now)
+        return len(rows)
+
+    def drain_running(self) -> list[str]:
+        """Forget every running row (they are being aborted); return their request ids."""
+        ids = list(self.running)
+        self.running.clear()
+        self.running_predicted = 0
+        return ids
+
+    def take_expired(self, now: float) -> list[Row]:
+        """Pending rows whose own deadline has passed: they will not be run."""
+        expired = []
+        while self._deadlines and (self._deadlines[0][2].is_taken or self._deadlines[0][0] <= now):
+            _, _, e = heapq.heappop(self._deadlines)
+            if not e.is_taken:
+                self._take(e)
+                expired.append(e.row)
+        return expired
+
+    def pending_entries(self) -> list[_Entry]:
+        """A snapshot of the pool for re-predicting it elsewhere (see repredict)."""
+        return [e for _, _, e in self._heap if not e.is_taken]
+
+    def repredict(self, entries: list[_Entry], tokens, buckets) -> int:
+        """New predictions for a snapshot from pending_entries(); rows admitted since keep theirs (the engine
+        has them). Re-orders the pool; returns how many rows changed."""
+        lengths = self._lengths
+        n = 0
+        for e, t, b in zip(entries, tokens, buckets):
+            if e.is_taken:
+                continue
+            row = e.row
+            old = row.predicted_tokens or 0
+            if t != old:
+                lengths[old] -= 1
+                lengths[t] = lengths.get(t, 0) + 1
+                row.predicted_tokens = t
+                n += 1
+            row.bucket = b
+        if n:
+            self.rekey()
+        return n
+
+    def pending_in_run_order(self) -> tuple[list[float], list[int]]:
+        """Predicted lengths of the pending rows and how many rows have each, in the order this policy runs
+        them (what the deadline forecast needs). Input and priority order are blind to length: every row is
+        expected to have the pending mean. auto is forecast in the order it uses once the deadline is at
+        risk: shortest first."""
+        lengths, counts = self.pending_lengths()
+        if self.policy == Policy.LONGEST_FIRST:
+            return lengths[::-1], counts[::-1]
+        if self.policy in (Policy.FIFO, Policy.PRIORITY) and counts:
+            n = sum(counts)
+            return [sum(t * c for t, c in zip(lengths, counts)) / n], [n]
+        return lengths, counts
+
+    def pending_lengths(self) -> tuple[list[int], list[int]]:
+        """Predicted output tokens of the pending rows, as (distinct lengths ascending, rows of each)."""
+        items = sorted((t, c) for t, c in self._lengths.items() if c > 0)
+        return [t for t, _ in items], [c for _, c in items]
+
+    def rekey(self) -> None:
+        """Re-order the pool after rows' predictions changed."""
+        key = self._key
+        live = [e for _, _, e in self._heap if not e.is_taken]
+        heap = []
+        for e in live:
+            e.key = key(e.row)
+            heap.append((e.key, e.seq, e))
+        heapq.heapify(heap)
+        self._heap = heap

@@ -1,0 +1,96 @@
+"""DuckDB over an output folder's completed parts: the view ``results``.
+
+The same works from a notebook:
+
+    import duckdb
+    con = duckdb.connect()
+    con.sql("select status, count(*) from read_parquet('results/parts/part-*.parquet') group by 1").show()
+"""
+
+from __future__ import annotations
+
+import csv as csvlib
+import io
+from typing import Optional
+
+from overnight.pipeline.output.checkpoint import OutputDir, OutputError
+from overnight.pipeline.progress import fmt_duration
+from overnight.pipeline.output.storage import is_local
+
+
+def open_results(url: str):
+    """A DuckDB connection with a view ``results`` over OUT's parts, and OUT's manifest."""
+    import duckdb
+
+    out = OutputDir(url)
+    if not out.fs.exists(out.root):
+        raise OutputError(f"Output folder {url} does not exist. Pass the --out folder of a run.")
+    manifest = out.read_manifest()
+    if manifest is None and not out.part_paths():
+        raise OutputError(f"{url} is not an overnight output folder (no manifest.json, no parts/). "
+                          f"Pass the --out folder of a run.")
+    con = duckdb.connect()
+    if not is_local(out.fs):
+        con.register_filesystem(out.fs)
+    if out.part_paths():
+        glob = out.part_glob().replace("'", "''")
+        con.sql(f"create view results as select * from read_parquet('{glob}', union_by_name = true)")
+    else:
+        con.sql("create view results as select null::varchar as id, null::varchar as status where false")
+    return con, manifest
+
+
+def summary_lines(con, manifest: Optional[dict]) -> list[str]:
+    lines = []
+    if manifest:
+        c = manifest.get("counts", {})
+        attempts = manifest.get("attempts", [])
+        lines.append(f"run {manifest.get('run_id')}  state: {manifest.get('state')}  attempts: {len(attempts)}")
+        lines.append(f"model: {manifest.get('fingerprint_fields', {}).get('model')}  "
+                     f"input: {manifest.get('input', {}).get('url')} ({c.get('num_rows', '?')} rows)")
+    n, ok, err, ptok, otok = con.execute(
+        "select count(*), count(*) filter (status = 'ok'), count(*) filter (status = 'error'), "
+        "coalesce(sum(prompt_tokens), 0), coalesce(sum(output_tokens), 0) from results").fetchone()
+    total = (manifest or {}).get("counts", {}).get("num_rows")
+    left = f", {total - n} not done" if isinstance(total, int) and total > n else ""
+    lines.append(f"rows: {n} ({ok} ok, {err} error{left})")
+    if ok:
+        first, last, avg_out, p50, p90 = con.execute(
+            "select min(queued_at), max(finished_at), avg(output_tokens), "
+            "quantile_cont(epoch(finished_at - queued_at), 0.5), quantile_cont(epoch(finished_at - queued_at), 0.9) "
+            "from results where status = 'ok'").fetchone()
+        lines.append(f"tokens: {ptok} prompt, {otok} output (mean {avg_out:.0f} per row)")
+        lines.append(f"row latency (queued -> finished): p50 {p50:.1f} s, p90 {p90:.1f} s")
+        reasons = con.execute("select coalesce(finish_reason, 'null'), count(*) from results where status = 'ok' "
+                          "group by 1 order by 2 desc").fetchall()
+        lines.append("finish_reason: " + ", ".join(f"{r} {k}" for r, k in reasons))
+        if first is not None and last is not None:
+            span = (last - first).total_seconds()
+            lines.append(f"wall time from the first row queued to the last finished: {fmt_duration(span)}")
+    if err:
+        lines.append("most common errors:")
+        for msg, k in con.execute("select regexp_replace(error, '^[^:]*#[0-9]+: ', ''), count(*) from results "
+                              "where status = 'error' group by 1 order by 2 desc limit 5").fetchall():
+            lines.append(f"  {k} x {msg}")
+    return lines
+
+
+def render(columns: list[str], rows: list[tuple], csv: bool = False, max_width: int = 60) -> str:
+    if csv:
+        buf = io.StringIO()
+        w = csvlib.writer(buf)
+        w.writerow(columns)
+        w.writerows(rows)
+        return buf.getvalue().rstrip("\n")
+
+    def cell(v) -> str:
+        s = "NULL" if v is None else str(v).replace("\n", "\\n")
+        return s if len(s) <= max_width else s[: max_width - 3] + "..."
+
+    cells = [[cell(v) for v in r] for r in rows]
+    widths = [max([len(c)] + [len(r[i]) for r in cells]) for i, c in enumerate(columns)]
+    sep = "  "
+    out = [sep.join(c.ljust(w) for c, w in zip(columns, widths)), sep.join("-" * w for w in widths)]
+    out += [sep.join(v.ljust(w) for v, w in zip(r, widths)) for r in cells]
+    out.append(f"({len(rows)} row{'s' if len(rows) != 1 else ''})")
+    return "\n".join(out)
