@@ -43,10 +43,9 @@ def main() -> None:
     import pyarrow.parquet as pq
 
     from fakes import FakeEngine
-    from overnight.buckets.annotate import LengthAnnotator
-    from overnight.pipeline import runner as runner_mod
     from overnight.pipeline.api import run_job
     from overnight.pipeline.configio import resolve
+    from overnight.pipeline.scheduling.deadline import DeadlineTracker
     from overnight.pipeline.scheduling.scheduler import Scheduler
 
     tmp = tempfile.mkdtemp(prefix="overnight-cost-")
@@ -72,17 +71,11 @@ def main() -> None:
                 timers["scheduler_cpu"] += time.thread_time() - c0
         return wrapper
 
-    for name in ("add", "schedule", "finish", "rekey", "repredict", "pending_entries", "pending_lengths", "set_mode",
-                 "take_expired"):
+    # The scheduler's public interface, and the forecast the loop makes from it every 2 s.
+    for name in ("add", "schedule", "finish", "requeue_running", "drain_running", "rekey", "repredict",
+                 "pending_entries", "pending_in_run_order", "set_mode", "take_expired"):
         setattr(Scheduler, name, timed(getattr(Scheduler, name)))
-    runner_mod.Runner._update_forecast = timed(runner_mod.Runner._update_forecast)
-    annotators = []
-    orig_init = LengthAnnotator.__init__
-
-    def init(self, *a, **kw):
-        orig_init(self, *a, **kw)
-        annotators.append(self)
-    LengthAnnotator.__init__ = init
+    DeadlineTracker.forecast_job = timed(DeadlineTracker.forecast_job)
 
     # The fake engine answers with as many tokens as the heuristic would guess for prompts of that length,
     # so the online predictor has something real to learn; its steps cost nothing.
@@ -99,9 +92,10 @@ def main() -> None:
     t0 = time.perf_counter()
     summary = run_job(cfg, engine_factory=lambda job: engine, is_tty=False)
     wall = time.perf_counter() - t0
-    reader_s = annotators[-1].seconds  # predicting new rows, in the input thread
-    predictor_s = annotators[-1].loop_seconds  # learning and refreshing, in the engine loop (none with a learner)
-    learner_s = annotators[-1].background_seconds  # learning and re-predicting the pool, in the learner thread
+    by_thread = summary.extra["scheduler"]["predictor_seconds_by_thread"]
+    reader_s = by_thread["input"]  # predicting new rows, in the input thread
+    predictor_s = by_thread["loop"]  # learning and refreshing, in the engine loop (none with a learner)
+    learner_s = by_thread["learner"]  # learning and re-predicting the pool, in the learner thread
     sched_s = timers["scheduler"]
     ours = sched_s + predictor_s
     engine_s = engine.step_total  # the fake's own bookkeeping is the engine's time, as vLLM's is

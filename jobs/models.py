@@ -5,6 +5,7 @@ from __future__ import annotations
 import click
 
 from overnight.jobs.options import user_errors
+from overnight.pipeline.config import DEFAULT_MODEL
 from overnight.pipeline.tools import models as store
 
 
@@ -33,7 +34,7 @@ def list_cmd() -> None:
 
 
 @models.command("prepare")
-@click.argument("alias", default="smollm2-135m")
+@click.argument("alias", default=DEFAULT_MODEL)
 @click.option("--force", is_flag=True, help="Convert again even if already prepared.")
 @user_errors
 def prepare_cmd(alias: str, force: bool) -> None:

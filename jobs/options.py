@@ -1,16 +1,27 @@
-"""Option groups shared by commands, and the mapping from options to the config dict."""
+"""Options shared by commands, each declared once with the config key it sets.
+
+An ``Opt`` names the flags, the dotted config path (``scheduler.max_wait_s``),
+the help and, where the command line spells a value differently from the
+config, a converter. From these declarations come the Click decorators (the
+groups below), the command line as a config layer (``config_layer``) and the
+default shown in --help, which is read from the config dataclasses in
+``overnight.pipeline.config``. An option left out is None and overrides nothing.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-from typing import Callable
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Union
 
 import click
 
 from overnight.buckets.dataset import DatasetError
 from overnight.buckets.trained import PredictorFileError
 from overnight.pipeline.output.checkpoint import OutputError
-from overnight.pipeline.config import ConfigError
+from overnight.pipeline.config import ENGINE_KINDS, ConfigError, JobConfig, Policy
 from overnight.pipeline.engine import EngineError
 from overnight.pipeline.tools.models import ModelError
 from overnight.pipeline.input.source import InputError
@@ -19,6 +30,200 @@ from overnight.pipeline.output.storage import StorageError
 # Library exceptions whose message is already written for the user.
 USER_ERRORS = (ConfigError, InputError, OutputError, ModelError, StorageError, EngineError, DatasetError,
                PredictorFileError)
+
+PRESET = "from the model's preset"
+
+
+# Converters: the value given on the command line -> the config value (called only when the option is given).
+
+def passthrough_value(text: str):
+    if text in ("all", "none"):
+        return text
+    return [c.strip() for c in text.split(",") if c.strip()]
+
+
+def duration_s(text: str) -> float:
+    from overnight.pipeline.scheduling.deadline import parse_budget
+    return parse_budget(text)
+
+
+def string_list(values: tuple) -> Optional[list[str]]:
+    return list(values) or None
+
+
+@dataclass(frozen=True)
+class Opt:
+    """One command-line option and the config key it sets."""
+    flags: str                      # "--max-wait", or "--chat/--no-chat" for an on/off pair
+    path: str                       # the config key it sets: "scheduler.max_wait_s"
+    help: str
+    type: Any = None                # Click type; None: the config field's type (int, float or str)
+    convert: Optional[Callable[[Any], Any]] = None
+    default_text: Optional[str] = None  # the default in words, where the config's default (None) says too little
+    preset: bool = False            # the model's preset (configs/<alias>.yaml) may set it
+    show: Optional[Callable[[Any], str]] = None  # how to write the config's default
+    click_kwargs: dict = field(default_factory=dict)  # is_flag, multiple, ...
+
+    @property
+    def name(self) -> str:
+        """The Python parameter name, as Click derives it from the first long flag."""
+        return self.flags.split("/")[0].lstrip("-").replace("-", "_")
+
+    def config_default(self) -> Any:
+        return config_default(self.path)
+
+    def shown_default(self) -> Optional[str]:
+        """What --help says the default is; None: it says nothing."""
+        value = self.config_default()
+        if self.default_text is not None:
+            text = self.default_text
+        elif value is None or value == []:
+            text = "none" if self.preset else None
+        else:
+            text = self.show(value) if self.show else fmt(value)
+        if self.preset:
+            return f"{PRESET}, else {text}" if text else PRESET
+        return text
+
+    def decorator(self) -> Callable:
+        kwargs = dict(self.click_kwargs)
+        if self.type is not None:
+            kwargs["type"] = self.type
+        elif self.convert is None and "/" not in self.flags and not kwargs.get("is_flag"):
+            kwargs["type"] = field_type(self.path)
+        shown = self.shown_default()
+        text = f"{self.help} [default: {shown}]" if shown else self.help
+        kwargs.setdefault("default", None)
+        return click.option(self.flags, self.name, help=text, **kwargs)
+
+
+def fmt(value: Any) -> str:
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    if isinstance(value, float) and value.is_integer():
+        return str(int(value))
+    return str(value)
+
+
+def _section_field(path: str):
+    cls = JobConfig
+    *sections, name = path.split(".")
+    for s in sections:
+        cls = typing.get_type_hints(cls)[s]
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    if name not in fields:
+        raise KeyError(f"{path}: {cls.__name__} has no field {name}")
+    return cls, fields[name]
+
+
+def config_default(path: str) -> Any:
+    """The dataclass default of a dotted config key."""
+    _, f = _section_field(path)
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return f.default
+
+
+def field_type(path: str) -> type:
+    """The scalar type of a dotted config key (Optional[...] unwrapped)."""
+    cls, f = _section_field(path)
+    tp = typing.get_type_hints(cls)[f.name]
+    if typing.get_origin(tp) is Union:
+        tp = next(a for a in typing.get_args(tp) if a is not type(None))
+    return tp
+
+
+INPUT = [
+    Opt("--model", "engine.model", "Model alias (see `overnight models list`), local HF folder, or hub id."),
+    Opt("--prompt-column", "input.prompt_column", "Column holding the prompt text."),
+    Opt("--messages-column", "input.messages_column", "Column holding chats as lists of {role, content}."),
+    Opt("--id-column", "input.id_column", "Column holding row ids. Without it ids are '<file>#<row>'."),
+    Opt("--limit", "input.limit", "Process at most this many input rows.", type=click.IntRange(min=0)),
+    Opt("--system-prompt", "prompt.system_prompt", "System message prepended to every chat."),
+    Opt("--chat/--no-chat", "prompt.chat", "Apply the model's chat template.",
+        default_text="on when the model has one"),
+]
+
+SAMPLING = [
+    Opt("--max-tokens", "sampling.max_tokens", "Most output tokens per row.", type=click.IntRange(min=1),
+        preset=True),
+    Opt("--temperature", "sampling.temperature", "Sampling temperature; 0 is greedy.", preset=True),
+    Opt("--top-p", "sampling.top_p", "Nucleus sampling probability mass.", preset=True),
+    Opt("--top-k", "sampling.top_k", "Sample from the k most likely tokens; -1 is off.", preset=True),
+    Opt("--repetition-penalty", "sampling.repetition_penalty", "Above 1 discourages repetition; 1 is off.",
+        preset=True),
+    Opt("--seed", "sampling.seed", "Per-row sampling seed, for reproducible outputs.", preset=True),
+    Opt("--stop", "sampling.stop", "Stop string (repeatable).", type=str, convert=string_list, preset=True,
+        click_kwargs={"multiple": True}),
+]
+
+ENGINE = [
+    Opt("--engine", "engine.kind", "vllm, or echo: a stand-in that generates no model output, for tests, fault "
+                                   "injection and trying a config (OVERNIGHT_ENGINE=echo is an alias).",
+        type=click.Choice(ENGINE_KINDS)),
+    Opt("--echo-step-ms", "engine.echo_step_ms", "echo: how long each engine step takes, in milliseconds.",
+        type=click.FloatRange(min=0)),
+    Opt("--max-model-len", "engine.max_model_len", "Longest prompt + output in tokens.", preset=True,
+        default_text="the model's own limit"),
+    Opt("--max-num-seqs", "engine.max_num_seqs", "Most sequences the engine decodes at once.", preset=True),
+    Opt("--max-num-batched-tokens", "engine.max_num_batched_tokens", "Token budget of one engine step.",
+        preset=True, default_text="vLLM's"),
+    Opt("--gpu-memory-utilization", "engine.gpu_memory_utilization", "GPU: fraction of memory vLLM may use."),
+    Opt("--kv-cache-space", "engine.kv_cache_space_gib", "CPU: GiB of RAM for the KV cache.",
+        default_text="$VLLM_CPU_KVCACHE_SPACE, else 4"),
+    Opt("--enforce-eager/--no-enforce-eager", "engine.enforce_eager", "Skip graph capture.",
+        default_text="on for CPU, off on GPU"),
+    Opt("--tensor-parallel-size", "engine.tensor_parallel_size", "GPUs to shard the model over."),
+    Opt("--prefix-caching/--no-prefix-caching", "engine.enable_prefix_caching",
+        "Reuse KV cache of shared prompt prefixes."),
+    Opt("--chunked-prefill/--no-chunked-prefill", "engine.enable_chunked_prefill",
+        "Split long prefills across steps.", default_text="vLLM's on GPU, off on CPU"),
+    Opt("--max-engine-restarts", "engine.max_restarts",
+        "Restart the engine in-process this many times if it dies mid-run.", type=click.IntRange(min=0)),
+    Opt("--trust-remote-code", "engine.trust_remote_code", "Allow a hub model's own Python code to run.",
+        click_kwargs={"is_flag": True}),
+]
+
+SCHEDULE = [
+    Opt("--policy", "scheduler.policy", "Order of work. auto: longest predicted first while the deadline is safe, "
+                                        "most rows (or value) per token once it is at risk.",
+        type=click.Choice([p.value for p in Policy])),
+    Opt("--predictor", "buckets.predictor",
+        "Output-length predictor: heuristic, online, or a file from `overnight predictor train`."),
+    Opt("--buckets", "buckets.kind", "Bucket boundaries: log-spaced or quantiles of the predictions.",
+        type=click.Choice(["log", "quantile"])),
+    Opt("--deadline", "scheduler.deadline",
+        "Finish by this time: ISO, local unless it has an offset (2026-11-23T06:00)."),
+    Opt("--time-budget", "scheduler.time_budget", "... or within this long of the start: 90m, 1h30m, 45s."),
+    Opt("--on-deadline", "scheduler.on_deadline",
+        "At the deadline, let rows in flight finish (until the deadline itself) or abort them.",
+        type=click.Choice(["drain", "abort"])),
+    Opt("--grace", "scheduler.grace_s", "After SIGTERM / SIGINT, let rows in flight finish for this long "
+                                        "(e.g. 30s, 2m), then abort them.",
+        type=str, convert=duration_s, show=lambda s: f"{fmt(s)}s"),
+    Opt("--safety-margin", "scheduler.safety_margin_s", "Seconds before the deadline to stop admitting rows.",
+        default_text="5% of the time, 2 s to 5 min"),
+    Opt("--lookahead", "scheduler.lookahead_rows", "Rows read ahead and held for ordering.",
+        type=click.IntRange(min=1)),
+    Opt("--max-wait", "scheduler.max_wait_s", "Aging: a row pending this many seconds goes next."),
+    Opt("--throughput", "scheduler.tokens_per_second",
+        "Output tokens/s to forecast with until measured (e.g. from `overnight tune`)."),
+]
+
+OUTPUT = [
+    Opt("--passthrough", "input.passthrough", "Input columns copied to the output: all, none, or a comma list.",
+        type=str, convert=passthrough_value),
+    Opt("--flush-rows", "output.flush_rows", "Write a Parquet part every N finished rows.",
+        type=click.IntRange(min=1)),
+    Opt("--flush-seconds", "output.flush_seconds", "... or every T seconds, whichever comes first."),
+    Opt("--log-every", "output.log_every_seconds",
+        "Seconds between progress log lines when stderr is not a terminal."),
+]
+
+OPTIONS = INPUT + SAMPLING + ENGINE + SCHEDULE + OUTPUT
+BY_NAME = {o.name: o for o in OPTIONS}
+BY_PATH = {o.path: o for o in OPTIONS}
+assert len(BY_NAME) == len(BY_PATH) == len(OPTIONS), "an option name or config path is declared twice"
 
 
 def _stack(*decorators: Callable) -> Callable:
@@ -29,145 +234,49 @@ def _stack(*decorators: Callable) -> Callable:
     return apply
 
 
-input_options = _stack(
-    click.option("--config", "config_file", type=click.Path(dir_okay=False),
-                 help="YAML config; keys map 1:1 onto the config dataclasses. Options given here override it."),
-    click.option("--model", help="Model alias (see `overnight models list`), local HF folder, or hub id. "
-                                 "[default: smollm2-135m]"),
-    click.option("--prompt-column", help="Column holding the prompt text. [default: prompt]"),
-    click.option("--messages-column", help="Column holding chats as lists of {role, content}. [default: messages]"),
-    click.option("--id-column", help="Column holding row ids. Without it ids are '<file>#<row>'. [default: id]"),
-    click.option("--limit", type=click.IntRange(min=0), help="Process at most this many input rows."),
-    click.option("--system-prompt", help="System message prepended to every chat."),
-    click.option("--chat/--no-chat", default=None,
-                 help="Apply the model's chat template. [default: on when the model has one]"),
-)
+config_option = click.option(
+    "--config", "config_file", type=click.Path(dir_okay=False),
+    help="YAML config; keys map 1:1 onto the config dataclasses. Options given here override it. "
+         "A .yaml/.yml INPUT is read as --config.")
 
-sampling_options = _stack(
-    click.option("--max-tokens", type=click.IntRange(min=1), help="Most output tokens per row."),
-    click.option("--temperature", type=float, help="Sampling temperature; 0 is greedy."),
-    click.option("--top-p", type=float, help="Nucleus sampling probability mass."),
-    click.option("--top-k", type=int, help="Sample from the k most likely tokens; -1 is off."),
-    click.option("--repetition-penalty", type=float, help="Above 1 discourages repetition; 1 is off."),
-    click.option("--seed", type=int, help="Per-row sampling seed, for reproducible outputs."),
-    click.option("--stop", multiple=True, help="Stop string (repeatable)."),
-)
-
-engine_options = _stack(
-    click.option("--max-model-len", type=int, help="Longest prompt + output in tokens."),
-    click.option("--max-num-seqs", type=int, help="Most sequences the engine decodes at once."),
-    click.option("--max-num-batched-tokens", type=int, help="Token budget of one engine step."),
-    click.option("--gpu-memory-utilization", type=float, help="GPU: fraction of memory vLLM may use."),
-    click.option("--kv-cache-space", "kv_cache_space_gib", type=float, help="CPU: GiB of RAM for the KV cache."),
-    click.option("--enforce-eager/--no-enforce-eager", default=None,
-                 help="Skip graph capture. [default: on for CPU, off on GPU]"),
-    click.option("--tensor-parallel-size", type=int, help="GPUs to shard the model over."),
-    click.option("--prefix-caching/--no-prefix-caching", "enable_prefix_caching", default=None,
-                 help="Reuse KV cache of shared prompt prefixes. [default: on]"),
-    click.option("--chunked-prefill/--no-chunked-prefill", "enable_chunked_prefill", default=None,
-                 help="Split long prefills across steps. [default: vLLM's on GPU, off on CPU]"),
-    click.option("--max-engine-restarts", "max_restarts", type=click.IntRange(min=0),
-                 help="Restart the engine in-process this many times if it dies mid-run. [default: 0]"),
-    click.option("--trust-remote-code", is_flag=True, default=None,
-                 help="Allow a hub model's own Python code to run. Off unless given."),
-)
+input_options = _stack(config_option, *(o.decorator() for o in INPUT))
+sampling_options = _stack(*(o.decorator() for o in SAMPLING))
+engine_options = _stack(*(o.decorator() for o in ENGINE))
+schedule_options = _stack(*(o.decorator() for o in SCHEDULE))
+output_options = _stack(*(o.decorator() for o in OUTPUT))
 
 
-schedule_options = _stack(
-    click.option("--policy", type=click.Choice(["auto", "fifo", "longest-first", "shortest-first", "priority"]),
-                 help="Order of work. auto: longest predicted first while the deadline is safe, most rows (or "
-                      "value) per token once it is at risk. [default: auto]"),
-    click.option("--predictor", help="Output-length predictor: heuristic, online, or a file from "
-                                     "`overnight predictor train`. [default: online]"),
-    click.option("--buckets", "bucket_kind", type=click.Choice(["log", "quantile"]),
-                 help="Bucket boundaries: log-spaced or quantiles of the predictions. [default: log]"),
-    click.option("--deadline", help="Finish by this time: ISO, local unless it has an offset (2026-11-23T06:00)."),
-    click.option("--time-budget", help="... or within this long of the start: 90m, 1h30m, 45s."),
-    click.option("--on-deadline", type=click.Choice(["drain", "abort"]),
-                 help="At the deadline, let rows in flight finish (until the deadline itself) or abort them. "
-                      "[default: drain]"),
-    click.option("--grace", help="After SIGTERM / SIGINT, let rows in flight finish for this long (e.g. 30s), then "
-                                 "abort them. [default: 30s]"),
-    click.option("--safety-margin", "safety_margin_s", type=float,
-                 help="Seconds before the deadline to stop admitting rows. [default: 5% of the time, 2 s to 5 min]"),
-    click.option("--lookahead", "lookahead_rows", type=click.IntRange(min=1),
-                 help="Rows read ahead and held for ordering. [default: 10000]"),
-    click.option("--max-wait", "max_wait_s", type=float,
-                 help="Aging: a row pending this many seconds goes next. [default: 1800]"),
-    click.option("--throughput", "tokens_per_second", type=float,
-                 help="Output tokens/s to forecast with until measured (e.g. from `overnight tune`)."),
-)
+def given(options: dict, path: str) -> Any:
+    """The command line's value for a config key (converted), or None when the option was not given."""
+    opt = BY_PATH[path]
+    value = options.get(opt.name)
+    if value is not None and opt.convert is not None:
+        value = opt.convert(value)
+    return value
 
 
-def parse_grace(text):
-    if text is None:
-        return None
-    from overnight.pipeline.scheduling.deadline import parse_budget
-    return parse_budget(text)
+def config_layer(input_path: Optional[str] = None, out: Optional[str] = None, **options) -> dict:
+    """The command line as a config dict; options not given are None and do not override."""
+    unknown = sorted(set(options) - set(BY_NAME))
+    if unknown:
+        raise TypeError(f"config_layer: unknown option {unknown[0]!r}")
+    layer: dict = {"input": {"path": input_path}, "output": {"path": out}}
+    for opt in OPTIONS:
+        section, key = opt.path.split(".")
+        layer.setdefault(section, {})[key] = given(options, opt.path)
+    return layer
 
 
-def passthrough_value(text):
-    if text is None:
-        return None
-    if text in ("all", "none"):
-        return text
-    return [c.strip() for c in text.split(",") if c.strip()]
+def build_config(input_path: Optional[str], out: Optional[str], config_file: Optional[str], options: dict):
+    """The JobConfig for a command: defaults < model preset < YAML < OVERNIGHT_ENGINE < command line.
 
+    A .yaml/.yml INPUT is the config file (`overnight run nightly.yaml`), unless --config is given too.
+    """
+    from overnight.pipeline.configio import resolve
 
-def config_layer(input_path=None, out=None, **o) -> dict:
-    """The command line as a config dict; unset options are None and do not override."""
-    return {
-        "input": {
-            "path": input_path,
-            "prompt_column": o.get("prompt_column"),
-            "messages_column": o.get("messages_column"),
-            "id_column": o.get("id_column"),
-            "limit": o.get("limit"),
-            "passthrough": passthrough_value(o.get("passthrough")),
-        },
-        "prompt": {"chat": o.get("chat"), "system_prompt": o.get("system_prompt")},
-        "sampling": {
-            "max_tokens": o.get("max_tokens"),
-            "temperature": o.get("temperature"),
-            "top_p": o.get("top_p"),
-            "top_k": o.get("top_k"),
-            "repetition_penalty": o.get("repetition_penalty"),
-            "seed": o.get("seed"),
-            "stop": list(o["stop"]) if o.get("stop") else None,
-        },
-        "engine": {
-            "model": o.get("model"),
-            "max_model_len": o.get("max_model_len"),
-            "max_num_seqs": o.get("max_num_seqs"),
-            "max_num_batched_tokens": o.get("max_num_batched_tokens"),
-            "gpu_memory_utilization": o.get("gpu_memory_utilization"),
-            "kv_cache_space_gib": o.get("kv_cache_space_gib"),
-            "enforce_eager": o.get("enforce_eager"),
-            "tensor_parallel_size": o.get("tensor_parallel_size"),
-            "enable_prefix_caching": o.get("enable_prefix_caching"),
-            "enable_chunked_prefill": o.get("enable_chunked_prefill"),
-            "trust_remote_code": o.get("trust_remote_code"),
-            "max_restarts": o.get("max_restarts"),
-        },
-        "buckets": {"predictor": o.get("predictor"), "kind": o.get("bucket_kind")},
-        "scheduler": {
-            "policy": o.get("policy"),
-            "deadline": o.get("deadline"),
-            "time_budget": o.get("time_budget"),
-            "on_deadline": o.get("on_deadline"),
-            "safety_margin_s": o.get("safety_margin_s"),
-            "lookahead_rows": o.get("lookahead_rows"),
-            "max_wait_s": o.get("max_wait_s"),
-            "tokens_per_second": o.get("tokens_per_second"),
-            "grace_s": parse_grace(o.get("grace")),
-        },
-        "output": {
-            "path": out,
-            "flush_rows": o.get("flush_rows"),
-            "flush_seconds": o.get("flush_seconds"),
-            "log_every_seconds": o.get("log_every"),
-        },
-    }
+    if input_path and input_path.endswith((".yaml", ".yml")) and not config_file:
+        config_file, input_path = input_path, None
+    return resolve(config_layer(input_path, out, **options), config_file)
 
 
 def user_errors(f: Callable) -> Callable:

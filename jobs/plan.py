@@ -7,7 +7,7 @@ from dataclasses import asdict
 
 import click
 
-from overnight.jobs.options import config_layer, input_options, sampling_options, schedule_options, user_errors
+from overnight.jobs.options import build_config, given, input_options, sampling_options, schedule_options, user_errors
 from overnight.pipeline.progress import fmt_duration
 
 
@@ -33,14 +33,11 @@ def plan(input_path, out, config_file, as_json, **options):
         overnight plan prompts.parquet --throughput 2500 --deadline 2026-11-23T06:00
         overnight plan prompts.parquet --out results/ --time-budget 2h
     """
-    from overnight.pipeline.configio import resolve
     from overnight.pipeline.scheduling.plan import make_plan
     from overnight.pipeline.report import iso
 
-    if input_path and input_path.endswith((".yaml", ".yml")) and not config_file:
-        config_file, input_path = input_path, None
-    cfg = resolve(config_layer(input_path, None, **options), config_file)
-    p = make_plan(cfg, out=out, throughput=options.get("tokens_per_second"))
+    cfg = build_config(input_path, None, config_file, options)
+    p = make_plan(cfg, out=out, throughput=given(options, "scheduler.tokens_per_second"))
     if as_json:
         click.echo(json.dumps(asdict(p), indent=2))
         return

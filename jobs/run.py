@@ -6,7 +6,7 @@ import json
 
 import click
 
-from overnight.jobs.options import (config_layer, engine_options, input_options, sampling_options,
+from overnight.jobs.options import (build_config, engine_options, input_options, output_options, sampling_options,
                                     schedule_options, user_errors)
 
 
@@ -17,10 +17,7 @@ from overnight.jobs.options import (config_layer, engine_options, input_options,
 @sampling_options
 @engine_options
 @schedule_options
-@click.option("--passthrough", help="Input columns copied to the output: all, none, or a comma list. [default: all]")
-@click.option("--flush-rows", type=click.IntRange(min=1), help="Write a Parquet part every N finished rows.")
-@click.option("--flush-seconds", type=float, help="... or every T seconds, whichever comes first.")
-@click.option("--log-every", type=float, help="Seconds between progress log lines when stderr is not a terminal.")
+@output_options
 @click.option("--fresh", is_flag=True, help="Discard the results already in OUT and start over.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON on stdout.")
 @user_errors
@@ -50,14 +47,10 @@ def run(input_path, out, config_file, fresh, as_json, **options):
         overnight run prompts.parquet --out results/ --deadline 2026-11-23T06:00
     """
     from overnight.pipeline.api import run_job
-    from overnight.pipeline.configio import resolve
-
-    if input_path and input_path.endswith((".yaml", ".yml")) and not config_file:
-        config_file, input_path = input_path, None
     from overnight.pipeline.engine import EngineError
     from overnight.pipeline.report import EXIT_ENGINE
 
-    cfg = resolve(config_layer(input_path, out, **options), config_file)
+    cfg = build_config(input_path, out, config_file, options)
     try:
         summary = run_job(cfg, fresh=fresh)
     except EngineError as e:

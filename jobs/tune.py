@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from overnight.jobs.options import config_layer, input_options, sampling_options, user_errors
+from overnight.jobs.options import build_config, input_options, sampling_options, user_errors
 
 
 def int_list(text: str) -> list[int]:
@@ -32,7 +32,8 @@ def tune(input_path, config_file, batched_tokens, seqs, sample, time_limit, save
 
     Each setting starts a fresh engine and runs the same rows. The report gives
     the KV-cache capacity the engine found and warns when a setting causes
-    preemption. The best is written as a YAML preset for --config.
+    preemption. The best is written as a YAML preset for --config. INPUT may also
+    be a YAML config file, as in `overnight tune nightly.yaml`.
 
     \b
     Example:
@@ -40,13 +41,12 @@ def tune(input_path, config_file, batched_tokens, seqs, sample, time_limit, save
         overnight tune prompts.parquet --seqs 64,128,256 --batched-tokens 4096,8192 --time-limit 20m
         overnight run prompts.parquet --out results/ --config configs/tuned.yaml
     """
-    from overnight.pipeline.configio import resolve
     from overnight.pipeline.scheduling.deadline import parse_budget
     from overnight.pipeline.output.storage import url_to_fs, write_atomic
     from overnight.pipeline.tools.tune import preset_yaml, tune as run_tune
 
     b, s = int_list(batched_tokens), int_list(seqs)
-    cfg = resolve(config_layer(input_path, None, **options), config_file)
+    cfg = build_config(input_path, None, config_file, options)
     report = run_tune(cfg, b, s, sample, parse_budget(time_limit), echo=click.echo)
     for bt, sq in report.skipped:
         click.echo(f"max_num_batched_tokens={bt} max_num_seqs={sq}: skipped (time limit)")

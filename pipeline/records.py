@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import datetime as dt
+import time
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -79,6 +81,13 @@ class Result:
     @classmethod
     def failed(cls, id: Any, passthrough: dict, error: str, at: Optional[float] = None) -> "Result":
         return cls(id=id, passthrough=passthrough, status="error", error=error, finished_at=at)
+
+    @classmethod
+    def expired(cls, row: Row) -> "Result":
+        """A row whose own deadline passed before it could start: it is not run."""
+        when = dt.datetime.fromtimestamp(row.deadline_at, dt.timezone.utc).isoformat(timespec="seconds")
+        return cls.failed(row.id, row.passthrough, f"{row.origin}: its deadline {when} passed before the row could "
+                                                   f"start", time.time())
 
     @classmethod
     def from_engine(cls, row: Row, fin: Finished, queued_at: float) -> "Result":

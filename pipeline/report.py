@@ -140,7 +140,12 @@ class Reporter:
             "scheduler": {"policy": self.scheduler.policy.value, "predictor": a.predictor.name,
                           "mode_switches": st.num_mode_switches, "aged": st.num_aged,
                           "deadline_first": st.num_deadline_first,
-                          "predictor_seconds": round(a.seconds + a.loop_seconds + a.background_seconds, 3)},
+                          "predictor_seconds": round(a.seconds + a.loop_seconds + a.background_seconds, 3),
+                          # where that time went: predicting new rows (input thread), learning in the engine
+                          # loop (none with a learner thread), learning and re-predicting (learner thread)
+                          "predictor_seconds_by_thread": {"input": round(a.seconds, 3),
+                                                          "loop": round(a.loop_seconds, 3),
+                                                          "learner": round(a.background_seconds, 3)}},
             "forecast": forecast_dict(self.tracker.last, self.tracker.deadline, self.scheduler.mode.value),
             "updated_at": mf.now_iso(),
         }

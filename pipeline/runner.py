@@ -133,9 +133,7 @@ class Runner:
             self.scheduler.add(batch.rows, self.clock())
 
     def _admit(self) -> None:
-        expired = self.scheduler.take_expired(self.clock())
-        self._record([Result.failed(r.id, r.passthrough, f"{r.origin}: its deadline {iso(r.deadline_at)} passed "
-                                    f"before the row could start", time.time()) for r in expired])
+        self._record([Result.expired(r) for r in self.scheduler.take_expired(self.clock())])
         for a in self.scheduler.schedule(self.clock()):
             self.queued_at[a.request_id] = time.time()
             try:
@@ -219,8 +217,10 @@ class Runner:
             self._abort_in_flight(engine_alive=False)
             self.stopping = self.stopping or f"interrupted by {self.signals.first}"
             return
-        self.engine = self.supervisor.restart(e, self.scheduler.num_running)
-        self.tally.num_engine_restarts = self.supervisor.num_restarts
+        try:
+            self.engine = self.supervisor.restart(e, self.scheduler.num_running)
+        finally:  # a restart that failed counts too
+            self.tally.num_engine_restarts = self.supervisor.num_restarts
         self.scheduler.requeue_running(self.clock())
         self.queued_at.clear()
 

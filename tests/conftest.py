@@ -47,17 +47,45 @@ def write_parquet(tmp_path):
 
 @pytest.fixture(scope="session")
 def model_path() -> str:
-    """The embedded model, prepared once (the README's setup does this; here it is a no-op then)."""
+    """The embedded model, prepared once (the README's setup does this; here it is a no-op then).
+
+    Only the tests that start the real engine (marked ``engine``) need it; the others take tiny_model."""
     from overnight.pipeline.tools.models import prepare
 
     return prepare("smollm2-135m")
 
 
 @pytest.fixture(scope="session")
-def tokenizer(model_path):
-    from overnight.pipeline.tools.models import ResolvedModel, load_tokenizer
+def tiny_model(tmp_path_factory) -> str:
+    """A model folder with a tiny tokenizer, a chat template and a 2048-token context, but no weights: for
+    tests that tokenize (echo or fake engine) and need no model, so they do not wait for the embedded one."""
+    from fakes import write_tiny_model
 
-    return load_tokenizer(ResolvedModel(requested="smollm2-135m", path=model_path, alias="smollm2-135m"))
+    return write_tiny_model(tmp_path_factory.mktemp("tiny-model"))
+
+
+@pytest.fixture(scope="session")
+def tokenizer(tiny_model):
+    """The tiny model's tokenizer, loaded as overnight loads one."""
+    from overnight.pipeline.tools.models import load_tokenizer, resolve
+
+    return load_tokenizer(resolve(tiny_model))
+
+
+@pytest.fixture
+def cfg(tiny_model):
+    """cfg(inp, out, **sections): the JobConfig of a run over inp into out on the tiny model, flushing every 4
+    rows; each keyword is a config section whose keys override (cfg(inp, out, sampling={"max_tokens": 5}))."""
+    from overnight.pipeline.configio import resolve
+
+    def make(inp, out, **sections):
+        layer = {"input": {"path": str(inp)}, "output": {"path": str(out), "flush_rows": 4},
+                 "engine": {"model": tiny_model}}
+        for k, v in sections.items():
+            layer.setdefault(k, {}).update(v)
+        return resolve(layer)
+
+    return make
 
 
 def overnight_cmd() -> list[str]:

@@ -1,11 +1,16 @@
-"""Test doubles: the echo engine with a fake clock and failure hooks."""
+"""Test doubles: a fake clock, the echo engine with failure hooks, and a tiny model folder (tokenizer only)."""
 
 from __future__ import annotations
+
+import json
+import os
 
 from overnight.pipeline.engine.echo import EchoEngine
 
 
 class FakeClock:
+    """A clock that moves only when a test (or FakeEngine's steps) moves it: ``clock.t += seconds``."""
+
     def __init__(self, t: float = 1_900_000_000.0):
         self.t = t
 
@@ -34,3 +39,56 @@ class FakeEngine(EchoEngine):
 def given(engine):
     """An engine factory for run_job that hands over this one engine (restarts get the same object)."""
     return lambda job: engine
+
+
+# -- a tiny model folder -------------------------------------------------------------------------------
+
+# ChatML, as SmolLM2's template, with a default system message when the chat has none.
+TINY_CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if loop.first and message['role'] != 'system' %}"
+    "{{ '<|im_start|>system\nYou are a helpful AI assistant named Tiny: a tokenizer and a chat template, "
+    "without a model, for tests.<|im_end|>\n' }}"
+    "{% endif %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+
+# What the template adds to a one-message user chat, in tokens: <|im_start|> system, the 23 of the system
+# message, <|im_end|> <|im_start|> user ... <|im_end|> <|im_start|> assistant. As many as SmolLM2-135M's
+# template adds, so a prompt of n common words is n + 31 tokens on both: the tests' prompt lengths, and the fake
+# engine's output lengths drawn from them, stay close to what they were on the embedded model.
+TINY_TEMPLATE_TOKENS = 31
+
+TINY_CONTEXT = 2048
+
+_WORDS = ("you are a helpful ai assistant named tiny tokenizer and chat template without model for the tests "
+          "system user tell me about weather word say hi bye question what is how many of in to it").split()
+
+
+def write_tiny_model(folder) -> str:
+    """A model folder that overnight resolves and tokenizes with, without weights: a word-level tokenizer
+    (lowercased words and runs of punctuation; words outside a small vocabulary are <|endoftext|>, the
+    unknown token), a ChatML chat template, and a config.json with a 2048-token context.
+
+    Unit tests need a tokenizer and a context, not the converted model; this takes a second to write."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    folder = str(folder)
+    os.makedirs(folder, exist_ok=True)
+    special = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    vocab = {t: i for i, t in enumerate(special + _WORDS + list("0123456789.,?!:;'\"-()"))}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<|endoftext|>"))
+    tok.normalizer = normalizers.Lowercase()
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.decoder = decoders.WordPiece()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|im_start|>", eos_token="<|im_end|>",
+                                   unk_token="<|endoftext|>", pad_token="<|im_end|>",
+                                   chat_template=TINY_CHAT_TEMPLATE)
+    fast.save_pretrained(folder)
+    config = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": len(vocab),
+              "max_position_embeddings": TINY_CONTEXT, "bos_token_id": 1, "eos_token_id": 2}
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+    return folder

@@ -10,6 +10,9 @@ once, and the manifest's counts must match the data.
 
     python tests/killharness.py --kills 20 --rows 4000               # echo engine, about two minutes
     python tests/killharness.py --kills 5 --rows 120 --engine vllm   # the real engine, ~40 s per restart
+
+On the echo engine the job runs on a tiny model folder (tests/fakes.py: a tokenizer, no weights), so the
+harness does not need the embedded model prepared; on vLLM it runs the embedded model.
 """
 
 from __future__ import annotations
@@ -26,8 +29,12 @@ import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Optional
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from conftest import overnight_cmd, real_prompts  # noqa: E402
 
 KILL_POINTS = [
     ("random moment", None),
@@ -54,17 +61,9 @@ class Report:
     final_s: float = 0.0
 
 
-def overnight() -> list[str]:
-    script = Path(sys.executable).parent / "overnight"
-    return [str(script)] if script.exists() else [sys.executable, "-m", "overnight.jobs"]
-
-
 def make_input(path: Path, n: int) -> list:
     import pyarrow as pa
     import pyarrow.parquet as pq
-
-    sys.path.insert(0, str(HERE))
-    from conftest import real_prompts
 
     base = real_prompts(min(n, 60))
     reps = -(-n // base.num_rows)
@@ -79,7 +78,9 @@ def parts(out: Path) -> list[Path]:
     return sorted((out / "parts").glob("part-*.parquet")) if (out / "parts").exists() else []
 
 
-def run(inp: Path, out: Path, engine: str, rows: int, kills: int, seed: int, log=print) -> Report:
+def run(inp: Path, out: Path, engine: str, rows: int, kills: int, seed: int, model: Optional[str] = None,
+        log=print) -> Report:
+    """model: --model for every attempt (None: the default, the embedded model)."""
     import pyarrow.parquet as pq
 
     rng = random.Random(seed)
@@ -87,9 +88,13 @@ def run(inp: Path, out: Path, engine: str, rows: int, kills: int, seed: int, log
     report = Report(engine=engine, rows=rows)
     base_env = dict(os.environ)
     config = inp.with_name("killharness.yaml")
-    config.write_text("input:\n  batch_rows: 100\n")  # many read batches, so kills land while reading too
-    args = [*overnight(), "run", str(inp), "--out", str(out), "--config", str(config), "--max-tokens", "48",
+    # Many read batches, so kills land while reading too; 64 rows in flight (the embedded model's preset) with
+    # any model, so an attempt gets as far before a kill.
+    config.write_text("input:\n  batch_rows: 100\nengine:\n  max_num_seqs: 64\n")
+    args = [*overnight_cmd(), "run", str(inp), "--out", str(out), "--config", str(config), "--max-tokens", "48",
             "--flush-rows", "25", "--flush-seconds", "1", "--log-every", "5"]
+    if model is not None:
+        args += ["--model", model]
     if engine == "echo":
         base_env["OVERNIGHT_ENGINE"] = "echo:step_ms=4"
     else:
@@ -163,7 +168,11 @@ def main() -> None:
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as d:
-        r = run(Path(d) / "in.parquet", Path(d) / "out", args.engine, args.rows, args.kills, args.seed)
+        model = None
+        if args.engine == "echo":
+            from fakes import write_tiny_model
+            model = write_tiny_model(Path(d) / "tiny-model")
+        r = run(Path(d) / "in.parquet", Path(d) / "out", args.engine, args.rows, args.kills, args.seed, model)
     if args.json:
         print(json.dumps(asdict(r), indent=2))
     else:

@@ -4,7 +4,9 @@ A job-level problem stops before the engine starts (exit 1, `Error: ...` naming
 the file, column or key and the fix). A row-level problem becomes an error row
 with its own message, and the job goes on (exit 0). Row-level cases run on the
 echo engine (OVERNIGHT_ENGINE=echo) to stay fast; the same paths through the
-real engine are in test_engine_cli.py.
+real engine are in test_engine_cli.py. Jobs run on the tiny model (tests/fakes.py:
+a tokenizer, a chat template and a 2048-token context): the token counts below
+are its counts.
 """
 
 from __future__ import annotations
@@ -41,9 +43,10 @@ class Case:
 
 
 class Env:
-    def __init__(self, root):
+    def __init__(self, root, model):
         self.root = root
         self.out = str(root / "out")
+        self.model = model
 
     def parquet(self, table, name="in.parquet") -> str:
         path = self.root / name
@@ -65,15 +68,15 @@ class Env:
 
 
 def run_args(e: Env, inp: str, *more) -> list:
-    return ["run", inp, "--out", e.out, "--max-tokens", "16", *more]
+    """A run on the tiny model, unless the case names its own --model."""
+    model = [] if "--model" in more else ["--model", e.model]
+    return ["run", inp, "--out", e.out, "--max-tokens", "16", *model, *more]
 
 
 def model_without_tokenizer(e: Env) -> str:
-    from overnight.pipeline.tools.models import prepare
-    src = prepare("smollm2-135m")
     dst = e.root / "no-tokenizer"
     dst.mkdir()
-    shutil.copy(os.path.join(src, "config.json"), dst / "config.json")
+    shutil.copy(os.path.join(e.model, "config.json"), dst / "config.json")
     return str(dst)
 
 
@@ -143,7 +146,7 @@ CASES = [
     Case("model without tokenizer", lambda e: run_args(e, e.rows(), "--model", model_without_tokenizer(e)), 1,
          "Error: Model folder {root}/no-tokenizer has no tokenizer (none of tokenizer.json, tokenizer_config.json, "
          "tokenizer.model, vocab.json). Save it there with tokenizer.save_pretrained('{root}/no-tokenizer')."),
-    Case("out is a file", lambda e: ["run", e.rows(), "--out", e.text("out.txt", "x")], 1,
+    Case("out is a file", lambda e: ["run", e.rows(), "--out", e.text("out.txt", "x"), "--model", e.model], 1,
          "Error: Output {root}/out.txt is a file. --out needs a folder (it is created when missing)."),
     Case("out of another job", other_job_out, 1,
          "Error: {root}/out holds results of a run with different settings (sampling.temperature: 0.5 -> 0.9). "
@@ -164,6 +167,7 @@ CASES = [
          row_error="in.parquet#1: prompt column 'prompt' is empty; give the row a prompt"),
     Case("whitespace prompt", lambda e: run_args(e, e.rows(prompt=" \t\n ")), 0,
          row_error="in.parquet#1: prompt column 'prompt' is empty; give the row a prompt"),
+    # The tiny model's context is 2048 (its config.json); its chat template adds 31 tokens to a prompt.
     Case("prompt over the context", lambda e: run_args(e, e.rows(prompt="word " * 3000)), 0,
          row_error="in.parquet#1: prompt is 3031 tokens after the chat template, which leaves no room for output "
                    "within max_model_len=2048; shorten the prompt or raise --max-model-len (up to the model's "
@@ -201,8 +205,8 @@ CASES = [
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
-def test_bad_input(case: Case, tmp_path, model_path):
-    e = Env(tmp_path)
+def test_bad_input(case: Case, tmp_path, tiny_model):
+    e = Env(tmp_path, tiny_model)
     args = case.setup(e)
     result = CliRunner(env=ECHO).invoke(cli, [str(a) for a in args])
     assert result.exit_code == case.code, result.output

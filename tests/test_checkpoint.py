@@ -5,18 +5,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from fakes import FakeClock
 from overnight.pipeline.output import manifest as mf
 from overnight.pipeline.output.checkpoint import CheckpointWriter, OutputDir, OutputError, OutputSchema
 from overnight.pipeline.config import JobConfig
 from overnight.pipeline.records import Result
-
-
-class Clock:
-    def __init__(self):
-        self.t = 0.0
-
-    def __call__(self):
-        return self.t
 
 
 def ok(i, **kw):
@@ -41,7 +34,7 @@ def test_schema_renames_clashing_passthrough_columns():
 
 
 def test_writer_flushes_every_n_rows_and_every_t_seconds(tmp_path):
-    clock = Clock()
+    clock = FakeClock()
     out = OutputDir(str(tmp_path / "out"))
     flushed = []
     w = CheckpointWriter(out, schema(), "run-1", "m", 0, flush_rows=3, flush_seconds=10, clock=clock,
@@ -51,10 +44,10 @@ def test_writer_flushes_every_n_rows_and_every_t_seconds(tmp_path):
     w.add([ok(3)])
     assert flushed == [(3, "part-00000.parquet")]
     w.add([ok(4)])
-    clock.t = 5
+    clock.t += 5
     w.maybe_flush()
     assert len(flushed) == 1
-    clock.t = 10.5
+    clock.t += 5.5  # 10.5 s since the last flush
     w.maybe_flush()
     assert flushed[-1] == (1, "part-00001.parquet")
     w.add([ok(5)])

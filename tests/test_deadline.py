@@ -5,18 +5,11 @@ import math
 import numpy as np
 import pytest
 
+from fakes import FakeClock
 from overnight.pipeline.config import ConfigError
 from overnight.pipeline.scheduling.deadline import DeadlineTracker, parse_budget, parse_deadline
 from overnight.pipeline.job import resolve_deadline
 from overnight.pipeline.config import SchedulerConfig
-
-
-class Clock:
-    def __init__(self, t=1000.0):
-        self.t = t
-
-    def __call__(self):
-        return self.t
 
 
 def measured(tracker, clock, tokens_per_s, seconds):
@@ -55,7 +48,7 @@ def test_safety_margin_defaults_to_5_percent_within_bounds():
 
 
 def test_eta_without_deadline():
-    clock = Clock()
+    clock = FakeClock()
     t = DeadlineTracker(None, clock=clock, warmup_s=3)
     t.observe(0)
     f = t.forecast(0, 0, np.array([100.0] * 10), 0, 0)
@@ -67,14 +60,14 @@ def test_eta_without_deadline():
 
 
 def test_configured_throughput_is_used_until_measured():
-    clock = Clock()
+    clock = FakeClock()
     t = DeadlineTracker(clock.t + 100, clock=clock, initial_tokens_per_s=50, warmup_s=3)
     f = t.forecast(0, 0, np.array([100.0] * 10), 0, 0)
     assert f.tokens_per_s == 50 and f.eta_s == 20
 
 
 def test_deadline_safe_then_at_risk_with_rows_left():
-    clock = Clock()
+    clock = FakeClock()
     t = DeadlineTracker(clock.t + 100, margin_s=10, clock=clock, warmup_s=3)
     t.observe(0)
     measured(t, clock, 100, 10)  # 100 tok/s; 80 s left before the stop at deadline - 10
@@ -90,7 +83,7 @@ def test_deadline_safe_then_at_risk_with_rows_left():
 
 
 def test_should_stop_and_past_deadline():
-    clock = Clock()
+    clock = FakeClock()
     t = DeadlineTracker(clock.t + 100, margin_s=10, clock=clock)
     assert not t.should_stop()
     clock.t += 90
@@ -108,7 +101,7 @@ def test_forecast_from_lengths_and_counts_matches_the_row_by_row_forecast(seed):
     counts = rng.integers(1, 30, size=len(lengths))
     if seed % 2:
         lengths, counts = lengths[::-1], counts[::-1]
-    clock = Clock()
+    clock = FakeClock()
     t = DeadlineTracker(clock.t + 100 + 50 * seed, margin_s=5, clock=clock, warmup_s=3)
     t.observe(0)
     measured(t, clock, 40 + 10 * seed, 10)

@@ -52,15 +52,30 @@ def engine_core(proc) -> psutil.Process:
     raise AssertionError("no EngineCore process found")
 
 
-def engine_processes() -> list:
+def engine_processes(proc) -> list:
+    """vLLM's processes below the job `proc` (not those of another engine on the machine, such as one this
+    pytest process started in-process for an earlier module)."""
     found = []
-    for p in psutil.process_iter(["name", "cmdline"]):
+    for p in psutil.Process(proc.pid).children(recursive=True):
         try:
-            if "VLLM" in (p.info["name"] or "") or "VLLM" in " ".join(p.info["cmdline"] or []):
+            if "VLLM" in p.name() or "VLLM" in " ".join(p.cmdline()):
                 found.append(p)
-        except psutil.NoSuchProcess:
+        except psutil.Error:
             continue
     return found
+
+
+def running(p: psutil.Process) -> bool:
+    """Alive: not gone, not a pid reused by another process, and not a zombie (a zombie has exited and
+    holds no memory; only its parent's wait() is missing, and after a SIGKILLed job that parent is init)."""
+    try:
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def still_running(procs) -> set:
+    return {p.pid for p in procs if running(p)}
 
 
 def figure(fault: str, since: float, rows_done: int) -> None:
@@ -87,16 +102,16 @@ def test_one_job_through_kill_sigterm_and_engine_death(tmp_path, model_path):
     # 1. SIGKILL to the main process, as an OOM killer would
     proc = start(args)
     wait_for_new_parts(proc, out, 0, 2)
-    before = {p.pid for p in engine_processes()}
-    assert before, "the engine's processes are running"
+    before = engine_processes(proc)  # taken while the job is alive: its descendants can be found only now
+    assert any("EngineCor" in p.name() for p in before), f"the engine core is running: {before}"
     t = time.monotonic()
     os.kill(proc.pid, signal.SIGKILL)
     finish(proc)
     # vLLM's processes would outlive their killed parent; the job's reaper takes them down
     deadline = time.monotonic() + 30
-    while before & {p.pid for p in engine_processes()} and time.monotonic() < deadline:
+    while still_running(before) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert not before & {p.pid for p in engine_processes()}
+    assert not still_running(before), [p for p in before if running(p)]
     after_kill = done_rows(out)
     figure("SIGKILL: engine processes reaped", t, after_kill)
     assert 0 < after_kill < 120

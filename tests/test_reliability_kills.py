@@ -10,9 +10,10 @@ import pytest
 import killharness
 
 
-def test_twenty_kills_lose_and_duplicate_nothing(tmp_path, model_path, request):
+def test_twenty_kills_lose_and_duplicate_nothing(tmp_path, tiny_model, request):
     kills = 60 if request.config.getoption("--long") else 20
-    r = killharness.run(tmp_path / "in.parquet", tmp_path / "out", "echo", rows=200 * kills, kills=kills, seed=1)
+    r = killharness.run(tmp_path / "in.parquet", tmp_path / "out", "echo", rows=200 * kills, kills=kills, seed=1,
+                        model=tiny_model)
     assert r.kills >= 20
     assert set(r.kills_by_point) == {name for name, _ in killharness.KILL_POINTS}
     assert (r.rows_lost, r.duplicates, r.unreadable_files) == (0, 0, 0)

@@ -8,7 +8,6 @@ import socket
 import threading
 import time
 
-import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
@@ -16,17 +15,9 @@ from fakes import FakeEngine, given
 from overnight.pipeline.output import faults
 from overnight.pipeline.api import run_job
 from overnight.pipeline.output.checkpoint import OutputDir
-from overnight.pipeline.configio import resolve
 from overnight.pipeline.engine import EngineError
 from overnight.pipeline.output.lock import LockError, RunLock
 from overnight.pipeline.output.storage import redact, with_retries
-
-
-def cfg(inp, out, **sections):
-    layer = {"input": {"path": str(inp)}, "output": {"path": str(out), "flush_rows": 4}}
-    for k, v in sections.items():
-        layer.setdefault(k, {}).update(v)
-    return resolve(layer)
 
 
 @pytest.fixture
@@ -71,7 +62,7 @@ def test_a_lock_without_heartbeat_is_stale_anywhere(tmp_path):
     RunLock(OutputDir(str(out))).acquire()
 
 
-def test_two_runs_at_once_through_the_job(data, tmp_path, model_path):
+def test_two_runs_at_once_through_the_job(data, tmp_path, cfg):
     out = tmp_path / "out"
     write_lock(out, host="busy-host", pid=7)
     with pytest.raises(LockError, match="in use by another overnight run: host busy-host, pid 7"):
@@ -79,7 +70,7 @@ def test_two_runs_at_once_through_the_job(data, tmp_path, model_path):
     assert not (out / "manifest.json").exists()  # refused before touching anything
 
 
-def test_the_lock_is_released_after_a_run(data, tmp_path, model_path):
+def test_the_lock_is_released_after_a_run(data, tmp_path, cfg):
     out = tmp_path / "out"
     run_job(cfg(data, out), engine_factory=given(FakeEngine()), is_tty=False)
     assert not (out / ".overnight.lock").exists()
@@ -111,7 +102,7 @@ def test_permanent_errors_are_not_retried():
     assert sleeps == []
 
 
-def test_an_injected_transient_write_failure_is_retried_and_the_job_completes(data, tmp_path, model_path,
+def test_an_injected_transient_write_failure_is_retried_and_the_job_completes(data, tmp_path, cfg,
                                                                                monkeypatch, caplog):
     monkeypatch.setenv("OVERNIGHT_FAILPOINTS", "storage.write=oserror@2-3")
     monkeypatch.setattr("overnight.pipeline.output.storage.RETRY_DELAYS", (0.01, 0.01, 0.01))
@@ -134,24 +125,35 @@ def test_redact_masks_credentials_in_urls():
 
 # -- signals -----------------------------------------------------------------------------------
 
-def signal_after(sig, delay, times=1, gap=0.3):
+def signal_when(engine, steps, sig, times=1, gap=0.3):
+    """Send sig to this process once the engine has taken this many steps (so the run is under way and its
+    handlers are in place, however long the job took to start), then times - 1 more at gap seconds. The list
+    returned gets the engine's step count right after each signal is sent."""
+    sent = []
+
     def send():
+        deadline = time.monotonic() + 60
+        while engine.num_steps < steps:
+            if time.monotonic() > deadline:
+                return  # the run never got going; a late signal must not hit another test
+            time.sleep(0.005)
         for i in range(times):
-            time.sleep(delay if i == 0 else gap)
+            if i:
+                time.sleep(gap)
             os.kill(os.getpid(), sig)
-    t = threading.Thread(target=send, daemon=True)
-    t.start()
-    return t
+            sent.append(engine.num_steps)
+    threading.Thread(target=send, daemon=True).start()
+    return sent
 
 
 def slow_engine():
     return FakeEngine(max_num_seqs=2, step_sleep=0.05, length_of=lambda ids: 10)
 
 
-def test_sigterm_drains_within_grace_and_exits_75(data, tmp_path, model_path):
+def test_sigterm_drains_within_grace_and_exits_75(data, tmp_path, cfg):
     out = tmp_path / "out"
-    signal_after(signal.SIGTERM, 0.5)
     eng = slow_engine()
+    signal_when(eng, 10, signal.SIGTERM)
     s = run_job(cfg(data, out, scheduler={"grace_s": 30}), engine_factory=given(eng), is_tty=False)
     assert (s.state, s.exit_code) == ("interrupted", 75)
     assert s.message.startswith("interrupted by SIGTERM: ") and "rows not done" in s.message
@@ -164,20 +166,23 @@ def test_sigterm_drains_within_grace_and_exits_75(data, tmp_path, model_path):
     assert again.state == "completed" and len(ids) == 24 == len(set(ids))
 
 
-def test_a_second_signal_aborts_at_once_and_leaves_a_consistent_checkpoint(data, tmp_path, model_path):
+def test_a_second_signal_aborts_at_once_and_leaves_a_consistent_checkpoint(data, tmp_path, cfg):
     out = tmp_path / "out"
-    signal_after(signal.SIGINT, 0.5, times=2, gap=0.1)
     eng = FakeEngine(max_num_seqs=2, step_sleep=0.05, length_of=lambda ids: 200)
+    steps_at = signal_when(eng, 10, signal.SIGINT, times=2, gap=0.1)
     s = run_job(cfg(data, out, scheduler={"grace_s": 60}), engine_factory=given(eng), is_tty=False)
     aborted = json.loads((out / "status.json").read_text())["rows"]["aborted"]
     assert s.state == "interrupted" and s.exit_code == 75 and len(eng.aborted) == aborted > 0
+    # At once: the engine step under way when the second signal came is the last one (draining the rows in
+    # flight would take 200 steps each, with the 60 s grace period allowing it).
+    assert len(steps_at) == 2 and eng.num_steps <= steps_at[1] + 1, (steps_at, eng.num_steps)
     done = pq.read_table(out / "parts").num_rows if (out / "parts").exists() else 0
     assert done == s.num_done
 
 
 # -- engine death ------------------------------------------------------------------------------
 
-def test_engine_restarts_in_process_and_the_run_completes(data, tmp_path, model_path, caplog):
+def test_engine_restarts_in_process_and_the_run_completes(data, tmp_path, cfg, caplog):
     out = tmp_path / "out"
     engines = []
 
@@ -193,7 +198,7 @@ def test_engine_restarts_in_process_and_the_run_completes(data, tmp_path, model_
     assert json.loads((out / "status.json").read_text())["engine_restarts"] == 1
 
 
-def test_engine_death_without_restarts_fails_with_a_clear_message(data, tmp_path, model_path):
+def test_engine_death_without_restarts_fails_with_a_clear_message(data, tmp_path, cfg):
     out = tmp_path / "out"
     with pytest.raises(EngineError, match="The vLLM engine failed mid-run .* Pass --max-engine-restarts N"):
         run_job(cfg(data, out), engine_factory=given(FakeEngine(max_num_seqs=2, fail_after_steps=15)), is_tty=False)
@@ -204,7 +209,7 @@ def test_engine_death_without_restarts_fails_with_a_clear_message(data, tmp_path
 
 # -- input changes between attempts -------------------------------------------------------------
 
-def test_resume_after_the_input_changed(write_parquet, tmp_path, model_path, caplog):
+def test_resume_after_the_input_changed(write_parquet, tmp_path, cfg, caplog):
     out = tmp_path / "out"
     first = write_parquet({"id": ["a", "b", "c", "d"], "prompt": ["one", "two", "three", "four"]}, "v1.parquet")
     run_job(cfg(first, out), engine_factory=given(FakeEngine()), is_tty=False)

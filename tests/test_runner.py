@@ -1,21 +1,13 @@
-"""The run loop with a fake engine (real tokenizer): resume, duplicates, error rows, parts, failures."""
+"""The run loop with a fake engine and the tiny model's tokenizer: resume, duplicates, error rows, parts, failures."""
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from fakes import FakeClock, FakeEngine, given
+from fakes import TINY_TEMPLATE_TOKENS, FakeClock, FakeEngine, given
 from overnight.pipeline.api import run_job
 from overnight.pipeline.output.checkpoint import OutputError
-from overnight.pipeline.configio import resolve
 from overnight.pipeline.engine import EngineError
-
-
-def cfg(inp, out, **sections):
-    layer = {"input": {"path": str(inp)}, "output": {"path": str(out), "flush_rows": 4}}
-    for k, v in sections.items():
-        layer.setdefault(k, {}).update(v)
-    return resolve(layer)
 
 
 def output(out) -> pa.Table:
@@ -28,7 +20,7 @@ def data(write_parquet):
                           "category": ["a", "b"] * 5})
 
 
-def test_run_writes_every_row_once_with_result_columns(data, tmp_path, model_path):
+def test_run_writes_every_row_once_with_result_columns(data, tmp_path, cfg, tiny_model):
     out = tmp_path / "out"
     s = run_job(cfg(data, out), engine_factory=given(FakeEngine()), is_tty=False)
     assert (s.state, s.exit_code, s.num_ok, s.num_error, s.num_done) == ("completed", 0, 10, 0, 10)
@@ -38,13 +30,14 @@ def test_run_writes_every_row_once_with_result_columns(data, tmp_path, model_pat
                               "output_tokens", "predicted_tokens", "bucket", "queued_at", "first_token_at",
                               "finished_at", "status", "error", "prompt_hash", "run_id", "model"]
     row = t.to_pylist()[0]
-    assert row["status"] == "ok" and row["model"] == "smollm2-135m" and row["run_id"] == s.run_id
-    assert row["text"] == f"echo of {row['prompt_tokens']} prompt tokens" and row["prompt_tokens"] > 5
+    assert row["status"] == "ok" and row["model"] == tiny_model and row["run_id"] == s.run_id
+    assert row["prompt_tokens"] == 3 + TINY_TEMPLATE_TOKENS  # "question N?" is 3 tokens, then the chat template
+    assert row["text"] == f"echo of {row['prompt_tokens']} prompt tokens"
     assert row["queued_at"] <= row["finished_at"]
     assert len(list((out / "parts").iterdir())) == 3  # flush_rows=4: 4 + 4 + 2
 
 
-def test_resume_processes_only_rows_not_done(data, tmp_path, model_path):
+def test_resume_processes_only_rows_not_done(data, tmp_path, cfg):
     out = tmp_path / "out"
     first = FakeEngine()
     run_job(cfg(data, out, input={"limit": 6}), engine_factory=given(first), is_tty=False)
@@ -59,7 +52,7 @@ def test_resume_processes_only_rows_not_done(data, tmp_path, model_path):
     assert len(m["attempts"]) == 2 and m["state"] == "completed" and m["counts"]["num_done"] == 10
 
 
-def test_rerun_of_a_finished_job_does_nothing(data, tmp_path, model_path):
+def test_rerun_of_a_finished_job_does_nothing(data, tmp_path, cfg):
     out = tmp_path / "out"
     run_job(cfg(data, out), engine_factory=given(FakeEngine()), is_tty=False)
     again = FakeEngine()
@@ -67,7 +60,7 @@ def test_rerun_of_a_finished_job_does_nothing(data, tmp_path, model_path):
     assert again.added == [] and s.num_done == 10 and s.num_resumed == 10
 
 
-def test_error_rows_and_duplicates(write_parquet, tmp_path, model_path):
+def test_error_rows_and_duplicates(write_parquet, tmp_path, cfg):
     inp = write_parquet({"id": ["a", "b", "c", "a", "d"], "prompt": ["ok", None, "fine", "dup", ""],
                          "max_tokens": [5, 5, -1, 5, 5]})
     out = tmp_path / "out"
@@ -82,7 +75,7 @@ def test_error_rows_and_duplicates(write_parquet, tmp_path, model_path):
     assert rows["d"]["error"] == "in.parquet#4: prompt column 'prompt' is empty; give the row a prompt"
 
 
-def test_prompt_longer_than_context_is_an_error_row(write_parquet, tmp_path, model_path):
+def test_prompt_longer_than_context_is_an_error_row(write_parquet, tmp_path, cfg):
     inp = write_parquet({"id": ["short", "long"], "prompt": ["hi", "word " * 400]})
     out = tmp_path / "out"
     s = run_job(cfg(inp, out), engine_factory=given(FakeEngine(max_model_len=128)), is_tty=False)
@@ -92,7 +85,7 @@ def test_prompt_longer_than_context_is_an_error_row(write_parquet, tmp_path, mod
     assert "tokens after the chat template, which leaves no room for output within max_model_len=128" in err["error"]
 
 
-def test_max_tokens_is_clipped_to_the_context(write_parquet, tmp_path, model_path):
+def test_max_tokens_is_clipped_to_the_context(write_parquet, tmp_path, cfg):
     inp = write_parquet({"id": ["x"], "prompt": ["hello"]})
     eng = FakeEngine(max_model_len=64, length_of=lambda ids: 10_000)
     run_job(cfg(inp, tmp_path / "out", sampling={"max_tokens": 500}), engine_factory=given(eng), is_tty=False)
@@ -100,17 +93,17 @@ def test_max_tokens_is_clipped_to_the_context(write_parquet, tmp_path, model_pat
     assert row["prompt_tokens"] + row["output_tokens"] == 64 and row["finish_reason"] == "length"
 
 
-def test_fingerprint_mismatch_is_refused_and_fresh_starts_over(data, tmp_path, model_path):
+def test_fingerprint_mismatch_is_refused_and_fresh_starts_over(data, tmp_path, cfg):
     out = tmp_path / "out"
     run_job(cfg(data, out, input={"limit": 3}), engine_factory=given(FakeEngine()), is_tty=False)
-    with pytest.raises(OutputError, match=r"sampling.temperature: 0.2 -> 0.9"):
+    with pytest.raises(OutputError, match=r"sampling.temperature: 1.0 -> 0.9"):
         run_job(cfg(data, out, sampling={"temperature": 0.9}), engine_factory=given(FakeEngine()), is_tty=False)
     eng = FakeEngine()
     s = run_job(cfg(data, out, sampling={"temperature": 0.9}), fresh=True, engine_factory=given(eng), is_tty=False)
     assert len(eng.added) == 10 and s.num_resumed == 0 and output(out).num_rows == 10
 
 
-def test_parts_without_manifest_are_refused(data, tmp_path, model_path):
+def test_parts_without_manifest_are_refused(data, tmp_path, cfg):
     out = tmp_path / "out"
     run_job(cfg(data, out), engine_factory=given(FakeEngine()), is_tty=False)
     (out / "manifest.json").unlink()
@@ -118,7 +111,7 @@ def test_parts_without_manifest_are_refused(data, tmp_path, model_path):
         run_job(cfg(data, out), engine_factory=given(FakeEngine()), is_tty=False)
 
 
-def test_engine_failure_keeps_finished_rows(data, tmp_path, model_path):
+def test_engine_failure_keeps_finished_rows(data, tmp_path, cfg):
     out = tmp_path / "out"
     eng = FakeEngine(max_num_seqs=2, fail_after_steps=12)
     with pytest.raises(EngineError, match="The vLLM engine failed mid-run \\(RuntimeError: engine died\\)"):
@@ -133,7 +126,7 @@ def test_engine_failure_keeps_finished_rows(data, tmp_path, model_path):
     assert s.state == "completed" and sorted(ids) == sorted(set(ids)) and len(ids) == 10
 
 
-def test_derived_ids_without_id_column(write_parquet, tmp_path, model_path):
+def test_derived_ids_without_id_column(write_parquet, tmp_path, cfg):
     inp = write_parquet({"prompt": ["a", "b", "c"]}, "data.parquet")
     out = tmp_path / "out"
     run_job(cfg(inp, out, input={"limit": 2}), engine_factory=given(FakeEngine()), is_tty=False)
@@ -141,7 +134,7 @@ def test_derived_ids_without_id_column(write_parquet, tmp_path, model_path):
     assert sorted(output(out).column("id").to_pylist()) == ["data.parquet#0", "data.parquet#1", "data.parquet#2"]
 
 
-def test_passthrough_none_and_list(data, tmp_path, model_path):
+def test_passthrough_none_and_list(data, tmp_path, cfg):
     run_job(cfg(data, tmp_path / "a", input={"passthrough": "none"}), engine_factory=given(FakeEngine()), is_tty=False)
     assert "prompt" not in output(tmp_path / "a").column_names
     run_job(cfg(data, tmp_path / "b", input={"passthrough": ["category"]}), engine_factory=given(FakeEngine()), is_tty=False)
@@ -149,7 +142,7 @@ def test_passthrough_none_and_list(data, tmp_path, model_path):
     assert "category" in names and "prompt" not in names
 
 
-def test_status_file(data, tmp_path, model_path):
+def test_status_file(data, tmp_path, cfg):
     out = tmp_path / "out"
     run_job(cfg(data, out), engine_factory=given(FakeEngine()), is_tty=False)
     st = __import__("json").loads((out / "status.json").read_text())
@@ -158,7 +151,7 @@ def test_status_file(data, tmp_path, model_path):
                           "duplicates": 0, "changed": 0, "removed": None, "aborted": 0, "in_flight": 0}
 
 
-def test_null_id_error_rows_are_written_once_across_resumes(write_parquet, tmp_path, model_path):
+def test_null_id_error_rows_are_written_once_across_resumes(write_parquet, tmp_path, cfg):
     inp = write_parquet({"id": pa.array([1, None, 3, None], pa.int64()), "prompt": ["a", "b", "c", "d"]})
     out = tmp_path / "out"
     run_job(cfg(inp, out, input={"limit": 2}), engine_factory=given(FakeEngine()), is_tty=False)
@@ -178,18 +171,18 @@ def deadline_data(write_parquet, n=40):
     return write_parquet({"id": [f"r{i:02d}" for i in range(n)], "prompt": prompts})
 
 
-def budget_run(inp, out, policy, budget="60s", **kw):
+def budget_run(cfg, inp, out, policy, budget="60s", **kw):
     clock = FakeClock()
     eng = FakeEngine(max_num_seqs=2, clock=clock, step_seconds=1.0, length_of=lambda ids: max(2, (len(ids) - 30) // 2))
     return run_job(cfg(inp, out, scheduler={"time_budget": budget, "policy": policy, **kw}), engine_factory=given(eng),
                    is_tty=False, clock=clock), eng
 
 
-def test_time_budget_stops_early_exit_75_and_rerun_completes(write_parquet, tmp_path, model_path, caplog):
+def test_time_budget_stops_early_exit_75_and_rerun_completes(write_parquet, tmp_path, cfg, caplog):
     inp = deadline_data(write_parquet)
     out = tmp_path / "out"
     with caplog.at_level("INFO", logger="overnight"):
-        s, eng = budget_run(inp, out, "fifo")
+        s, eng = budget_run(cfg, inp, out, "fifo")
     assert (s.state, s.exit_code) == ("partial", 75)
     assert 0 < s.num_done < 40
     assert s.message == f"deadline reached: {40 - s.num_done} rows not done; rerun the same command to continue"
@@ -203,31 +196,31 @@ def test_time_budget_stops_early_exit_75_and_rerun_completes(write_parquet, tmp_
     assert again.state == "completed" and sorted(ids) == [f"r{i:02d}" for i in range(40)] and len(set(ids)) == 40
 
 
-def test_auto_completes_more_rows_than_fifo_by_the_deadline(write_parquet, tmp_path, model_path):
+def test_auto_completes_more_rows_than_fifo_by_the_deadline(write_parquet, tmp_path, cfg):
     inp = deadline_data(write_parquet)
-    fifo, _ = budget_run(inp, tmp_path / "fifo", "fifo")
-    auto, eng = budget_run(inp, tmp_path / "auto", "auto")
+    fifo, _ = budget_run(cfg, inp, tmp_path / "fifo", "fifo")
+    auto, eng = budget_run(cfg, inp, tmp_path / "auto", "auto")
     assert auto.num_done >= 2 * fifo.num_done, (auto.num_done, fifo.num_done)
     assert auto.extra["forecast"]["mode"] == "deadline"
     assert len(set(eng.priorities.values())) > 1  # vLLM's own priority queue orders what waits in the engine
 
 
-def test_abort_on_deadline_leaves_in_flight_rows_not_done(write_parquet, tmp_path, model_path):
+def test_abort_on_deadline_leaves_in_flight_rows_not_done(write_parquet, tmp_path, cfg):
     inp = deadline_data(write_parquet)
-    s, eng = budget_run(inp, tmp_path / "out", "fifo", on_deadline="abort")
+    s, eng = budget_run(cfg, inp, tmp_path / "out", "fifo", on_deadline="abort")
     assert s.state == "partial" and len(eng.aborted) > 0
     done = set(output(tmp_path / "out").column("id").to_pylist())
     assert len(done) == s.num_done
 
 
-def test_predictions_are_stored_next_to_actual_lengths(data, tmp_path, model_path):
+def test_predictions_are_stored_next_to_actual_lengths(data, tmp_path, cfg):
     out = tmp_path / "out"
     run_job(cfg(data, out), engine_factory=given(FakeEngine()), is_tty=False)
     rows = output(out).to_pylist()
     assert all(r["predicted_tokens"] >= 1 and r["bucket"] is not None for r in rows)
 
 
-def test_per_row_deadline_that_passed_becomes_an_error_row(write_parquet, tmp_path, model_path):
+def test_per_row_deadline_that_passed_becomes_an_error_row(write_parquet, tmp_path, cfg):
     import datetime as dt
     past = dt.datetime(2020, 1, 1)
     inp = write_parquet({"id": ["a", "b"], "prompt": ["x", "y"], "deadline": pa.array([past, None], pa.timestamp("s"))})

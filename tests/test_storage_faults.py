@@ -1,4 +1,6 @@
-"""Storage: a real S3 API (moto's server on loopback), transient faults, and a full output filesystem."""
+"""Storage: a real S3 API (moto's server on loopback), transient faults, and a full output filesystem.
+
+Jobs run on the echo engine with the tiny model (tests/fakes.py): storage is under test, not the model."""
 
 import json
 import os
@@ -32,13 +34,13 @@ def read_parts(url) -> pa.Table:
     return pa.concat_tables(tables)
 
 
-def test_s3_input_and_output_resume_and_inspect(s3, model_path):
+def test_s3_input_and_output_resume_and_inspect(s3, tiny_model):
     inp, out = "s3://overnight-test/in/prompts.parquet", "s3://overnight-test/out-echo"
     put_parquet(inp, real_prompts(30))
     runner = CliRunner(env=ECHO)
-    first = runner.invoke(cli, ["run", inp, "--out", out, "--limit", "10", "--flush-rows", "4"])
+    first = runner.invoke(cli, ["run", inp, "--out", out, "--limit", "10", "--flush-rows", "4", "--model", tiny_model])
     assert first.exit_code == 0, first.output
-    second = runner.invoke(cli, ["run", inp, "--out", out, "--flush-rows", "4"])
+    second = runner.invoke(cli, ["run", inp, "--out", out, "--flush-rows", "4", "--model", tiny_model])
     assert "30/30 rows (30 ok, 0 error, 10 already done)" in second.output
     ids = read_parts(out).column("id").to_pylist()
     assert len(ids) == 30 == len(set(ids))
@@ -49,19 +51,20 @@ def test_s3_input_and_output_resume_and_inspect(s3, model_path):
     assert q.exit_code == 0 and q.output.split() == ["n", "30"]
 
 
-def test_s3_in_a_subprocess_configured_from_the_environment(s3, model_path, tmp_path):
+def test_s3_in_a_subprocess_configured_from_the_environment(s3, tiny_model):
     from conftest import s3_env
     inp, out = "s3://overnight-test/in2/p.parquet", "s3://overnight-test/out-sub"
     put_parquet(inp, real_prompts(8))
-    r = subprocess.run([*overnight_cmd(), "run", inp, "--out", out], capture_output=True, text=True, timeout=300,
-                       env={**os.environ, **s3_env(s3), **ECHO})
+    r = subprocess.run([*overnight_cmd(), "run", inp, "--out", out, "--model", tiny_model], capture_output=True,
+                       text=True, timeout=300, env={**os.environ, **s3_env(s3), **ECHO})
     assert r.returncode == 0, r.stderr[-2000:]
     assert read_parts(out).num_rows == 8
 
 
-def test_a_full_output_filesystem_stops_cleanly_and_the_rerun_completes(tmp_path, model_path):
+def test_a_full_output_filesystem_stops_cleanly_and_the_rerun_completes(tmp_path, tiny_model):
     # Rows from 60 on carry a 40 kB column, so the parts that hold them exceed a 64 kB file-size limit:
-    # the first parts fit, a later one cannot be written, as on a disk that fills up.
+    # the first parts fit, a later one cannot be written, as on a disk that fills up. Ten rows in flight, taken
+    # in input order (fifo), finish together (their prompts are as long): each part holds the next ten rows.
     import base64
     n = 120
     pad = ["" if i < 60 else base64.b64encode(os.urandom(30_000)).decode() for i in range(n)]  # incompressible
@@ -69,7 +72,8 @@ def test_a_full_output_filesystem_stops_cleanly_and_the_rerun_completes(tmp_path
     pq.write_table(pa.table({"id": [f"r{i:03d}" for i in range(n)], "prompt": [f"q {i}?" for i in range(n)],
                              "pad": pad}), inp)
     out = tmp_path / "out"
-    args = [*overnight_cmd(), "run", str(inp), "--out", str(out), "--flush-rows", "10", "--policy", "fifo"]
+    args = [*overnight_cmd(), "run", str(inp), "--out", str(out), "--flush-rows", "10", "--policy", "fifo",
+            "--max-num-seqs", "10", "--model", tiny_model]
     env = {**os.environ, **ECHO, "PYTHONDONTWRITEBYTECODE": "1"}
 
     def tiny_fs():

@@ -8,15 +8,25 @@ pids of the engine's processes. When the pipe closes (the job exited, however
 it exited), the reaper terminates whichever of those processes are still
 alive, and exits. After a clean shutdown there is nothing left to kill.
 
-    python -m overnight.pipeline.engine.reaper     # reads pids from stdin, one per line
+The pipe closing is not the only sign: a process forked from the job (vLLM's
+`fork` start method, an engine restarted in-process) inherits the pipe's write
+end and keeps it open after the job is gone, so the reaper also stops waiting
+when its parent, the job, has changed. Each pid comes with its start time, so a
+pid the kernel has handed to another process since is never signalled, and the
+processes the engine started below a reported one (workers) are found at reap
+time, before anything is signalled.
+
+    python -m overnight.pipeline.engine.reaper JOB_PID   # reads "pid start_time" lines from stdin
 """
 
 from __future__ import annotations
 
 import os
+import select
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 
@@ -36,53 +46,129 @@ def _comm(pid: int) -> str:
         return ""
 
 
-def _alive(pid: int) -> bool:
+def _running(proc) -> bool:
+    """Alive and not a zombie (a zombie has exited; only its parent's wait() is missing)."""
+    import psutil
+
     try:
-        os.kill(pid, 0)
-        return True
-    except OSError:
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
         return False
 
 
-def reap(pids: list[int], grace: float = 3.0) -> list[int]:
-    """SIGTERM the engine processes still alive, then SIGKILL what is left after `grace` seconds."""
-    targets = [p for p in pids if _alive(p) and _is_engine(p)]
+def _parse(data: bytes) -> list[tuple[int, float | None]]:
+    """"pid start_time" lines (a bare pid is accepted too)."""
+    out = []
+    for line in data.decode(errors="replace").splitlines():
+        fields = line.split()
+        if fields and fields[0].isdigit():
+            started = None
+            if len(fields) > 1:
+                try:
+                    started = float(fields[1])
+                except ValueError:
+                    pass
+            out.append((int(fields[0]), started))
+    return out
+
+
+def _targets(entries: list[tuple[int, float | None]]) -> list:
+    """The reported processes that are still the ones reported, and every process below them."""
+    import psutil
+
+    found: dict[int, "psutil.Process"] = {}
+    for pid, started in entries:
+        try:
+            p = psutil.Process(pid)
+            if started is not None:
+                if abs(p.create_time() - started) > 0.01:
+                    continue  # the pid was reused by another process
+            elif not _is_engine(pid):
+                continue
+        except psutil.Error:
+            continue
+        found.setdefault(pid, p)
+        try:
+            # Collected now, while the tree is whole: once an engine core dies its workers go to init.
+            for c in p.children(recursive=True):
+                if not _is_resource_tracker(c):
+                    found.setdefault(c.pid, c)
+        except psutil.Error:
+            pass
+    return [p for p in found.values() if _running(p)]
+
+
+def _is_resource_tracker(proc) -> bool:
+    # multiprocessing's resource tracker ignores SIGTERM and exits by itself once the processes that use
+    # it are gone, unlinking the shared memory they left; a SIGKILL would leave that memory behind.
+    try:
+        return "multiprocessing.resource_tracker" in " ".join(proc.cmdline())
+    except Exception:
+        return False
+
+
+def reap(entries: list[tuple[int, float | None]], grace: float = 3.0) -> list[int]:
+    """SIGTERM the engine processes still running, then SIGKILL what is left after `grace` seconds."""
+    import psutil
+
+    targets = _targets(entries)
     for p in targets:
         try:
-            os.kill(p, signal.SIGTERM)
-        except OSError:
+            p.terminate()  # psutil checks the pid still names the same process before it signals
+        except psutil.Error:
             pass
     deadline = time.monotonic() + grace
-    while time.monotonic() < deadline and any(_alive(p) for p in targets):
+    while time.monotonic() < deadline and any(_running(p) for p in targets):
         time.sleep(0.1)
     for p in targets:
-        if _alive(p):
+        if _running(p):
             try:
-                os.kill(p, signal.SIGKILL)
-            except OSError:
+                p.kill()
+            except psutil.Error:
                 pass
-    return targets
+    return [p.pid for p in targets]
 
 
 def main() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C is the job's to handle; the pipe tells us when it ends
-    pids: list[int] = []
-    for line in sys.stdin:
-        line = line.strip()
-        if line.isdigit():
-            pids.append(int(line))
-    reap(pids)
+    job = int(sys.argv[1]) if len(sys.argv) > 1 and sys.argv[1].isdigit() else os.getppid()
+    fd = sys.stdin.fileno()
+    data = b""
+    while True:
+        ready, _, _ = select.select([fd], [], [], 0.5)
+        if ready:
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                break  # the pipe closed: the job exited, however it exited
+            data += chunk
+        elif os.getppid() != job:
+            break  # the job is gone, but a process forked from it still holds the pipe open
+    reap(_parse(data))
 
 
 def engine_child_pids() -> list[int]:
-    """Pids of vLLM's processes (engine core, workers) below this process."""
+    """Pids of vLLM's running processes (engine core, workers) below this process; zombies left out."""
+    return [p.pid for p in _engine_children()]
+
+
+def _engine_children() -> list:
     try:
         import psutil
 
         children = psutil.Process().children(recursive=True)
     except Exception:
         return []
-    return [c.pid for c in children if _is_engine(c.pid)]
+    return [c for c in children if _is_engine(c.pid) and _running(c)]
+
+
+def own_engine_pids() -> set[int]:
+    """This process's own children that are vLLM processes, exited (zombies) or not."""
+    try:
+        import psutil
+
+        return {c.pid for c in psutil.Process().children() if _is_engine(c.pid)}
+    except Exception:
+        return set()
 
 
 def is_running(pid: int) -> bool:
@@ -90,35 +176,64 @@ def is_running(pid: int) -> bool:
     try:
         import psutil
 
-        p = psutil.Process(pid)
-        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+        return _running(psutil.Process(pid))
     except Exception:
         return False
 
 
 class Reaper:
-    """The job's side: start the reaper, report engine processes to it."""
+    """The job's side: start the reaper, report engine processes to it.
 
-    def __init__(self):
-        self.proc = subprocess.Popen([sys.executable, "-m", "overnight.pipeline.engine.reaper"], stdin=subprocess.PIPE,
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
-                                     text=True)
-        self.reported: set[int] = set()
+    It is started before the engine, and a thread reports what is new below this process every `interval`
+    seconds, so an engine killed with the job while it loads, a process that takes its VLLM title after
+    it was first seen, and a process started later (a restarted engine, its workers) are all reported.
+    """
+
+    def __init__(self, interval: float = 1.0):
+        self.proc = subprocess.Popen([sys.executable, "-m", "overnight.pipeline.engine.reaper", str(os.getpid())],
+                                     stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                     start_new_session=True, text=True)
+        self.reported: set[tuple[int, float]] = set()
+        self._lock = threading.Lock()
+        self._interval = interval
+        threading.Thread(target=self._watch, name="overnight-reaper-reports", daemon=True).start()
+
+    def _watch(self) -> None:
+        while self.proc.poll() is None:
+            time.sleep(self._interval)
+            try:
+                self.watch_children()
+            except Exception:  # pragma: no cover - best effort, the next round tries again
+                pass
 
     def watch_children(self) -> None:
-        """Report every engine process below this one (call after the engine starts or restarts)."""
-        new = [p for p in engine_child_pids() if p not in self.reported and p != self.proc.pid]
-        if new and self.proc.poll() is None:
-            self.proc.stdin.write("".join(f"{p}\n" for p in new))
-            self.proc.stdin.flush()
-            self.reported.update(new)
+        """Report every engine process below this one not reported yet."""
+        with self._lock:
+            new = []
+            for c in _engine_children():
+                if c.pid == self.proc.pid:
+                    continue
+                try:
+                    key = (c.pid, c.create_time())
+                except Exception:
+                    continue
+                if key not in self.reported:
+                    new.append(key)
+            if new and self.proc.poll() is None:
+                try:
+                    self.proc.stdin.write("".join(f"{pid} {started!r}\n" for pid, started in new))
+                    self.proc.stdin.flush()
+                except OSError:
+                    return
+                self.reported.update(new)
 
 
 _REAPER: Reaper | None = None
 
 
 def watch_engine_processes() -> None:
-    """Start the reaper once per process, and report the engine processes running now."""
+    """Start the reaper once per process (before the engine, so its start-up is covered too), and report
+    the engine processes running now."""
     global _REAPER
     if _REAPER is None:
         _REAPER = Reaper()

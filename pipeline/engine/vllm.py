@@ -193,9 +193,28 @@ class VllmEngine:
             if engine is self:  # a dead or replaced engine must not be handed out again
                 del _ENGINES[key]
         self.watchdog.stop()
+        from overnight.pipeline.engine.reaper import own_engine_pids
+
+        ours = own_engine_pids()
         core = getattr(self.engine, "engine_core", None)
         if core is not None and hasattr(core, "shutdown"):
             core.shutdown()
+        reap_engine_children(ours)
+
+
+def reap_engine_children(pids: set[int], timeout: float = 2.0) -> None:
+    """Collect the exit of the engine processes this process started and vLLM did not wait for.
+
+    vLLM's shutdown SIGTERMs its engine core, waits 5 s, then SIGKILLs it and returns without waiting
+    (vllm/v1/utils.py shutdown -> kill_process_tree). The dead process stays a zombie child of this one,
+    still named VLLM::EngineCore, until multiprocessing next looks at its children. active_children()
+    does that (waitpid WNOHANG on each), so a later check or a later engine sees no such leftover.
+    """
+    import multiprocessing
+
+    deadline = time.monotonic() + timeout
+    while {p.pid for p in multiprocessing.active_children()} & pids and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 class EngineWatchdog:
@@ -246,11 +265,14 @@ def get_engine(cfg: EngineConfig, model_path: str, scheduling_policy: str = "fcf
     engine = _ENGINES.get(key)
     if engine is None:
         shutdown_engines()  # one engine at a time: each holds its KV cache
-        engine = VllmEngine.from_config(cfg, model_path, scheduling_policy)
-        _ENGINES[key] = engine
         from overnight.pipeline.engine.reaper import watch_engine_processes
 
-        watch_engine_processes()  # vLLM's processes would outlive a SIGKILLed job
+        # vLLM's processes would outlive a SIGKILLed job, while they start up too: the reaper starts
+        # first, and its thread reports each engine process as it appears.
+        watch_engine_processes()
+        engine = VllmEngine.from_config(cfg, model_path, scheduling_policy)
+        _ENGINES[key] = engine
+        watch_engine_processes()  # report the started engine's processes now, not at the next round
     return engine
 
 
