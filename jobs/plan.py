@@ -41,7 +41,8 @@ def plan(input_path, out, config_file, as_json, **options):
     if as_json:
         click.echo(json.dumps(asdict(p), indent=2))
         return
-    click.echo(f"{p.num_rows} rows: {p.num_todo} to run, {p.num_done} already done, {p.num_errors} error rows "
+    dup = f", {p.num_duplicates} duplicate ids skipped" if p.num_duplicates else ""
+    click.echo(f"{p.num_rows} rows: {p.num_todo} to run, {p.num_done} already done, {p.num_errors} error rows{dup} "
                f"(predictor: {p.predictor})")
     click.echo(f"{'bucket (predicted tokens)':>26s} {'rows':>8s} {'prompt tokens':>14s} {'predicted output':>17s}")
     for b in p.buckets:

@@ -125,12 +125,12 @@ def env_layer(environ=os.environ) -> dict:
     engine: dict[str, Any] = {"kind": kind}
     for item in filter(None, opts.split(",")):
         key, _, value = item.partition("=")
-        if key == "step_ms":
-            engine["echo_step_ms"] = float(value)
-        elif key == "max_num_seqs":
-            engine["max_num_seqs"] = int(value)
-        else:
+        if key not in ("step_ms", "max_num_seqs"):
             raise ConfigError(f"OVERNIGHT_ENGINE has an unknown setting {key!r}; use step_ms or max_num_seqs.")
+        try:
+            engine["echo_step_ms" if key == "step_ms" else key] = float(value) if key == "step_ms" else int(value)
+        except ValueError:
+            raise ConfigError(f"OVERNIGHT_ENGINE sets {key} to {value!r}, which is not a number.") from None
     return {"engine": engine}
 
 

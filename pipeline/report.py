@@ -93,6 +93,7 @@ def summary(t: Tally, run_id: str, out: str, state: mf.RunState, exit_code: int,
 def nothing_to_do(job) -> Summary:
     """An empty input: no engine is started; the run is complete with no rows."""
     message = f"nothing to do: {job.source.url} has no rows"
+    log.info(message)
     mf.end_attempt(job.manifest, mf.RunState.COMPLETED, message)
     job.out.write_manifest(job.manifest)
     job.out.write_status({"state": "completed", "exit_code": 0, "message": message, "run_id": job.run_id,
@@ -103,8 +104,9 @@ def nothing_to_do(job) -> Summary:
 class Reporter:
     """Reads the running job's parts (it changes none of them) and writes what they say."""
 
-    def __init__(self, job, tally: Tally, scheduler, annotator, tracker, progress):
+    def __init__(self, job, tally: Tally, scheduler, annotator, tracker, progress, supervisor):
         self.job = job
+        self.supervisor = supervisor
         self.tally = tally
         self.scheduler = scheduler
         self.annotator = annotator
@@ -116,10 +118,13 @@ class Reporter:
         """After each part: the manifest's counts and a fresh status snapshot."""
         self.num_parts_written += 1
         m = self.job.manifest
-        m["counts"] = self.tally.counts(self.job.scan.num_parts + self.num_parts_written)
+        m["counts"] = self._counts()
         m["updated_at"] = mf.now_iso()
         self.job.out.write_manifest(m)
         self.job.out.write_status(self.status(mf.RunState.RUNNING, None))
+
+    def _counts(self) -> dict:
+        return self.tally.counts(self.job.scan.num_parts + self.num_parts_written)
 
     def status(self, state: mf.RunState, exit_code: Optional[int], message: Optional[str] = None) -> dict:
         a, st = self.annotator, self.scheduler.stats
@@ -136,7 +141,7 @@ class Reporter:
             "elapsed_s": round(self.tally.elapsed(), 3),
             "output_tokens_per_s": self.tally.tokens_per_s(),
             "eta_s": self.progress.eta_seconds(),
-            "engine_restarts": self.tally.num_engine_restarts,
+            "engine_restarts": self.supervisor.num_restarts,
             "scheduler": {"policy": self.scheduler.policy.value, "predictor": a.predictor.name,
                           "mode_switches": st.num_mode_switches, "aged": st.num_aged,
                           "deadline_first": st.num_deadline_first,
@@ -154,7 +159,7 @@ class Reporter:
         """Close the attempt in the manifest, write the last status, and return the summary."""
         exit_code = exit_code_for(state, engine_failed)
         m = self.job.manifest
-        m["counts"] = self.tally.counts(self.job.scan.num_parts + self.num_parts_written)
+        m["counts"] = self._counts()
         mf.end_attempt(m, state, message)
         status = self.status(state, exit_code, message)
         try:

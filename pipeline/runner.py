@@ -57,7 +57,8 @@ class Runner:
         self.tally = Tally(job.source.num_rows, scan.num_ok, scan.num_error, scan.num_output_tokens)
         self.progress = Progress(job.source.num_rows, min(scan.num_done, job.source.num_rows),
                                  cfg.output.log_every_seconds, is_tty=is_tty)
-        self.reporter = Reporter(job, self.tally, self.scheduler, self.annotator, self.tracker, self.progress)
+        self.reporter = Reporter(job, self.tally, self.scheduler, self.annotator, self.tracker, self.progress,
+                                 supervisor)
         self.writer = CheckpointWriter(job.out, job.schema, job.run_id, job.model.requested, scan.next_index,
                                        cfg.output.flush_rows, cfg.output.flush_seconds,
                                        on_flush=self.reporter.on_flush)
@@ -76,16 +77,16 @@ class Runner:
         # The loop wakes from each step needing the GIL; with the input thread busy, Python's default 5 ms
         # switch interval can hold it back for most of a GPU step (measured: 3.8% -> 2.5% of wall time).
         interval = sys.getswitchinterval()
-        sys.setswitchinterval(min(interval, 0.001))
-        self.signals.install()
-        cfg, model = self.job.cfg, self.job.model.with_context(self.engine.max_model_len)
-        self.reader = Prefetcher(prepare(cfg, self.job.source, model, self.annotator, self.resume,
-                                         self.job.source.passthrough_columns(), self.tally))
         try:
+            sys.setswitchinterval(min(interval, 0.001))
+            self.signals.install()
+            cfg, model = self.job.cfg, self.job.model.with_context(self.engine.max_model_len)
+            self.reader = Prefetcher(prepare(cfg, self.job.source, model, self.annotator, self.resume,
+                                             self.job.source.passthrough_columns(), self.tally))
             self._loop()
-            if self._is_complete():  # a full pass: report the rows done before that are no longer in the input
-                self.resume.report_removed(cfg.input.limit is not None)
             if self._is_complete() and not self.tally.num_aborted:
+                # A full pass: report the rows done before that are no longer in the input.
+                self.resume.report_removed(cfg.input.limit is not None)
                 state = RunState.COMPLETED
             else:
                 state = RunState.INTERRUPTED if self.signals.first else RunState.PARTIAL
@@ -96,7 +97,8 @@ class Runner:
             self.engine_failed = isinstance(e, EngineError)
             raise
         finally:
-            self.reader.close()
+            if self.reader is not None:
+                self.reader.close()
             self.annotator.close()
             self.signals.restore()
             sys.setswitchinterval(interval)
@@ -116,7 +118,7 @@ class Runner:
             self._collect()
 
     def _is_complete(self) -> bool:
-        return self.reader.is_exhausted and self.scheduler.is_done()
+        return self.reader is not None and self.reader.is_exhausted and self.scheduler.is_done()
 
     def _is_finished(self) -> bool:
         """The engine is empty, and a stop began or every row is read and done."""
@@ -215,12 +217,10 @@ class Runner:
             # Ctrl-C reaches the engine's processes too: it stopped with us. What finished is kept.
             log.warning("the engine stopped after %s (%s); rows in flight are not done", self.signals.first, e)
             self._abort_in_flight(engine_alive=False)
-            self.stopping = self.stopping or f"interrupted by {self.signals.first}"
+            if self.stopping is None:
+                self._begin_stop(f"interrupted by {self.signals.first}", self.clock())
             return
-        try:
-            self.engine = self.supervisor.restart(e, self.scheduler.num_running)
-        finally:  # a restart that failed counts too
-            self.tally.num_engine_restarts = self.supervisor.num_restarts
+        self.engine = self.supervisor.restart(e, self.scheduler.num_running)
         self.scheduler.requeue_running(self.clock())
         self.queued_at.clear()
 

@@ -22,7 +22,6 @@ class Tally:
     num_changed: int = 0          # rows whose prompt changed since their result was written
     num_removed: Optional[int] = None  # finished rows no longer in the input (known after a full pass)
     num_aborted: int = 0          # rows stopped in flight (deadline, signal, engine death): not done
-    num_engine_restarts: int = 0
     num_predicted: int = 0        # rows read by this attempt that got a predicted length ...
     predicted_tokens: int = 0     # ... and the sum of those predictions (their mean stands in for unread rows)
     started: float = field(default_factory=time.monotonic)

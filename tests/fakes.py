@@ -37,7 +37,8 @@ class FakeEngine(EchoEngine):
 
 
 def given(engine):
-    """An engine factory for run_job that hands over this one engine (restarts get the same object)."""
+    """An engine factory for run_job that hands over this one engine; a restart, which needs a new engine, fails
+    with a message that says so."""
     return lambda job: engine
 
 

@@ -31,6 +31,14 @@ def test_overnight_engine_is_an_alias_for_engine_kind():
         env_layer({"OVERNIGHT_ENGINE": "gpu"})
     with pytest.raises(ConfigError, match="unknown setting 'speed'"):
         env_layer({"OVERNIGHT_ENGINE": "echo:speed=3"})
+    with pytest.raises(ConfigError, match="sets step_ms to 'fast', which is not a number"):
+        env_layer({"OVERNIGHT_ENGINE": "echo:step_ms=fast"})
+
+
+def test_a_factory_that_hands_back_the_failed_engine_cannot_restart_it(data, tmp_path, cfg):
+    with pytest.raises(EngineError, match="handed back the engine that failed; it must start a new one"):
+        run_job(cfg(data, tmp_path / "out", engine={"max_restarts": 1}),
+                engine_factory=given(FakeEngine(max_num_seqs=2, fail_after_steps=10)), is_tty=False)
 
 
 def test_engine_kind_echo_from_the_config_alone(data, tmp_path, cfg, monkeypatch):
@@ -67,7 +75,8 @@ def test_restarts_stop_at_the_limit(data, tmp_path, cfg, caplog):
         engines.append(FakeEngine(max_num_seqs=2, fail_after_steps=10))
         return engines[-1]
 
-    with pytest.raises(EngineError, match="The vLLM engine failed mid-run \\(RuntimeError: engine died\\)"):
+    with pytest.raises(EngineError, match="The vLLM engine failed mid-run \\(RuntimeError: engine died\\).* It was "
+                                          "restarted 2 times already \\(--max-engine-restarts 2\\)"):
         run_job(cfg(data, tmp_path / "out", engine={"max_restarts": 2}), engine_factory=factory, is_tty=False)
     assert len(engines) == 3  # the first, and two restarts
     assert "restarting it (2 of 2)" in caplog.text
@@ -76,22 +85,23 @@ def test_restarts_stop_at_the_limit(data, tmp_path, cfg, caplog):
 
 
 def test_run_plan_and_tune_prepare_the_same_rows(write_parquet, tmp_path, cfg):
-    inp = write_parquet({"id": ["a", "b", "c", "d", "e"],
-                         "prompt": ["short one", "", "a longer question about the weather today", None, "x " * 3000]})
+    inp = write_parquet({"id": ["a", "b", "c", "d", "e", "a"],
+                         "prompt": ["short one", "", "a longer question about the weather today", None, "x " * 3000,
+                                    "the same id again"]})
     c = cfg(inp, tmp_path / "out")
     model = open_model(c)
     assert (model.chat, model.max_model_len) == (True, 2048)  # the tiny model's template and config.json
     batches = list(prepare(c, ParquetSource(c.input), model))
     rows = [r.id for b in batches for r in b.rows]
     errors = {e.id: e.error for b in batches for e in b.errors}
-    assert rows == ["a", "c"] and sorted(errors) == ["b", "d", "e"]
+    assert rows == ["a", "c", "a"] and sorted(errors) == ["b", "d", "e"]  # duplicates are the resume filter's
     assert "max_model_len=2048" in errors["e"]
-    # plan counts the same rows and errors
+    # plan counts the same rows, errors and duplicate ids
     p = make_plan(c)
-    assert (p.num_todo, p.num_errors) == (2, 3)
+    assert (p.num_todo, p.num_errors, p.num_duplicates) == (2, 3, 1)
     # a run admits exactly the prepared rows
     eng = FakeEngine()
     s = run_job(c, engine_factory=given(eng), is_tty=False)
-    assert (s.num_ok, s.num_error) == (2, 3) and len(eng.added) == 2
+    assert (s.num_ok, s.num_error, s.num_duplicates) == (2, 3, 1) and len(eng.added) == 2
     # engine.max_model_len narrows the context everywhere
     assert open_model(cfg(inp, tmp_path / "o2", engine={"max_model_len": 64})).max_model_len == 64

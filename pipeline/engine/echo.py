@@ -41,7 +41,9 @@ class EchoEngine:
     @classmethod
     def from_config(cls, cfg) -> "EchoEngine":
         """Limits from the engine config, as vLLM's are; ``echo_step_ms`` makes each step take real time."""
-        return cls(max_num_seqs=cfg.max_num_seqs, max_model_len=cfg.max_model_len or 2048,
+        from overnight.pipeline.input.stage import FALLBACK_CONTEXT
+
+        return cls(max_num_seqs=cfg.max_num_seqs, max_model_len=cfg.max_model_len or FALLBACK_CONTEXT,
                    step_sleep=cfg.echo_step_ms / 1000)
 
     def add(self, request_id, prompt_token_ids, sampling, priority=0):

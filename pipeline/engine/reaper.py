@@ -21,6 +21,7 @@ time, before anything is signalled.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import select
 import signal
@@ -184,9 +185,10 @@ def is_running(pid: int) -> bool:
 class Reaper:
     """The job's side: start the reaper, report engine processes to it.
 
-    It is started before the engine, and a thread reports what is new below this process every `interval`
-    seconds, so an engine killed with the job while it loads, a process that takes its VLLM title after
-    it was first seen, and a process started later (a restarted engine, its workers) are all reported.
+    It is started before the engine, and while an engine starts (``engine_starting``) a thread reports what is
+    new below this process every `interval` seconds, so an engine killed with the job while it loads and a
+    process that takes its VLLM title after it was first seen are reported too. Between starts the thread
+    sleeps: scanning the process table costs the engine loop's GIL a millisecond or more each time.
     """
 
     def __init__(self, interval: float = 1.0):
@@ -196,10 +198,12 @@ class Reaper:
         self.reported: set[tuple[int, float]] = set()
         self._lock = threading.Lock()
         self._interval = interval
+        self.starting = threading.Event()
         threading.Thread(target=self._watch, name="overnight-reaper-reports", daemon=True).start()
 
     def _watch(self) -> None:
         while self.proc.poll() is None:
+            self.starting.wait()
             time.sleep(self._interval)
             try:
                 self.watch_children()
@@ -231,13 +235,19 @@ class Reaper:
 _REAPER: Reaper | None = None
 
 
-def watch_engine_processes() -> None:
-    """Start the reaper once per process (before the engine, so its start-up is covered too), and report
-    the engine processes running now."""
+@contextlib.contextmanager
+def engine_starting():
+    """Around an engine's start: the reaper runs (started once per process) and reports each engine process as
+    it appears, then every one running once the engine is up."""
     global _REAPER
     if _REAPER is None:
         _REAPER = Reaper()
-    _REAPER.watch_children()
+    _REAPER.starting.set()
+    try:
+        yield
+    finally:
+        _REAPER.starting.clear()
+        _REAPER.watch_children()
 
 
 if __name__ == "__main__":

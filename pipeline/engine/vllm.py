@@ -265,14 +265,12 @@ def get_engine(cfg: EngineConfig, model_path: str, scheduling_policy: str = "fcf
     engine = _ENGINES.get(key)
     if engine is None:
         shutdown_engines()  # one engine at a time: each holds its KV cache
-        from overnight.pipeline.engine.reaper import watch_engine_processes
+        from overnight.pipeline.engine.reaper import engine_starting
 
-        # vLLM's processes would outlive a SIGKILLed job, while they start up too: the reaper starts
-        # first, and its thread reports each engine process as it appears.
-        watch_engine_processes()
-        engine = VllmEngine.from_config(cfg, model_path, scheduling_policy)
+        # vLLM's processes would outlive a SIGKILLed job, while they start up too.
+        with engine_starting():
+            engine = VllmEngine.from_config(cfg, model_path, scheduling_policy)
         _ENGINES[key] = engine
-        watch_engine_processes()  # report the started engine's processes now, not at the next round
     return engine
 
 

@@ -56,7 +56,6 @@ class OpenModel:
 class Prepared:
     rows: list[Row] = field(default_factory=list)
     errors: list[Result] = field(default_factory=list)
-    num_read: int = 0  # input rows in this source batch
 
 
 def open_model(cfg: JobConfig) -> OpenModel:
@@ -101,4 +100,4 @@ def prepare(cfg: JobConfig, source: ParquetSource, model: OpenModel, annotator=N
             annotator.annotate(rows, texts)
         if tally is not None:
             tally.observe_predictions(rows)
-        yield Prepared(rows, errors + bad, sb.batch.num_rows)
+        yield Prepared(rows, errors + bad)

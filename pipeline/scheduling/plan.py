@@ -46,6 +46,8 @@ class Plan:
     rows_left: Optional[int] = None
     tokens_left: Optional[int] = None
     errors: list = field(default_factory=list)
+    # Rows skipped because an earlier row had the same id (as `overnight run` skips them).
+    num_duplicates: int = 0
 
 
 def measured_throughput(out_url: str) -> Optional[float]:
@@ -75,6 +77,7 @@ def make_plan(cfg: JobConfig, out: Optional[str] = None, throughput: Optional[fl
         predicted.extend(r.predicted_tokens for r in batch.rows)
         prompt_tokens.extend(r.num_prompt_tokens for r in batch.rows)
     num_done = tally.num_resumed
+    num_duplicates = tally.num_duplicates
     pred = np.asarray(predicted, dtype=np.float64)
     ptok = np.asarray(prompt_tokens, dtype=np.int64)
     bounds = quantile_bounds(pred, cfg.buckets.num_buckets) if cfg.buckets.kind == "quantile" else annotator.bounds
@@ -95,7 +98,8 @@ def make_plan(cfg: JobConfig, out: Optional[str] = None, throughput: Optional[fl
     total = float(pred.sum())
     plan = Plan(num_rows=source.num_rows, num_done=num_done, num_errors=num_errors, num_todo=len(pred),
                 predictor=annotator.predictor.name, buckets=lines, predicted_tokens=int(total),
-                tokens_per_s=tps, throughput_source=source_name, eta_s=total / tps if tps else None, errors=errors)
+                tokens_per_s=tps, throughput_source=source_name, eta_s=total / tps if tps else None, errors=errors,
+                num_duplicates=num_duplicates)
     if deadline_at is not None:
         plan.deadline_at = deadline_at
         plan.time_left_s = max(0.0, deadline_at - margin - now)
