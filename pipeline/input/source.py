@@ -48,6 +48,12 @@ class SourceBatch:
     # Row number of the batch's first row within its file.
     start: int
     batch: pa.RecordBatch
+    # Each row's number within its file, where rows were left out of the batch (a shard by id hash, rows
+    # already done); None: the rows are consecutive from ``start``.
+    row_numbers: Optional[list[int]] = None
+
+    def row_number(self, i: int) -> int:
+        return self.start + i if self.row_numbers is None else self.row_numbers[i]
 
 
 def _is_text(t: pa.DataType) -> bool:

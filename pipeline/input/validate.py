@@ -79,7 +79,7 @@ def parse_batch(sb: SourceBatch, cfg: InputConfig, defaults: dict,
     parsed: list[Parsed] = []
     errors: list[Result] = []
     for i in range(n):
-        row_no = sb.start + i
+        row_no = sb.row_number(i)
         origin = f"{sb.file.name}#{row_no}"
         row_id = ids[i] if ids is not None else origin
         try:
