@@ -33,12 +33,12 @@ class LengthData:
 
 
 def load_outputs(urls: list[str]) -> LengthData:
-    from overnight.pipeline.output.checkpoint import OutputDir
+    from overnight.pipeline.output.layout import job_manifest
     from overnight.pipeline.tools.inspection import open_results
 
     texts, ptok, caps, actual, hit, stored, finished = [], [], [], [], [], [], []
     for url in urls:
-        manifest = OutputDir(url).read_manifest()
+        manifest = job_manifest(url)
         if manifest is None:
             raise DatasetError(f"{url} has no manifest.json: pass the --out folder of an `overnight run`.")
         fields = manifest.get("fingerprint_fields", {})

@@ -13,6 +13,7 @@ from overnight.jobs.models import models
 from overnight.jobs.plan import plan
 from overnight.jobs.predictor import predictor
 from overnight.jobs.run import run
+from overnight.jobs.status import status
 from overnight.jobs.tune import tune
 
 
@@ -58,6 +59,7 @@ def setup_logging(verbose: bool) -> None:
 
 cli.add_command(run)
 cli.add_command(plan)
+cli.add_command(status)
 cli.add_command(inspect_cmd)
 cli.add_command(predictor)
 cli.add_command(tune)

@@ -220,7 +220,14 @@ OUTPUT = [
         "Seconds between progress log lines when stderr is not a terminal."),
 ]
 
-OPTIONS = INPUT + SAMPLING + ENGINE + SCHEDULE + OUTPUT
+CLUSTER = [
+    Opt("--shard", "cluster.shard", "Run shard K of N of the job (K from 0, e.g. 0/4), reading only its share of the "
+                                    "input; auto: K and N from a Slurm array or a Kubernetes Indexed Job."),
+    Opt("--shards", "cluster.shards", "N for --shard auto in a Kubernetes Indexed Job.",
+        type=click.IntRange(min=1), default_text="$OVERNIGHT_SHARDS"),
+]
+
+OPTIONS = INPUT + SAMPLING + ENGINE + SCHEDULE + OUTPUT + CLUSTER
 BY_NAME = {o.name: o for o in OPTIONS}
 BY_PATH = {o.path: o for o in OPTIONS}
 assert len(BY_NAME) == len(BY_PATH) == len(OPTIONS), "an option name or config path is declared twice"
@@ -244,6 +251,7 @@ sampling_options = _stack(*(o.decorator() for o in SAMPLING))
 engine_options = _stack(*(o.decorator() for o in ENGINE))
 schedule_options = _stack(*(o.decorator() for o in SCHEDULE))
 output_options = _stack(*(o.decorator() for o in OUTPUT))
+cluster_options = _stack(*(o.decorator() for o in CLUSTER))
 
 
 def given(options: dict, path: str) -> Any:

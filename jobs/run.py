@@ -6,8 +6,8 @@ import json
 
 import click
 
-from overnight.jobs.options import (build_config, engine_options, input_options, output_options, sampling_options,
-                                    schedule_options, user_errors)
+from overnight.jobs.options import (build_config, cluster_options, engine_options, input_options, output_options,
+                                    sampling_options, schedule_options, user_errors)
 
 
 @click.command()
@@ -18,6 +18,7 @@ from overnight.jobs.options import (build_config, engine_options, input_options,
 @engine_options
 @schedule_options
 @output_options
+@cluster_options
 @click.option("--fresh", is_flag=True, help="Discard the results already in OUT and start over.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON on stdout.")
 @user_errors

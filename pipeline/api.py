@@ -19,7 +19,6 @@ from overnight.pipeline.config import JobConfig
 from overnight.pipeline.engine import EngineFactory, factory_for
 from overnight.pipeline.engine.supervisor import EngineSupervisor
 from overnight.pipeline.job import open_job
-from overnight.pipeline.output import manifest as mf
 from overnight.pipeline.report import Summary, nothing_to_do
 from overnight.pipeline.runner import Runner
 
@@ -36,15 +35,8 @@ def run_job(cfg: JobConfig, fresh: bool = False, engine_factory: Optional[Engine
         if job.scan.num_done:
             log.info("resuming %s: %d rows already done in %d parts", job.run_id, job.scan.num_done,
                      job.scan.num_parts)
-        supervisor = EngineSupervisor(engine_factory or factory_for(cfg), job)
-        if cfg.engine.kind == "vllm" and engine_factory is None:
-            log.info("starting vLLM with %s", job.model.path)
-        try:
-            supervisor.start()
-        except BaseException as e:
-            mf.end_attempt(job.manifest, mf.RunState.FAILED, f"engine start failed: {e}")
-            job.out.write_manifest(job.manifest)
-            raise
+        announce = f"starting vLLM with {job.model.path}" if cfg.engine.kind == "vllm" and not engine_factory else None
+        supervisor = EngineSupervisor(engine_factory or factory_for(cfg), job, announce)
         return Runner(job, supervisor, is_tty=is_tty, clock=clock).run()
     finally:
         job.lock.release()

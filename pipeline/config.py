@@ -237,6 +237,20 @@ class OutputConfig:
 
 
 @dataclass
+class ClusterConfig:
+    # Run shard K of N of the job: "K/N" (K from 0), or "auto": from a Slurm array or a Kubernetes Indexed Job.
+    shard: Optional[str] = None
+    # N for --shard auto in a Kubernetes Indexed Job (else $OVERNIGHT_SHARDS).
+    shards: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        _check(self.shards is None or self.shards >= 1, f"cluster.shards is {self.shards}; it must be at least 1.")
+        if self.shard is not None and self.shard.strip().lower() != "auto":
+            from overnight.pipeline.input.shards import parse_shard
+            parse_shard(self.shard)  # K/N well formed, K below N
+
+
+@dataclass
 class JobConfig:
     input: InputConfig = field(default_factory=InputConfig)
     prompt: PromptConfig = field(default_factory=PromptConfig)
@@ -245,6 +259,7 @@ class JobConfig:
     buckets: BucketsConfig = field(default_factory=BucketsConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -13,10 +13,12 @@ from dataclasses import dataclass
 from typing import Optional
 
 from overnight.pipeline.config import JobConfig
+from overnight.pipeline.input.shards import parse_shard
 from overnight.pipeline.input.source import ParquetSource
 from overnight.pipeline.input.stage import OpenModel, open_model
 from overnight.pipeline.output import manifest as mf
 from overnight.pipeline.output.checkpoint import OutputDir, OutputError, OutputSchema, Scan
+from overnight.pipeline.output.layout import check_layout, job_out, read_manifests
 from overnight.pipeline.output.lock import RunLock
 from overnight.pipeline.output.storage import redact
 
@@ -55,8 +57,18 @@ def open_job(cfg: JobConfig, fresh: bool = False, now: Optional[float] = None) -
     if cfg.buckets.predictor not in ("heuristic", "online"):
         from overnight.buckets.trained import TrainedPredictor
         TrainedPredictor.load(cfg.buckets.predictor)  # fail now, not after the engine started
-    source = ParquetSource(cfg.input)
-    out = OutputDir(cfg.output.path)
+    shard = parse_shard(cfg.cluster.shard, cfg.cluster.shards)
+    source = ParquetSource(cfg.input, shard)
+    check_layout(cfg.output.path, shard)
+    if shard is not None:
+        sel = source.selection
+        if sel.hash_of is None:
+            log.info(f"shard {shard}: {sel.how}; this shard reads {len(sel.fragments)} of them ({source.num_rows} rows)")
+        else:
+            log.warning(f"shard {shard}: {sel.how}; every shard reads the whole input and keeps its own rows "
+                        f"({source.num_rows} here). Write the input as at least {shard.n} files or row groups so "
+                        f"that each shard reads only its share")
+    out = job_out(cfg.output.path, shard)
     model = open_model(cfg)
     fields = mf.fingerprint_fields(cfg, model.requested, model.chat)
     lock = RunLock(out)
@@ -81,11 +93,19 @@ def _open_locked(cfg, fresh, source, out, model, fields, lock, deadline_at, marg
         raise OutputError(f"{out.url} holds result parts but no manifest.json, so they cannot be trusted for a "
                           f"resume. Pass --fresh to discard them, or choose another --out.")
 
+    for d, m in read_manifests(cfg.output.path):  # the other shards of this job ran with the same settings
+        if m is not None and d.out.root != out.root and m.get("fingerprint") != mf.fingerprint(fields):
+            raise OutputError(f"Shard {d.label} of this job in {cfg.output.path} ran with other settings "
+                              f"({mf.differences(m, fields)}); every shard of a job must run with the same "
+                              f"settings. Rerun with theirs, or choose another --out.")
     id_name = cfg.input.id_column
     scan = out.scan(id_name) if previous is not None else Scan()
     passthrough = [source.schema.field(c) for c in source.passthrough_columns()]
     schema = OutputSchema(id_name, source.id_type, passthrough)
     input_info = {"url": redact(source.url), "num_files": len(source.files), "num_rows": source.num_rows}
+    if source.shard is not None:
+        input_info["shard"] = str(source.shard)
+        input_info["split"] = source.selection.how
     cfg_dict = cfg.to_dict()
     cfg_dict["input"]["path"] = redact(cfg_dict["input"]["path"] or "")
     cfg_dict["output"]["path"] = redact(cfg_dict["output"]["path"] or "")

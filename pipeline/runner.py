@@ -44,10 +44,10 @@ class Runner:
     def __init__(self, job, supervisor, is_tty: Optional[bool] = None, clock: Callable[[], float] = time.time):
         self.job = job
         self.supervisor = supervisor
-        self.engine = supervisor.engine
+        self.engine = None  # started by run(): at once, or on a resume only once a row is left to answer
         self.clock = clock
         cfg, sc = job.cfg, job.cfg.scheduler
-        self.scheduler = Scheduler(self.engine.max_num_seqs, sc.queue_factor, sc.policy, sc.lookahead_rows,
+        self.scheduler = Scheduler(cfg.engine.max_num_seqs, sc.queue_factor, sc.policy, sc.lookahead_rows,
                                    sc.max_wait_s, has_values="value" in job.source.schema.names)
         self.annotator = LengthAnnotator(make_predictor(cfg.buckets.predictor), cfg.sampling.max_tokens,
                                          cfg.buckets.kind, cfg.buckets.num_buckets, background=True)
@@ -80,10 +80,14 @@ class Runner:
         try:
             sys.setswitchinterval(min(interval, 0.001))
             self.signals.install()
-            cfg, model = self.job.cfg, self.job.model.with_context(self.engine.max_model_len)
+            cfg, model = self.job.cfg, self.job.model
+            if not self.job.scan.num_done:
+                model = model.with_context(self._start_engine().max_model_len)
             self.reader = Prefetcher(prepare(cfg, self.job.source, model, self.annotator, self.resume,
                                              self.job.source.passthrough_columns(), self.tally))
-            self._loop()
+            if self.engine is not None or self._has_work():
+                self.engine = self.engine or self._start_engine()
+                self._loop()
             if self._is_complete() and not self.tally.num_aborted:
                 # A full pass: report the rows done before that are no longer in the input.
                 self.resume.report_removed(cfg.input.limit is not None)
@@ -116,6 +120,22 @@ class Runner:
                 self._abort_in_flight()
                 return
             self._collect()
+
+    def _start_engine(self):
+        self.engine = self.supervisor.start()
+        self.scheduler.resize(self.engine.max_num_seqs)
+        return self.engine
+
+    def _has_work(self) -> bool:
+        """On a resume, read until a row is left to answer: a rerun that finds all done starts no engine."""
+        while not self.scheduler.num_pending:
+            batch = self.reader.get(block=True)
+            if batch is None:
+                log.info("every row is already done: the engine is not started")
+                return False
+            self._record(batch.errors)
+            self.scheduler.add(batch.rows, self.clock())
+        return True
 
     def _is_complete(self) -> bool:
         return self.reader is not None and self.reader.is_exhausted and self.scheduler.is_done()
@@ -238,7 +258,8 @@ class Runner:
         self.progress.close()
         # Rows still in the engine are not done: abort them so a cached engine starts clean.
         try:
-            self.engine.abort(self.scheduler.drain_running())
+            if self.engine is not None:
+                self.engine.abort(self.scheduler.drain_running())
         except Exception as e:  # a dead engine cannot abort; nothing is lost by it
             log.debug("abort at the end failed: %s", e)
         try:

@@ -59,6 +59,8 @@ SAMPLES = {
     "--flush-rows": ("50", 50),
     "--flush-seconds": ("5", 5.0),
     "--log-every": ("9", 9.0),
+    "--shard": ("1/4", "1/4"),
+    "--shards": ("4", 4),
 }
 
 
@@ -103,6 +105,7 @@ def test_options_not_given_on_the_command_line_are_none():
     @opts.engine_options
     @opts.schedule_options
     @opts.output_options
+    @opts.cluster_options
     def cmd(config_file, **options):
         seen.update(options)
 
@@ -131,6 +134,7 @@ def test_each_option_lands_at_its_config_path(opt, monkeypatch):
     @opts.engine_options
     @opts.schedule_options
     @opts.output_options
+    @opts.cluster_options
     def cmd(input_path, config_file, **options):
         captured["cfg"] = opts.build_config(input_path, "out/", config_file, options)
 

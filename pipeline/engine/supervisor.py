@@ -11,6 +11,7 @@ default) an engine death stops the job with exit 69 and a message that says how 
 from __future__ import annotations
 
 import logging
+from typing import Optional
 
 from overnight.pipeline.engine import EngineError, EngineFactory
 
@@ -18,15 +19,23 @@ log = logging.getLogger("overnight")
 
 
 class EngineSupervisor:
-    def __init__(self, factory: EngineFactory, job):
+    def __init__(self, factory: EngineFactory, job, announce: Optional[str] = None):
         self.factory = factory
+        self.announce = announce  # logged as the engine starts
         self.job = job
         self.max_restarts = job.cfg.engine.max_restarts
         self.num_restarts = 0
         self.engine = None
 
     def start(self):
-        self.engine = self.factory(self.job)
+        if self.announce:
+            log.info(self.announce)
+        try:
+            self.engine = self.factory(self.job)
+        except EngineError:
+            raise
+        except Exception as e:
+            raise EngineError(f"The engine failed to start ({type(e).__name__}: {e}).") from e
         return self.engine
 
     def restart(self, error: Exception, num_in_flight: int):

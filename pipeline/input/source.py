@@ -19,6 +19,7 @@ from typing import Iterator, Optional
 import pyarrow as pa
 
 from overnight.pipeline.config import InputConfig
+from overnight.pipeline.input.shards import Fragment, Selection, Shard, hash_shard, split
 from overnight.pipeline.output.faults import failpoint
 from overnight.pipeline.output.storage import unstrip, url_to_fs
 
@@ -40,6 +41,7 @@ class InputFile:
     name: str  # relative name used in derived ids and messages
     num_rows: int
     schema: pa.Schema
+    row_groups: tuple[int, ...] = ()  # rows in each row group
 
 
 @dataclass(frozen=True)
@@ -67,7 +69,9 @@ def _is_id_type(t: pa.DataType) -> bool:
 
 
 class ParquetSource:
-    def __init__(self, cfg: InputConfig):
+    """The input, or one shard's part of it (``shard``: see ``input.shards``)."""
+
+    def __init__(self, cfg: InputConfig, shard: Optional[Shard] = None):
         if not cfg.path:
             raise InputError("No input given. Pass a Parquet file, folder or glob as INPUT (or input.path in the config).")
         self.cfg = cfg
@@ -76,6 +80,9 @@ class ParquetSource:
         self.files = self._discover(root)
         self.schema = self._unify()
         self._check_columns()
+        self.shard = shard
+        self.selection: Optional[Selection] = split(self.files, shard) if shard is not None else None
+        self._hash_rows: Optional[int] = None
 
     # -- discovery ---------------------------------------------------------------------------
     def _discover(self, root: str) -> list[InputFile]:
@@ -111,7 +118,8 @@ class ParquetSource:
             raise InputError(f"{shown} is not a readable Parquet file ({_first_line(e)}). "
                              f"Re-export it as Parquet, or remove it from the input.") from None
         name = posixpath.relpath(path, base) if base else path
-        return InputFile(path=path, name=name, num_rows=meta.num_rows, schema=schema)
+        groups = tuple(meta.row_group(g).num_rows for g in range(meta.num_row_groups))
+        return InputFile(path=path, name=name, num_rows=meta.num_rows, schema=schema, row_groups=groups)
 
     # -- schema ------------------------------------------------------------------------------
     def _unify(self) -> pa.Schema:
@@ -175,8 +183,17 @@ class ParquetSource:
 
     @property
     def num_rows(self) -> int:
-        """Rows the job covers: all input rows, capped by --limit."""
-        total = sum(f.num_rows for f in self.files)
+        """Rows the job covers: all input rows (or this shard's), capped by --limit."""
+        if self.selection is None:
+            total = sum(f.num_rows for f in self.files)
+        elif self.selection.hash_of is None:
+            total = self.selection.num_rows
+        else:
+            if self._hash_rows is None:
+                self._hash_rows = sum(1 for sb in self._read(self._all_fragments(), [self.cfg.id_column]
+                                                                if self.has_id_column else [])
+                                      for _ in range(sb.batch.num_rows))
+            total = self._hash_rows
         return total if self.cfg.limit is None else min(total, self.cfg.limit)
 
     def passthrough_columns(self) -> list[str]:
@@ -201,30 +218,79 @@ class ParquetSource:
         where pyarrow.dataset's scanner reads row groups ahead in proportion to the file (154 -> 196 MB for
         just the first batch of 100k -> 5M rows).
         """
-        import pyarrow.parquet as pq
-
-        columns = self.read_columns()
-        read_schema = pa.schema([self.schema.field(n) for n in columns])
         remaining: Optional[int] = self.cfg.limit
         if remaining == 0:
             return
-        for file in self.files:
-            with self.fs.open(file.path, "rb") as f:
-                pf = pq.ParquetFile(f, pre_buffer=False)
+        for sb in self._read(self.fragments(), self.read_columns()):
+            if remaining is not None and sb.batch.num_rows >= remaining:
+                yield _head(sb, remaining)
+                return
+            yield sb
+            if remaining is not None:
+                remaining -= sb.batch.num_rows
+
+    def fragments(self) -> Iterator[Fragment]:
+        """The fragments this job reads, in input order."""
+        if self.selection is None or self.selection.hash_of is not None:
+            return self._all_fragments()
+        return iter(self.selection.fragments)
+
+    def _all_fragments(self) -> Iterator[Fragment]:
+        return (Fragment(i, None, f.num_rows) for i, f in enumerate(self.files))
+
+    def _read(self, fragments, columns: list[str]) -> Iterator[SourceBatch]:
+        """Batches of the given fragments (each a file or one row group), keeping only this shard's rows under
+        the hash fallback."""
+        import pyarrow.parquet as pq
+
+        read_schema = pa.schema([self.schema.field(n) for n in columns])
+        hashed = self.selection.hash_of if self.selection is not None else None
+        open_index, pf, handle = None, None, None
+        try:
+            for frag in fragments:
+                file = self.files[frag.file_index]
+                if frag.file_index != open_index:
+                    if handle is not None:
+                        handle.close()
+                    handle = self.fs.open(file.path, "rb")
+                    pf, open_index = pq.ParquetFile(handle, pre_buffer=False), frag.file_index
                 present = [c for c in columns if c in pf.schema_arrow.names]
-                start = 0
-                for batch in pf.iter_batches(batch_size=self.cfg.batch_rows, columns=present, use_threads=False):
+                groups = None if frag.row_group is None else [frag.row_group]
+                start = 0 if frag.row_group is None else sum(file.row_groups[:frag.row_group])
+                for batch in pf.iter_batches(batch_size=self.cfg.batch_rows, row_groups=groups, columns=present,
+                                             use_threads=False):
                     if batch.num_rows == 0:
                         continue
                     failpoint("source.batch")
-                    batch = _conform(batch, read_schema)
-                    if remaining is not None and batch.num_rows >= remaining:
-                        yield SourceBatch(file, start, batch.slice(0, remaining))
-                        return
-                    yield SourceBatch(file, start, batch)
+                    sb = SourceBatch(file, start, _conform(batch, read_schema))
                     start += batch.num_rows
-                    if remaining is not None:
-                        remaining -= batch.num_rows
+                    if hashed is not None:
+                        sb = self._hash_filter(sb, hashed)
+                        if sb is None:
+                            continue
+                    yield sb
+        finally:
+            if handle is not None:
+                handle.close()
+
+    def _hash_filter(self, sb: SourceBatch, shard: Shard) -> Optional[SourceBatch]:
+        batch, n = sb.batch, sb.batch.num_rows
+        if self.has_id_column:
+            ids = batch.column(self.cfg.id_column).to_pylist()
+        else:
+            ids = [None] * n
+        keep = [i for i in range(n)
+                if hash_shard(ids[i] if ids[i] is not None else f"{sb.file.name}#{sb.start + i}", shard.n) == shard.k]
+        if not keep:
+            return None
+        if len(keep) == n:
+            return sb
+        return SourceBatch(sb.file, sb.start, batch.take(pa.array(keep)), [sb.start + i for i in keep])
+
+
+def _head(sb: SourceBatch, n: int) -> SourceBatch:
+    rows = sb.row_numbers[:n] if sb.row_numbers is not None else None
+    return SourceBatch(sb.file, sb.start, sb.batch.slice(0, n), rows)
 
 
 def _conform(batch: pa.RecordBatch, schema: pa.Schema) -> pa.RecordBatch:

@@ -69,13 +69,17 @@ def _flatten(d: dict, prefix: str = "") -> dict:
     return out
 
 
+def differences(previous: dict, fields: dict) -> str:
+    old, new = _flatten(previous.get("fingerprint_fields", {})), _flatten(fields)
+    diffs = [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)]
+    return "; ".join(diffs[:6]) or "settings differ"
+
+
 def check_resume(previous: dict, fields: dict, out_url: str) -> None:
     """Refuse to mix outputs of different settings in one OUT."""
     if previous.get("fingerprint") == fingerprint(fields):
         return
-    old, new = _flatten(previous.get("fingerprint_fields", {})), _flatten(fields)
-    diffs = [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)]
-    detail = "; ".join(diffs[:6]) or "settings differ"
+    detail = differences(previous, fields)
     raise OutputError(
         f"{out_url} holds results of a run with different settings ({detail}). Resuming would mix outputs. "
         f"Rerun with the original settings to continue, pass --fresh to discard those results and start over, "

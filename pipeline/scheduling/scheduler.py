@@ -70,10 +70,8 @@ class Scheduler:
     def __init__(self, max_running: int, queue_factor: float = 1.0, policy: Policy | str = Policy.FIFO,
                  lookahead: int = 0, max_wait_s: Optional[float] = None, has_values: bool = False):
         self.policy = Policy(policy)
-        # Rows in the engine at once: what it can run plus a waiting margin.
-        self.capacity = max(1, int(round(max_running * (1 + queue_factor))))
-        # Rows held for reordering, beyond one full refill of the engine.
-        self.lookahead = max(self.capacity, lookahead)
+        self.queue_factor, self.lookahead_rows = queue_factor, lookahead
+        self.resize(max_running)
         self.max_wait_s = max_wait_s
         self.has_values = has_values
         self.mode = Mode.THROUGHPUT
@@ -92,6 +90,13 @@ class Scheduler:
         self._epoch = 0  # bumps at each mode switch, so newly admitted rows outrank ones already waiting in vLLM
         self.per_seq_tokens_per_s: Optional[float] = None
         self.is_admitting = True
+
+    def resize(self, max_running: int) -> None:
+        """Fit the engine that started: what it runs at once (max_num_seqs)."""
+        # Rows in the engine at once: what it can run plus a waiting margin.
+        self.capacity = max(1, int(round(max_running * (1 + self.queue_factor))))
+        # Rows held for reordering, beyond one full refill of the engine.
+        self.lookahead = max(self.capacity, self.lookahead_rows)
 
     # -- state ---------------------------------------------------------------------------------
     @property

@@ -5,6 +5,8 @@ The same works from a notebook:
     import duckdb
     con = duckdb.connect()
     con.sql("select status, count(*) from read_parquet('results/parts/part-*.parquet') group by 1").show()
+
+A sharded job's parts are in OUT/shards/*/parts/: read_parquet('results/**/part-*.parquet') reads them all.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import io
 from typing import Optional
 
 from overnight.pipeline.output.checkpoint import OutputDir, OutputError
+from overnight.pipeline.output.layout import job_dirs, job_manifest, part_globs
 from overnight.pipeline.progress import fmt_duration
 from overnight.pipeline.output.storage import is_local
 
@@ -25,16 +28,17 @@ def open_results(url: str):
     out = OutputDir(url)
     if not out.fs.exists(out.root):
         raise OutputError(f"Output folder {url} does not exist. Pass the --out folder of a run.")
-    manifest = out.read_manifest()
-    if manifest is None and not out.part_paths():
-        raise OutputError(f"{url} is not an overnight output folder (no manifest.json, no parts/). "
-                          f"Pass the --out folder of a run.")
+    if not job_dirs(url):
+        raise OutputError(f"{url} is not an overnight output folder (no manifest.json, no parts/, at its top or "
+                          f"in shards/). Pass the --out folder of a run.")
+    manifest = job_manifest(url)
     con = duckdb.connect()
     if not is_local(out.fs):
         con.register_filesystem(out.fs)
-    if out.part_paths():
-        glob = out.part_glob().replace("'", "''")
-        con.sql(f"create view results as select * from read_parquet('{glob}', union_by_name = true)")
+    globs = part_globs(url)
+    if globs:
+        listed = ", ".join("'" + g.replace("'", "''") + "'" for g in globs)
+        con.sql(f"create view results as select * from read_parquet([{listed}], union_by_name = true)")
     else:
         con.sql("create view results as select null::varchar as id, null::varchar as status where false")
     return con, manifest
@@ -45,7 +49,11 @@ def summary_lines(con, manifest: Optional[dict]) -> list[str]:
     if manifest:
         c = manifest.get("counts", {})
         attempts = manifest.get("attempts", [])
-        lines.append(f"run {manifest.get('run_id')}  state: {manifest.get('state')}  attempts: {len(attempts)}")
+        if manifest.get("shards"):
+            lines.append(f"job in {len(manifest['shards'])} shard folders  state: {manifest.get('state')}  "
+                         f"attempts: {len(attempts)}  (per shard: overnight status)")
+        else:
+            lines.append(f"run {manifest.get('run_id')}  state: {manifest.get('state')}  attempts: {len(attempts)}")
         lines.append(f"model: {manifest.get('fingerprint_fields', {}).get('model')}  "
                      f"input: {manifest.get('input', {}).get('url')} ({c.get('num_rows', '?')} rows)")
     n, ok, err, ptok, otok = con.execute(

@@ -1,0 +1,104 @@
+"""`overnight status OUT`: the job as a whole and per shard, from the files each shard keeps in OUT.
+
+It reads status.json, manifest.json and the lock of every job folder in OUT (see output.layout); it writes
+nothing. A shard whose status says running but whose lock holder is gone is reported as stopped: it was
+killed, and rerunning its command continues it.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from overnight.pipeline.output.checkpoint import OutputDir, OutputError
+from overnight.pipeline.output.layout import combined_state, job_dirs
+from overnight.pipeline.output.lock import RunLock
+from overnight.pipeline.progress import fmt_duration
+
+EXIT_ORDER = (69, 1, 75)  # the job's exit code is the first of these any shard had, else 0
+
+
+def _is_running(out: OutputDir) -> bool:
+    lock = RunLock(out)
+    holder = lock.holder()
+    return holder is not None and not lock.is_stale(holder)
+
+
+def shard_status(d) -> dict:
+    st, m = d.out.read_status() or {}, d.out.read_manifest() or {}
+    state = st.get("state") or m.get("state") or "not started"
+    if m.get("state") == "running" and state != "running":
+        state = "running"  # a new attempt began; its first status is written at its first flush
+    if state == "running" and not _is_running(d.out):
+        state = "stopped"
+    rows = st.get("rows", {})
+    counts = m.get("counts", {})
+    total = rows.get("total", counts.get("num_rows"))
+    done = max(rows.get("done") or 0, counts.get("num_done") or 0)
+    return {"shard": d.label, "state": state, "rows_total": total, "rows_done": done,
+            "rows_left": rows.get("remaining", None if total is None else max(0, total - done)),
+            "output_tokens_per_s": st.get("output_tokens_per_s") if state == "running" else None,
+            "eta_s": st.get("eta_s") if state == "running" else (0.0 if state == "completed" else None),
+            "exit_code": st.get("exit_code") if state != "running" else None,
+            "attempts": len(m.get("attempts", [])), "updated_at": st.get("updated_at") or m.get("updated_at"),
+            "run_id": m.get("run_id"), "out": d.out.shown()}
+
+
+def job_status(url: str) -> dict:
+    out = OutputDir(url)
+    if not out.fs.exists(out.root):
+        raise OutputError(f"Output folder {url} does not exist. Pass the --out folder of a run.")
+    dirs = job_dirs(url)
+    if not dirs:
+        raise OutputError(f"{url} holds no overnight job (no manifest.json or parts/, at its top or in shards/). "
+                          f"Pass the --out folder of a run.")
+    shards = [shard_status(d) for d in dirs]
+    n = max((d.shard.n for d in dirs if d.shard is not None), default=None)
+    if n is not None:
+        present = {d.shard.k for d in dirs if d.shard is not None}
+        for k in sorted(set(range(n)) - present):
+            shards.append({"shard": f"{k}/{n}", "state": "not started", "rows_total": None, "rows_done": 0,
+                           "rows_left": None, "output_tokens_per_s": None, "eta_s": None, "exit_code": None,
+                           "attempts": 0, "updated_at": None, "run_id": None, "out": None})
+        shards.sort(key=lambda s: int(s["shard"].split("/")[0]) if s["shard"] != "-" else -1)
+    states = [s["state"] for s in shards]
+    state = combined_state(["running" if s == "stopped" else s for s in states], len(shards))
+    if "stopped" in states and state == "running" and "running" not in states:
+        state = "stopped"
+    totals = [s["rows_total"] for s in shards]
+    total = sum(totals) if None not in totals else None
+    done = sum(s["rows_done"] or 0 for s in shards)
+    etas = [s["eta_s"] for s in shards]
+    codes = [s["exit_code"] for s in shards]
+    exit_code: Optional[int] = None
+    if state not in ("running", "not started") and None not in codes:
+        exit_code = next((c for c in EXIT_ORDER if c in codes), 0)
+    return {"out": out.shown(), "state": state, "shards": len(shards) if n is not None else None,
+            "rows_total": total, "rows_done": done, "rows_left": None if total is None else max(0, total - done),
+            "output_tokens_per_s": (round(sum(s["output_tokens_per_s"] or 0 for s in shards), 2)
+                                    if "running" in states else None),
+            "eta_s": max(etas) if None not in etas else None, "exit_code": exit_code,
+            "per_shard": shards}
+
+
+def status_lines(s: dict) -> list[str]:
+    total = "?" if s["rows_total"] is None else s["rows_total"]
+    left = "?" if s["rows_left"] is None else s["rows_left"]
+    head = f"{s['out']}: {s['state']}"
+    if s["shards"]:
+        counts: dict = {}
+        for p in s["per_shard"]:
+            counts[p["state"]] = counts.get(p["state"], 0) + 1
+        head += f", {s['shards']} shards (" + ", ".join(f"{v} {k}" for k, v in counts.items()) + ")"
+    rate = "-" if s["output_tokens_per_s"] is None else f"{s['output_tokens_per_s']:.0f}"
+    lines = [head, f"rows: {s['rows_done']} done of {total}, {left} left; {rate} tok/s; "
+                   f"ETA {fmt_duration(s['eta_s'])}; exit code {'-' if s['exit_code'] is None else s['exit_code']}"]
+    cols = ("shard", "state", "done", "left", "tok/s", "ETA", "exit", "attempts", "updated")
+    rows = [(p["shard"], p["state"], str(p["rows_done"]), "?" if p["rows_left"] is None else str(p["rows_left"]),
+             "-" if p["output_tokens_per_s"] is None else f"{p['output_tokens_per_s']:.0f}",
+             fmt_duration(p["eta_s"]) if p["eta_s"] is not None else "-",
+             "-" if p["exit_code"] is None else str(p["exit_code"]), str(p["attempts"]), p["updated_at"] or "-")
+            for p in s["per_shard"]]
+    widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(cols)]
+    lines.append("  ".join(c.ljust(w) for c, w in zip(cols, widths)).rstrip())
+    lines += ["  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip() for r in rows]
+    return lines
