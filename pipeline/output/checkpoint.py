@@ -79,12 +79,12 @@ class OutputDir:
     def part_glob(self) -> str:
         return self.shown(PARTS, "part-*.parquet")
 
-    def scan(self, id_column: str) -> Scan:
-        """Read the id, status and token columns of every completed part."""
+    def scan(self, id_column: str, into: Optional[Scan] = None) -> Scan:
+        """Read the id, status and token columns of every completed part (added to ``into`` when given)."""
         import pyarrow.compute as pc
         import pyarrow.parquet as pq
 
-        scan = Scan()
+        scan = into if into is not None else Scan()
         for p in self.part_paths():
             try:
                 with self.fs.open(p, "rb") as f:
