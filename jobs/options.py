@@ -225,6 +225,11 @@ CLUSTER = [
                                     "input; auto: K and N from a Slurm array or a Kubernetes Indexed Job."),
     Opt("--shards", "cluster.shards", "N for --shard auto in a Kubernetes Indexed Job.",
         type=click.IntRange(min=1), default_text="$OVERNIGHT_SHARDS"),
+    Opt("--workers", "cluster.workers", "Run on this many Ray workers, each with its own engine, taking work "
+                                        "units as they free up (pip install 'overnight[ray]').",
+        type=click.IntRange(min=1), default_text="one engine, no Ray"),
+    Opt("--ray-address", "cluster.ray_address", "The Ray cluster for --workers.",
+        default_text="$RAY_ADDRESS, else a local one"),
 ]
 
 OPTIONS = INPUT + SAMPLING + ENGINE + SCHEDULE + OUTPUT + CLUSTER

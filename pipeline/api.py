@@ -28,6 +28,9 @@ log = logging.getLogger("overnight")
 def run_job(cfg: JobConfig, fresh: bool = False, engine_factory: Optional[EngineFactory] = None,
             is_tty: Optional[bool] = None, clock: Callable[[], float] = time.time) -> Summary:
     """Run (or resume) a job. Job-level problems raise before the engine starts."""
+    if cfg.cluster.workers:
+        from overnight.pipeline.cluster.ray_job import run_on_ray
+        return run_on_ray(cfg, fresh, cfg.cluster.workers, cfg.cluster.ray_address, is_tty=is_tty)
     job = open_job(cfg, fresh=fresh, now=clock())
     try:
         if job.source.num_rows == 0:

@@ -242,9 +242,16 @@ class ClusterConfig:
     shard: Optional[str] = None
     # N for --shard auto in a Kubernetes Indexed Job (else $OVERNIGHT_SHARDS).
     shards: Optional[int] = None
+    # Run on this many Ray workers (actors), each with its own engine. None: one engine in this process.
+    workers: Optional[int] = None
+    # The Ray cluster to use. None: $RAY_ADDRESS, else a local one.
+    ray_address: Optional[str] = None
 
     def __post_init__(self) -> None:
         _check(self.shards is None or self.shards >= 1, f"cluster.shards is {self.shards}; it must be at least 1.")
+        _check(self.workers is None or self.workers >= 1, f"cluster.workers is {self.workers}; it must be at least 1.")
+        _check(not (self.workers and self.shard), "Give either --shard (one shard of a static split) or --workers "
+                                                  "(Ray workers sharing the whole job), not both.")
         if self.shard is not None and self.shard.strip().lower() != "auto":
             from overnight.pipeline.input.shards import parse_shard
             parse_shard(self.shard)  # K/N well formed, K below N

@@ -90,7 +90,7 @@ class Runner:
                 self._loop()
             if self._is_complete() and not self.tally.num_aborted:
                 # A full pass: report the rows done before that are no longer in the input.
-                self.resume.report_removed(cfg.input.limit is not None)
+                self.resume.report_removed(cfg.input.limit is not None or not self.job.source.sees_every_row)
                 state = RunState.COMPLETED
             else:
                 state = RunState.INTERRUPTED if self.signals.first else RunState.PARTIAL

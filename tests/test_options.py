@@ -61,6 +61,8 @@ SAMPLES = {
     "--log-every": ("9", 9.0),
     "--shard": ("1/4", "1/4"),
     "--shards": ("4", 4),
+    "--workers": ("3", 3),
+    "--ray-address": ("ray://head:10001", "ray://head:10001"),
 }
 
 

@@ -49,10 +49,12 @@ class Shard:
 
 @dataclass(frozen=True)
 class Fragment:
-    """A file, or one row group of it: the unit a shard (or a Ray work unit) reads."""
+    """A file, or one row group of it (or rows [start, stop) of that row group): what a shard or a Ray work
+    unit reads."""
     file_index: int
     row_group: Optional[int]  # None: the whole file
     num_rows: int
+    rows: Optional[tuple[int, int]] = None  # a slice of the row group, counted from its first row
 
 
 @dataclass(frozen=True)

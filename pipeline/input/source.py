@@ -83,6 +83,9 @@ class ParquetSource:
         self.shard = shard
         self.selection: Optional[Selection] = split(self.files, shard) if shard is not None else None
         self._hash_rows: Optional[int] = None
+        # False where this job reads a share of the input that changes between attempts (Ray work units), so
+        # done ids missing from it are not "removed from the input".
+        self.sees_every_row = True
 
     # -- discovery ---------------------------------------------------------------------------
     def _discover(self, root: str) -> list[InputFile]:
@@ -257,13 +260,19 @@ class ParquetSource:
                 present = [c for c in columns if c in pf.schema_arrow.names]
                 groups = None if frag.row_group is None else [frag.row_group]
                 start = 0 if frag.row_group is None else sum(file.row_groups[:frag.row_group])
+                lo, hi = (start + frag.rows[0], start + frag.rows[1]) if frag.rows else (start, None)
                 for batch in pf.iter_batches(batch_size=self.cfg.batch_rows, row_groups=groups, columns=present,
                                              use_threads=False):
+                    first, start = start, start + batch.num_rows
+                    if hi is not None:  # a slice of the row group: keep the rows in [lo, hi)
+                        if start <= lo or first >= hi:
+                            continue
+                        batch = batch.slice(max(0, lo - first), min(hi, start) - max(lo, first))
+                        first = max(lo, first)
                     if batch.num_rows == 0:
                         continue
                     failpoint("source.batch")
-                    sb = SourceBatch(file, start, _conform(batch, read_schema))
-                    start += batch.num_rows
+                    sb = SourceBatch(file, first, _conform(batch, read_schema))
                     if hashed is not None:
                         sb = self._hash_filter(sb, hashed)
                         if sb is None:

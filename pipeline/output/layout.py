@@ -3,6 +3,9 @@
     OUT/manifest.json, OUT/parts/, OUT/status.json      a job run without --shard
     OUT/shards/00001-of-00004/                          shard 1 of 4: its own manifest.json, parts/,
                                                         status.json and lock; no shard writes another's
+    OUT/workers/w00002/                                 Ray worker 2 (--workers): the same, without a lock
+                                                        (the driver holds OUT's); OUT/status.json is the
+                                                        driver's, for the whole job
 
 Ids are the resume key across OUT: the split is a pure function of the input listing and N, so shard K of N
 always reads the same rows and resumes from its own folder. Changing N between attempts is refused (the rows
@@ -20,19 +23,30 @@ from overnight.pipeline.input.shards import Shard
 from overnight.pipeline.output.checkpoint import MANIFEST, OutputDir, OutputError
 from overnight.pipeline.output.storage import join
 
-SHARDS = "shards"
+SHARDS, WORKERS = "shards", "workers"
 NAME_RE = re.compile(r"^(\d{5,})-of-(\d{5,})$")
+WORKER_RE = re.compile(r"^w(\d{5,})$")
 
 
 @dataclass
 class JobDir:
-    """One job's folder in OUT: the root (shard None) or shards/<K-of-N>/."""
+    """One job's folder in OUT: the root, shards/<K-of-N>/ or workers/w<i>/."""
     shard: Optional[Shard]
     out: OutputDir
+    worker: Optional[int] = None
 
     @property
     def label(self) -> str:
+        if self.worker is not None:
+            return f"w{self.worker}"
         return "-" if self.shard is None else str(self.shard)
+
+    @property
+    def group(self) -> str:
+        """Folders of one job share a group: "unsharded", "N shards" or "ray"."""
+        if self.worker is not None:
+            return "ray"
+        return "unsharded" if self.shard is None else f"{self.shard.n} shards"
 
     def has_results(self) -> bool:
         return self.out.fs.exists(self.out.path(MANIFEST)) or bool(self.out.part_paths())
@@ -43,37 +57,48 @@ def job_out(url: str, shard: Optional[Shard]) -> OutputDir:
     return OutputDir(url) if shard is None else OutputDir(join(url.rstrip("/"), SHARDS, shard.name))
 
 
+def worker_out(url: str, index: int) -> OutputDir:
+    return OutputDir(join(url.rstrip("/"), WORKERS, f"w{index:05d}"))
+
+
+def _names(root: OutputDir, folder: str) -> list[str]:
+    path = root.path(folder)
+    if not root.fs.exists(path):
+        return []
+    return sorted(p.rstrip("/").rsplit("/", 1)[-1] for p in root.fs.ls(path, detail=False))
+
+
 def job_dirs(url: str) -> list[JobDir]:
-    """Every job folder in OUT that holds a manifest or parts: the root first, then the shards in order."""
+    """Every job folder in OUT that holds a manifest or parts: the root, the shards in order, the workers."""
     root = OutputDir(url)
-    dirs = [JobDir(None, root)] if JobDir(None, root).has_results() else []
-    folder = root.path(SHARDS)
-    if root.fs.exists(folder):
-        names = sorted(p.rstrip("/").rsplit("/", 1)[-1] for p in root.fs.ls(folder, detail=False))
-        for name in names:
-            m = NAME_RE.match(name)
-            if m:
-                d = JobDir(Shard(int(m.group(1)), int(m.group(2))), job_out(url, Shard(int(m.group(1)),
-                                                                                       int(m.group(2)))))
-                if d.has_results():
-                    dirs.append(d)
-    return dirs
+    dirs = [JobDir(None, root)]
+    for name in _names(root, SHARDS):
+        m = NAME_RE.match(name)
+        if m:
+            shard = Shard(int(m.group(1)), int(m.group(2)))
+            dirs.append(JobDir(shard, job_out(url, shard)))
+    for name in _names(root, WORKERS):
+        m = WORKER_RE.match(name)
+        if m:
+            dirs.append(JobDir(None, worker_out(url, int(m.group(1))), int(m.group(1))))
+    return [d for d in dirs if d.has_results()]
 
 
-def check_layout(url: str, shard: Optional[Shard]) -> None:
-    """Refuse to mix jobs split into a different number of shards (or unsharded) in one OUT."""
-    mine = None if shard is None else shard.n
+def check_layout(url: str, shard: Optional[Shard], ray: bool = False) -> None:
+    """Refuse to mix, in one OUT, jobs split into a different number of shards, unsharded ones and Ray's."""
+    mine = "ray" if ray else JobDir(shard, OutputDir(url)).group
     for d in job_dirs(url):
-        theirs = None if d.shard is None else d.shard.n
-        if theirs == mine:
+        if d.group == mine:
             continue
-        held = "an unsharded run" if theirs is None else f"a job split into {theirs} shards ({SHARDS}/*-of-{theirs:05d})"
-        this = "this run has no --shard" if shard is None else f"this run is shard {shard}"
-        fix = ("run without --shard" if theirs is None else f"run every shard with --shard K/{theirs} (or auto with "
-               f"{theirs} tasks)")
-        raise OutputError(f"{url} holds the results of {held}, and {this}. Changing the number of shards between "
+        held = {"unsharded": "an unsharded run", "ray": "a run on Ray workers (workers/)"}.get(
+            d.group, f"a job split into {d.group} ({SHARDS}/*-of-{d.shard.n:05d})" if d.shard else "")
+        this = ("this run is on Ray workers" if ray else "this run has no --shard" if shard is None
+                else f"this run is shard {shard}")
+        fix = {"unsharded": "run without --shard or --workers", "ray": "run with --workers"}.get(
+            d.group, f"run every shard with --shard K/{d.shard.n} (or auto with {d.shard.n} tasks)" if d.shard else "")
+        raise OutputError(f"{url} holds the results of {held}, and {this}. Changing how a job is split between "
                           f"attempts would move rows between shards, so it is refused: {fix} to continue, or use "
-                          f"another --out (or remove {url}) to start over with {mine or 'no'} shards.")
+                          f"another --out (or remove {url}) to start over.")
 
 
 def part_globs(url: str) -> list[str]:

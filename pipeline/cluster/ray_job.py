@@ -1,0 +1,404 @@
+"""`overnight run ... --workers W`: one job over W Ray actors, each owning one engine.
+
+    driver (this process)            coordinator actor                 worker actors w0 .. w(W-1)
+    plans units, holds OUT's lock -> hands out units as asked  <-  each runs overnight's own loop (predict,
+    forecasts the whole job,         requeues a dead worker's       order, checkpoint) into OUT/workers/w<i>/,
+    writes OUT/status.json,          units; carries the stop        pulling its next unit before the current
+    drains on SIGTERM                request to every worker        one drains
+
+Losing a worker loses nothing: Ray restarts the actor (or another takes its units), and the rows it already
+wrote are left out when its units are read again, so each id is answered once. The deadline is absolute and
+the same for every worker; at it every worker stops admitting, drains, flushes, and the job exits 75.
+Rerunning the same command continues: every worker resumes against the ids in all of OUT/workers/.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import signal
+import threading
+import time
+from typing import Optional
+
+from overnight.pipeline.cluster.units import Unit, UnitSource, plan_units
+from overnight.pipeline.config import JobConfig
+from overnight.pipeline.output.checkpoint import OutputDir, OutputError
+from overnight.pipeline.output.layout import WORKERS, check_layout, job_dirs, worker_out
+from overnight.pipeline.output.lock import RunLock
+from overnight.pipeline.progress import Progress, fmt_duration
+from overnight.pipeline.report import EXIT_ENGINE, EXIT_FAILED, EXIT_PARTIAL, Summary, iso
+
+log = logging.getLogger("overnight")
+
+POLL_S = 1.0          # how often the driver looks at its workers
+NAMESPACE, COORDINATOR = "overnight", "overnight-coordinator"
+MAX_ACTOR_RESTARTS = 3
+
+
+def _ray():
+    try:
+        import ray
+    except ImportError:
+        raise OutputError("--workers runs on Ray, which is not installed. Install it with "
+                          "`pip install 'overnight[ray]'`, or run without --workers.") from None
+    return ray
+
+
+class Coordinator:
+    """The queue of units (a Ray actor): what each worker holds, the stop request, each worker's last status."""
+
+    def __init__(self, units: list[Unit]):
+        self.pending = list(units)
+        self.held: dict[int, list[Unit]] = {}
+        self.stop_reason: Optional[str] = None
+        self.stop_count = 0
+        self.statuses: dict[int, dict] = {}
+
+    def next(self, worker: int) -> Optional[Unit]:
+        if self.stop_reason or not self.pending:
+            return None
+        unit = self.pending.pop(0)
+        self.held.setdefault(worker, []).append(unit)
+        return unit
+
+    def release(self, worker: int, folder: str) -> int:
+        """A worker died: its units go back to the front of the queue, to be read without what it wrote."""
+        units = self.held.pop(worker, [])
+        self.pending[:0] = [dataclasses.replace(u, recheck=tuple(dict.fromkeys(u.recheck + (folder,))))
+                            for u in units]
+        return len(units)
+
+    def finished(self, worker: int) -> None:
+        """A worker returned after a full pass: what it held is written."""
+        self.held.pop(worker, None)
+
+    def stop(self, reason: str) -> None:
+        self.stop_reason = self.stop_reason or reason
+        self.stop_count += 1
+
+    def stop_state(self) -> tuple[Optional[str], int]:
+        return self.stop_reason, self.stop_count
+
+    def report(self, worker: int, status: dict) -> None:
+        self.statuses[worker] = status
+
+    def snapshot(self) -> tuple[int, dict]:
+        return len(self.pending), dict(self.statuses)
+
+
+class RemoteStop:
+    """A worker's stop requests: the driver's (through the coordinator), polled at most once a second. It stands
+    in for the runner's signal handlers, which only the main thread of a process may install."""
+
+    def __init__(self, coordinator):
+        self.coordinator = coordinator
+        self._first: Optional[str] = None
+        self._count = 0
+        self._last = 0.0
+
+    def _poll(self) -> None:
+        now = time.monotonic()
+        if now - self._last >= 1.0:
+            self._last = now
+            reason, self._count = _ray().get(self.coordinator.stop_state.remote())
+            self._first = self._first or reason
+
+    @property
+    def first(self) -> Optional[str]:
+        self._poll()
+        return self._first
+
+    @property
+    def is_urgent(self) -> bool:
+        self._poll()
+        return self._count >= 2
+
+    def install(self) -> "RemoteStop":
+        return self
+
+    def restore(self) -> None:
+        pass
+
+
+class ReportingOutputDir(OutputDir):
+    """A worker's folder: each status it writes also goes to the coordinator, for the job's one status."""
+
+    def __init__(self, url: str, coordinator, index: int):
+        super().__init__(url)
+        self.coordinator, self.index = coordinator, index
+
+    def write_status(self, status: dict) -> None:
+        super().write_status(status)
+        self.coordinator.report.remote(self.index, status)
+
+
+class Worker:
+    """One engine (a Ray actor). Each ``run`` is an attempt of overnight's own loop over the units it pulls."""
+
+    def __init__(self, cfg: JobConfig, index: int):
+        self.cfg, self.index = cfg, index
+        self.coordinator = _ray().get_actor(COORDINATOR, namespace=NAMESPACE)
+        self._seen: dict[str, set] = {}
+        logging.getLogger("overnight").setLevel(logging.WARNING)  # the driver speaks for the job
+
+    def run(self) -> dict:
+        from overnight.pipeline.engine import factory_for
+        from overnight.pipeline.engine.supervisor import EngineSupervisor
+        from overnight.pipeline.runner import Runner
+
+        ray = _ray()
+        job = self._open(lambda: ray.get(self.coordinator.next.remote(self.index)))
+        runner = Runner(job, EngineSupervisor(factory_for(self.cfg), job), is_tty=False)
+        runner.signals = RemoteStop(self.coordinator)
+
+        def taken(n: int) -> None:
+            runner.tally.num_rows += n
+        job.source.on_unit = taken
+        summary = runner.run()
+        if summary.state == "completed":
+            self.coordinator.finished.remote(self.index)
+        return dataclasses.asdict(summary)
+
+    def _ids_in(self, folder: str) -> set:
+        if folder not in self._seen:
+            import pyarrow.parquet as pq
+            out, ids = OutputDir(folder), set()
+            for p in out.part_paths():
+                with out.fs.open(p, "rb") as f:
+                    ids.update(pq.read_table(f, columns=[self.cfg.input.id_column]).column(0).to_pylist())
+            self._seen[folder] = ids
+        return self._seen[folder]
+
+    def _open(self, next_unit):
+        """The worker's job: units as its input, its own folder, resuming against every worker folder's ids."""
+        from overnight.pipeline import job as jobmod
+        from overnight.pipeline.input.stage import open_model
+        from overnight.pipeline.output import manifest as mf
+        from overnight.pipeline.output.checkpoint import Scan
+
+        cfg = self.cfg
+        source = UnitSource(cfg.input, next_unit, self._ids_in)
+        out = ReportingOutputDir(worker_out(cfg.output.path, self.index).url, self.coordinator, self.index)
+        model = open_model(cfg)
+        fields = mf.fingerprint_fields(cfg, model.requested, model.chat)
+        deadline_at, margin = jobmod.resolve_deadline(cfg.scheduler, time.time())
+        job = jobmod._open_locked(cfg, False, source, out, model, fields, RunLock(out), deadline_at, margin)
+        own = job.scan
+        merged = Scan()
+        for d in job_dirs(cfg.output.path):
+            if d.worker is not None and d.out.root != out.root:
+                d.out.scan(cfg.input.id_column, into=merged)
+        if merged.num_parts:
+            out.scan(cfg.input.id_column, into=merged)
+            for name in ("num_ok", "num_error", "num_output_tokens", "num_parts", "next_index"):
+                setattr(merged, name, getattr(own, name))  # counts are this folder's; the ids, all of them
+            job.scan = merged
+        return job
+
+
+def run_on_ray(cfg: JobConfig, fresh: bool, workers: int, address: Optional[str] = None,
+               is_tty: Optional[bool] = None, on_started=None) -> Summary:
+    """Run the job over ``workers`` Ray actors; returns the job's summary (exit codes as for one engine)."""
+    from overnight.pipeline.input.source import ParquetSource
+    from overnight.pipeline.job import resolve_deadline
+    from overnight.pipeline.input.stage import open_model
+
+    ray = _ray()
+    if not cfg.output.path:
+        raise OutputError("No output folder given. Pass --out OUT (or output.path in the config).")
+    started = time.time()
+    deadline_at, margin = resolve_deadline(cfg.scheduler, started)
+    source = ParquetSource(cfg.input)
+    open_model(cfg)  # a bad model fails here, not in every worker
+    check_layout(cfg.output.path, None, ray=True)
+    root = OutputDir(cfg.output.path)
+    lock = RunLock(root)
+    lock.acquire()
+    try:
+        if fresh:
+            for d in job_dirs(cfg.output.path):
+                d.out.clear()
+        units = plan_units(source.files, workers, cfg.input.limit)
+        total = sum(u.num_rows for u in units)
+        # Every worker gets the same absolute deadline and margin.
+        sc = dataclasses.replace(cfg.scheduler, deadline=iso(deadline_at) if deadline_at else None, time_budget=None,
+                                 safety_margin_s=margin if deadline_at else cfg.scheduler.safety_margin_s)
+        # A worker holds no more rows than its engine runs plus one refill: what it does not hold stays in the
+        # queue for whichever worker frees up first.
+        sc = dataclasses.replace(sc, lookahead_rows=min(sc.lookahead_rows, 2 * cfg.engine.max_num_seqs))
+        wcfg = dataclasses.replace(cfg, scheduler=sc, output=dataclasses.replace(cfg.output, log_every_seconds=1e9))
+        if not ray.is_initialized():
+            ray.init(address=address or os.environ.get("RAY_ADDRESS") or None, include_dashboard=False,
+                     log_to_driver=True, configure_logging=False)
+        driver = Driver(ray, wcfg, units, total, workers, root, lock, deadline_at, started, is_tty,
+                        cfg.output.log_every_seconds)
+        return driver.run(on_started)
+    finally:
+        lock.release()
+
+
+class Driver:
+    def __init__(self, ray, cfg, units, total, workers, root, lock, deadline_at, started, is_tty, log_every):
+        self.ray, self.cfg, self.total, self.num_workers = ray, cfg, total, workers
+        self.root, self.lock, self.deadline_at, self.started = root, lock, deadline_at, started
+        self.coordinator = ray.remote(Coordinator).options(num_cpus=0, name=COORDINATOR,
+                                                           namespace=NAMESPACE).remote(units)
+        # Rows done in each worker folder: from the manifests at the start, then from each worker's status.
+        self.done_in = {d.worker: (d.out.read_manifest() or {}).get("counts", {}).get("num_done", 0)
+                        for d in job_dirs(cfg.output.path) if d.worker is not None}
+        self.done_before = sum(self.done_in.values())
+        self.progress = Progress(total, min(self.done_before, total), log_every, is_tty=is_tty)
+        self.signals: list[str] = []
+        self.warned = False
+        log.info(f"{len(units)} units of the input ({total} rows, {self.done_before} already done) over {workers} "
+                 f"Ray workers; one engine each")
+
+    def _actor(self, i: int):
+        ray = self.ray
+        gpus = ray.cluster_resources().get("GPU", 0)
+        tp = self.cfg.engine.tensor_parallel_size
+        opts = {"num_gpus": tp} if gpus >= tp else {"num_cpus": 1}
+        cls = ray.remote(Worker).options(max_restarts=MAX_ACTOR_RESTARTS, max_task_retries=0,
+                                         name=f"overnight-w{i:05d}", namespace=NAMESPACE, **opts)
+        return cls.remote(self.cfg, i)
+
+    def run(self, on_started=None) -> Summary:
+        ray = self.ray
+        actors = [self._actor(i) for i in range(self.num_workers)]
+        calls = {actors[i].run.remote(): i for i in range(self.num_workers)}
+        if on_started:
+            on_started(actors)
+        results: dict[int, dict] = {}
+        failures: dict[int, str] = {}
+        restarts = 0
+        previous = self._install_signals()
+        try:
+            while calls:
+                ready, _ = ray.wait(list(calls), num_returns=1, timeout=POLL_S)
+                for ref in ready:
+                    i = calls.pop(ref)
+                    try:
+                        results[i] = ray.get(ref)
+                        failures.pop(i, None)
+                    except ray.exceptions.RayActorError as e:
+                        n = ray.get(self.coordinator.release.remote(i, worker_out(self.cfg.output.path, i).url))
+                        restarts += 1
+                        log.warning(f"worker w{i} was lost ({type(e).__name__}); its {n} units go back to the "
+                                    f"queue and what it wrote is kept")
+                        if restarts <= MAX_ACTOR_RESTARTS * self.num_workers:
+                            calls[actors[i].run.remote()] = i  # Ray restarts the actor; it resumes
+                    except ray.exceptions.RayTaskError as e:
+                        n = ray.get(self.coordinator.release.remote(i, worker_out(self.cfg.output.path, i).url))
+                        failures[i] = str(e.cause if hasattr(e, "cause") else e).splitlines()[0]
+                        log.error(f"worker w{i} failed ({failures[i]}); its {n} units go back to the queue")
+                    self._rerun_idle(calls, actors, results, failures)
+                self._tick()
+        finally:
+            self._restore_signals(previous)
+            self.progress.close()
+        return self._finish(results, failures, restarts)
+
+    def _rerun_idle(self, calls, actors, results, failures) -> None:
+        """Units that came back to the queue go to a worker that has finished its pass."""
+        pending, _ = self.ray.get(self.coordinator.snapshot.remote())
+        if not pending or self.signals:
+            return
+        for i, a in enumerate(actors):
+            if i not in calls.values() and i not in failures and i in results:
+                calls[a.run.remote()] = i
+                del results[i]
+                return
+
+    def _tick(self) -> None:
+        pending, statuses = self.ray.get(self.coordinator.snapshot.remote())
+        done = self._done_now(statuses)
+        if done > self.progress.done:
+            self.progress.update(done - self.progress.done, 0)
+        elapsed = time.time() - self.started
+        rate = (done - self.done_before) / elapsed if elapsed > 0 else 0.0
+        left = max(0, self.total - done)
+        eta = left / rate if rate > 0 else None
+        time_left = self.deadline_at - time.time() if self.deadline_at else None
+        at_risk = eta is not None and time_left is not None and eta > time_left
+        self.progress.set_forecast(eta, time_left, at_risk)
+        if at_risk and not self.warned and done > self.done_before:
+            self.warned = True
+            fits = int(rate * max(0.0, time_left))
+            log.warning(f"deadline at risk: at {rate:.1f} rows/s over {self.num_workers} workers the job needs "
+                        f"{fmt_duration(eta)} but {fmt_duration(time_left)} is left; about {max(0, left - fits)} "
+                        f"rows will be left undone (a rerun continues them)")
+        self.root.write_status(self._status("running", None, statuses, pending, eta))
+        self.lock.heartbeat()
+        if log.isEnabledFor(logging.DEBUG):
+            for i, st in sorted(statuses.items()):
+                log.debug(f"w{i}: {st.get('state')} {st.get('rows', {}).get('done')} rows done, "
+                          f"{st.get('output_tokens_per_s')} tok/s")
+
+    def _done_now(self, statuses: dict) -> int:
+        for i, st in statuses.items():
+            self.done_in[i] = max(self.done_in.get(i, 0), st.get("rows", {}).get("done", 0))
+        return sum(self.done_in.values())
+
+    def _status(self, state, exit_code, statuses, pending, eta, message=None) -> dict:
+        done = self._done_now(statuses)
+        return {"state": state, "exit_code": exit_code, "message": message, "out": self.root.shown(),
+                "workers": self.num_workers, "units_pending": pending,
+                "rows": {"total": self.total, "done": done, "remaining": max(0, self.total - done)},
+                "output_tokens_per_s": round(sum(s.get("output_tokens_per_s") or 0 for s in statuses.values()
+                                                 if s.get("state") == "running"), 2),
+                "eta_s": eta, "deadline": iso(self.deadline_at) if self.deadline_at else None,
+                "per_worker": {f"w{i}": {"state": s.get("state"), "rows_done": s.get("rows", {}).get("done"),
+                                         "exit_code": s.get("exit_code")} for i, s in sorted(statuses.items())},
+                "updated_at": iso(time.time())}
+
+    def _finish(self, results: dict, failures: dict, restarts: int) -> Summary:
+        pending, statuses = self.ray.get(self.coordinator.snapshot.remote())
+        done = self._done_now(statuses)
+        states = [r["state"] for r in results.values()]
+        complete = not pending and not failures and states and all(s == "completed" for s in states) \
+            and done >= self.total
+        stop = self.ray.get(self.coordinator.stop_state.remote())[0]
+        if complete:
+            state, code, message = "completed", 0, None
+        elif failures and not results:
+            state, code = "failed", EXIT_ENGINE
+            message = f"every worker failed ({'; '.join(sorted(set(failures.values())))}); rerun to continue"
+        elif stop or "partial" in states or "interrupted" in states or pending:
+            state = "interrupted" if self.signals else "partial"
+            code = EXIT_PARTIAL
+            message = f"{stop or 'stopped'}: {max(0, self.total - done)} rows not done; rerun the same command " \
+                      f"to continue"
+        else:
+            state, code, message = "failed", EXIT_FAILED, "; ".join(failures.values()) or "rows left undone"
+        self.root.write_status(self._status(state, code, statuses, pending, 0.0 if complete else None, message))
+        ok = sum(r["num_ok"] for r in results.values())
+        err = sum(r["num_error"] for r in results.values())
+        toks = sum(r["num_output_tokens"] for r in results.values())
+        elapsed = time.time() - self.started
+        this_attempt = sum(r["output_tokens_per_s"] * r["elapsed_s"] for r in results.values())
+        return Summary(run_id=f"ray-{self.num_workers}-workers", out=self.root.shown(), state=state, exit_code=code,
+                       num_rows=self.total, num_done=done, num_ok=ok, num_error=err,
+                       num_resumed=sum(r["num_resumed"] for r in results.values()),
+                       num_duplicates=sum(r["num_duplicates"] for r in results.values()), num_output_tokens=toks,
+                       elapsed_s=round(elapsed, 3),
+                       output_tokens_per_s=round(this_attempt / elapsed, 2) if elapsed else 0.0,
+                       message=message, extra={"workers": {f"w{i}": r["state"] for i, r in sorted(results.items())},
+                                               "worker_restarts": restarts, "failures": failures})
+
+    # -- signals ---------------------------------------------------------------------------------
+    def _install_signals(self) -> dict:
+        if threading.current_thread() is not threading.main_thread():
+            return {}
+
+        def handle(signum, frame):
+            name = signal.Signals(signum).name
+            self.signals.append(name)
+            self.coordinator.stop.remote(f"interrupted by {name}")
+            log.warning(f"{name}: every worker stops admitting rows and drains (a second signal aborts at once)")
+        return {s: signal.signal(s, handle) for s in (signal.SIGTERM, signal.SIGINT)}
+
+    def _restore_signals(self, previous: dict) -> None:
+        for s, h in previous.items():
+            signal.signal(s, h)
