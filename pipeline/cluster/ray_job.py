@@ -137,7 +137,14 @@ class ReportingOutputDir(OutputDir):
 class Worker:
     """One engine (a Ray actor). Each ``run`` is an attempt of overnight's own loop over the units it pulls."""
 
-    def __init__(self, cfg: JobConfig, index: int):
+    def __init__(self, cfg: JobConfig, index: int, num_workers: int):
+        if cfg.engine.kind == "vllm" and cfg.engine.cpu_threads_bind is None and not _ray().get_gpu_ids():
+            # vLLM on CPUs: each worker binds its own cores, so that workers on one machine do not contend.
+            cores = os.cpu_count() or 1
+            per = max(1, cores // num_workers)
+            first = (index * per) % cores
+            bind = str(first) if per == 1 else f"{first}-{min(cores, first + per) - 1}"
+            cfg = dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, cpu_threads_bind=bind))
         self.cfg, self.index = cfg, index
         self.coordinator = _ray().get_actor(COORDINATOR, namespace=NAMESPACE)
         self._seen: dict[str, set] = {}
@@ -262,7 +269,7 @@ class Driver:
         opts = {"num_gpus": tp} if gpus >= tp else {"num_cpus": 1}
         cls = ray.remote(Worker).options(max_restarts=MAX_ACTOR_RESTARTS, max_task_retries=0,
                                          name=f"overnight-w{i:05d}", namespace=NAMESPACE, **opts)
-        return cls.remote(self.cfg, i)
+        return cls.remote(self.cfg, i, self.num_workers)
 
     def run(self, on_started=None) -> Summary:
         ray = self.ray
@@ -298,7 +305,11 @@ class Driver:
         finally:
             self._restore_signals(previous)
             self.progress.close()
-        return self._finish(results, failures, restarts)
+        try:
+            return self._finish(results, failures, restarts)
+        finally:
+            for a in actors + [self.coordinator]:  # their names are free for the next run on this cluster
+                ray.kill(a)
 
     def _rerun_idle(self, calls, actors, results, failures) -> None:
         """Units that came back to the queue go to a worker that has finished its pass."""

@@ -1,0 +1,140 @@
+"""Ray workers (--workers W) on a real local Ray cluster, with the echo engine: dynamic units, exactly once,
+an actor killed mid-run, the deadline, SIGTERM to the driver."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import duckdb
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from conftest import overnight_cmd
+
+ray = pytest.importorskip("ray")
+
+from overnight.pipeline.cluster.ray_job import run_on_ray  # noqa: E402
+from overnight.pipeline.cluster.units import UNITS_PER_WORKER, plan_units  # noqa: E402
+from overnight.pipeline.input.source import InputFile  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    yield
+    ray.shutdown()
+
+
+def write_input(folder: Path, files: int, rows: int, row_group_size: int) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    for f in range(files):
+        t = pa.table({"id": [f"f{f}-{i}" for i in range(rows)], "prompt": [f"question {f} {i}" for i in range(rows)]})
+        pq.write_table(t, folder / f"part-{f}.parquet", row_group_size=row_group_size)
+    return folder
+
+
+def ids_in(out: Path) -> list:
+    return [r[0] for r in duckdb.sql(f"select id from read_parquet('{out}/workers/*/parts/*.parquet')").fetchall()]
+
+
+def test_units_cover_the_input_in_order_many_more_than_workers():
+    files = [InputFile(f"/f{i}", f"f{i}", 1000, pa.schema([]), (500, 500)) for i in range(2)]
+    units = plan_units(files, 3)
+    assert len(units) >= 3 * UNITS_PER_WORKER
+    assert sum(u.num_rows for u in units) == 2000
+    # slices of row groups, contiguous and in order
+    spans = [(f.file_index, f.row_group, f.rows) for u in units for f in u.fragments]
+    assert spans[0] == (0, 0, (0, spans[0][2][1]))
+    assert sum(u.num_rows for u in plan_units(files, 3, limit=700)) == 700
+    # enough row groups: whole row groups, no slices
+    many = [InputFile(f"/f{i}", f"f{i}", 100, pa.schema([]), (50, 50)) for i in range(8)]
+    assert all(f.rows is None for u in plan_units(many, 2) for f in u.fragments) and len(plan_units(many, 2)) == 16
+
+
+def test_two_workers_share_the_units_and_answer_each_id_once(tmp_path, cfg, local_ray):
+    inp = write_input(tmp_path / "in", 2, 400, 50)
+    out = tmp_path / "out"
+    c = cfg(inp, out, engine={"kind": "echo", "echo_step_ms": 10, "max_num_seqs": 16},
+            sampling={"max_tokens": 6})
+    s = run_on_ray(c, False, 2, is_tty=False)
+    assert (s.state, s.exit_code, s.num_done, s.num_rows) == ("completed", 0, 800, 800)
+    ids = ids_in(out)
+    assert len(ids) == len(set(ids)) == 800
+    per_worker = duckdb.sql(f"select count(*) from read_parquet('{out}/workers/*/parts/*.parquet', filename=true) "
+                            f"group by regexp_extract(filename, 'w[0-9]+')").fetchall()
+    assert len(per_worker) == 2 and min(n for (n,) in per_worker) > 100   # both took units, not a static half
+    status = json.loads((out / "status.json").read_text())
+    assert status["state"] == "completed" and status["rows"]["done"] == 800 and status["units_pending"] == 0
+    # a rerun finds everything done
+    again = run_on_ray(c, False, 2, is_tty=False)
+    assert again.exit_code == 0 and again.num_resumed == 800 and len(ids_in(out)) == 800
+
+
+def test_a_killed_worker_loses_nothing(tmp_path, cfg, local_ray):
+    inp = write_input(tmp_path / "in", 2, 500, 50)
+    out = tmp_path / "out"
+    c = cfg(inp, out, engine={"kind": "echo", "echo_step_ms": 20, "max_num_seqs": 8},
+            sampling={"max_tokens": 8})
+    killed = []
+
+    def kill_when_writing(actors):
+        def go():
+            parts = out / "workers" / "w00000" / "parts"
+            deadline = time.time() + 60
+            while time.time() < deadline and len(list(parts.glob("part-*.parquet"))) < 3:
+                time.sleep(0.1)
+            ray.kill(actors[0], no_restart=False)  # Ray restarts it; the driver requeues its units
+            killed.append(time.time())
+        threading.Thread(target=go, daemon=True).start()
+
+    s = run_on_ray(c, False, 2, is_tty=False, on_started=kill_when_writing)
+    assert killed, "the worker was never killed"
+    assert (s.state, s.exit_code) == ("completed", 0), s.message
+    assert s.extra["worker_restarts"] >= 1
+    ids = ids_in(out)
+    assert len(ids) == len(set(ids)) == 1000
+
+
+def test_the_deadline_stops_every_worker_then_a_rerun_completes(tmp_path, cfg, local_ray):
+    inp = write_input(tmp_path / "in", 2, 300, 50)
+    out = tmp_path / "out"
+    slow = {"kind": "echo", "echo_step_ms": 30, "max_num_seqs": 4}
+    s = run_on_ray(cfg(inp, out, engine=slow, sampling={"max_tokens": 20}, scheduler={"time_budget": "12s"}),
+                   False, 2, is_tty=False)
+    assert (s.state, s.exit_code) == ("partial", 75)
+    first = ids_in(out)
+    assert 0 < len(first) < 600 and len(first) == len(set(first))
+    s2 = run_on_ray(cfg(inp, out, engine={"kind": "echo", "max_num_seqs": 64}, sampling={"max_tokens": 20}),
+                    False, 2, is_tty=False)
+    assert (s2.state, s2.exit_code) == ("completed", 0)
+    ids = ids_in(out)
+    assert len(ids) == len(set(ids)) == 600
+
+
+def test_sigterm_to_the_driver_drains_every_worker_and_exits_75(tmp_path, tiny_model):
+    inp = write_input(tmp_path / "in", 2, 400, 50)
+    out = tmp_path / "out"
+    args = [*overnight_cmd(), "run", str(inp), "--out", str(out), "--workers", "2", "--engine", "echo",
+            "--echo-step-ms", "30", "--max-num-seqs", "4", "--max-tokens", "20", "--model", tiny_model,
+            "--flush-rows", "4", "--grace", "5s", "--json"]
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    status = out / "status.json"
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        if status.exists() and json.loads(status.read_text() or "{}").get("rows", {}).get("done", 0) >= 8:
+            break
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 75, stderr[-3000:]
+    summary = json.loads(stdout)
+    assert summary["state"] == "interrupted" and "SIGTERM" in summary["message"]
+    ids = ids_in(out)
+    assert 0 < len(ids) < 800 and len(ids) == len(set(ids))
+    assert json.loads(status.read_text())["exit_code"] == 75
