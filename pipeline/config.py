@@ -105,8 +105,9 @@ class EngineConfig:
     max_num_seqs: int = 128
     # GPU: fraction of GPU memory vLLM may use for weights + KV cache.
     gpu_memory_utilization: float = 0.90
-    # CPU: GiB of RAM for the KV cache (sets VLLM_CPU_KVCACHE_SPACE). None: $VLLM_CPU_KVCACHE_SPACE, else 4.
-    kv_cache_space_gib: Optional[float] = None
+    # CPU: whole GiB of RAM for the KV cache (sets VLLM_CPU_KVCACHE_SPACE, which vllm-cpu reads with int()).
+    # None: $VLLM_CPU_KVCACHE_SPACE, else 4.
+    kv_cache_space_gib: Optional[int] = None
     # Skip graph capture / torch.compile. None: on for CPU (starts in ~30 s instead of ~80 s), off on GPU.
     enforce_eager: Optional[bool] = None
     tensor_parallel_size: int = 1

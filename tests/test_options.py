@@ -37,7 +37,7 @@ SAMPLES = {
     "--max-num-seqs": ("16", 16),
     "--max-num-batched-tokens": ("4096", 4096),
     "--gpu-memory-utilization": ("0.5", 0.5),
-    "--kv-cache-space": ("2.5", 2.5),
+    "--kv-cache-space": ("3", 3),
     "--enforce-eager/--no-enforce-eager": ("--no-enforce-eager", False),
     "--tensor-parallel-size": ("2", 2),
     "--prefix-caching/--no-prefix-caching": ("--no-prefix-caching", False),

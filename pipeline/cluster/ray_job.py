@@ -147,6 +147,9 @@ class Worker:
             cfg = dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, cpu_threads_bind=bind))
         self.cfg, self.index = cfg, index
         self.coordinator = _ray().get_actor(COORDINATOR, namespace=NAMESPACE)
+        # What the engine and its libraries print goes to stderr, which Ray forwards to the driver's stderr:
+        # the driver's stdout carries only its summary (or --json's one document).
+        os.dup2(2, 1)
         self._seen: dict[str, set] = {}
         logging.getLogger("overnight").setLevel(logging.WARNING)  # the driver speaks for the job
 
@@ -325,8 +328,9 @@ class Driver:
     def _tick(self) -> None:
         pending, statuses = self.ray.get(self.coordinator.snapshot.remote())
         done = self._done_now(statuses)
+        tokens = sum(st.get("output_tokens") or 0 for st in statuses.values())
         if done > self.progress.done:
-            self.progress.update(done - self.progress.done, 0)
+            self.progress.update(done - self.progress.done, max(0, tokens - self.progress.tokens))
         elapsed = time.time() - self.started
         rate = (done - self.done_before) / elapsed if elapsed > 0 else 0.0
         left = max(0, self.total - done)

