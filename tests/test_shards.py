@@ -240,3 +240,20 @@ def test_three_shard_processes_one_killed_rerun_exactly_once(tmp_path, tiny_mode
     assert len(ids) == len(set(ids)) == 870
     done = subprocess.run([*overnight_cmd(), "status", str(out)], capture_output=True, text=True, check=True).stdout
     assert "completed, 3 shards (3 completed)" in done and "870 done of 870, 0 left" in done
+
+
+def test_plan_and_the_predictor_read_every_shard(tmp_path, cfg):
+    from overnight.buckets.dataset import load_outputs
+    from overnight.pipeline.scheduling.plan import make_plan
+
+    inp = write_input(tmp_path / "in", [30, 30, 30])
+    out = tmp_path / "out"
+    for k in (0, 2):  # shard 1 not run yet
+        run_job(cfg(inp, out, cluster={"shard": f"{k}/3"}), engine_factory=given(FakeEngine()), is_tty=False)
+    plan = make_plan(cfg(inp, out), out=str(out))
+    assert (plan.num_done, plan.num_todo) == (60, 30)
+    data = load_outputs([str(out)])
+    assert len(data) == 60
+    st = job_status(str(out))
+    assert st["state"] == "partial" and [p["state"] for p in st["per_shard"]] == ["completed", "not started",
+                                                                                   "completed"]

@@ -11,7 +11,8 @@ import numpy as np
 from overnight.buckets.annotate import LengthAnnotator
 from overnight.buckets.bucketing import assign, describe, quantile_bounds
 from overnight.buckets.predictors import make_predictor
-from overnight.pipeline.output.checkpoint import OutputDir, Scan
+from overnight.pipeline.output.checkpoint import Scan
+from overnight.pipeline.output.layout import job_dirs
 from overnight.pipeline.config import JobConfig
 from overnight.pipeline.input.resume import ResumeFilter
 from overnight.pipeline.input.source import ParquetSource
@@ -51,11 +52,9 @@ class Plan:
 
 
 def measured_throughput(out_url: str) -> Optional[float]:
-    """Output tokens/s a previous run of this job measured (its status.json)."""
-    status = OutputDir(out_url).read_status()
-    if status and status.get("output_tokens_per_s"):
-        return float(status["output_tokens_per_s"])
-    return None
+    """Output tokens/s a previous run of this job measured (its status.json; a sharded job's shards together)."""
+    rates = [float((d.out.read_status() or {}).get("output_tokens_per_s") or 0) for d in job_dirs(out_url)]
+    return sum(rates) or None
 
 
 def make_plan(cfg: JobConfig, out: Optional[str] = None, throughput: Optional[float] = None,
@@ -65,7 +64,10 @@ def make_plan(cfg: JobConfig, out: Optional[str] = None, throughput: Optional[fl
     source = ParquetSource(cfg.input)
     annotator = LengthAnnotator(make_predictor(cfg.buckets.predictor), cfg.sampling.max_tokens, "log",
                                 cfg.buckets.num_buckets)
-    done = OutputDir(out).scan(cfg.input.id_column) if out and OutputDir(out).read_manifest() else Scan()
+    done = Scan()
+    for d in job_dirs(out) if out else []:  # every shard's or worker's folder
+        if d.out.read_manifest():
+            d.out.scan(cfg.input.id_column, into=done)
     tally = Tally(source.num_rows)
     resume = ResumeFilter(done, tally, out or "")
     predicted, prompt_tokens = [], []
