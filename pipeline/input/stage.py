@@ -91,10 +91,12 @@ def prepare(cfg: JobConfig, source: ParquetSource, model: OpenModel, annotator=N
     for sb in source.batches():
         if tally is not None:
             tally.num_read += sb.batch.num_rows
-        parsed, errors = parse_batch(sb, cfg.input, defaults, passthrough)
         if resume is not None:
-            parsed = [p for p in parsed if resume.is_new(p.id, p.origin, p.prompt_hash)]
-            errors = [e for e in errors if resume.is_new_error(e)]
+            # Whole batches at once, before the per-row parse: a rerun over rows already done parses none.
+            sb = resume.filter(sb, cfg.input)
+            if sb is None:
+                continue
+        parsed, errors = parse_batch(sb, cfg.input, defaults, passthrough)
         rows, texts, bad = builder.build(parsed)
         if annotator is not None:
             annotator.annotate(rows, texts)

@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
+import numpy as np
 import pyarrow as pa
 
 from overnight.pipeline.records import Result
@@ -29,6 +30,8 @@ PART_RE = re.compile(r"^part-(\d{5,})\.parquet$")
 MANIFEST = "manifest.json"
 STATUS = "status.json"
 PARTS = "parts"
+# Part rows turned into keys at a time by OutputDir.scan.
+SCAN_CHUNK_ROWS = 65536
 
 
 class OutputError(Exception):
@@ -37,21 +40,114 @@ class OutputError(Exception):
 
 @dataclass
 class Scan:
-    """What the completed parts already hold."""
+    """What the completed parts already hold: their counts, and their ids in compact form.
 
-    # id -> prompt hash of every row already in a completed part
-    done_ids: dict = field(default_factory=dict)
-    # Rows with a null id cannot be matched by id; their error message starts with "<file>#<row>".
-    null_id_origins: set = field(default_factory=set)
+    Each id is a key (``pipeline/idkeys.py``: 12 bytes, not a Python object) in ``done``, with its prompt hash as
+    the slot's value (0: none) and flags the resume filter sets; error rows with a null id, which cannot be
+    matched by id, by their origin ("<file>#<row>", where their error message starts) in ``null_origins``.
+    ``OutputDir.scan(id_column, into=scan)`` adds a folder's parts to the same Scan.
+    """
+
     num_ok: int = 0
     num_error: int = 0
     num_output_tokens: int = 0
     num_parts: int = 0
     next_index: int = 0
+    # (folder, id column, part paths) scanned, to read a few ids again (examples in messages)
+    sources: list = field(default_factory=list)
+    # ids read but not yet in the table: (keys, checks, prompt hashes) chunks; the table is built on first use
+    _pending: list = field(default_factory=list, repr=False)
+    _done: Any = field(default=None, repr=False)
+    _null_origins: Any = field(default=None, repr=False)
 
     @property
     def num_done(self) -> int:
         return self.num_ok + self.num_error
+
+    @property
+    def done(self):
+        """The ids of the rows in the parts (null ids left out): a KeyTable with prompt hashes and flags."""
+        from overnight.pipeline.idkeys import KeyTable
+
+        if self._done is None:
+            self._done = KeyTable(sum(len(k) for k, _, _ in self._pending), values=True, flags=True)
+        while self._pending:
+            keys, checks, hashes = self._pending.pop(0)
+            self._done.add(keys, checks, hashes)
+        return self._done
+
+    @property
+    def null_origins(self):
+        """Origins ("<file>#<row>") of the error rows whose id is null, as keys: a KeyTable."""
+        from overnight.pipeline.idkeys import KeyTable
+
+        if self._null_origins is None:
+            self._null_origins = KeyTable()
+        return self._null_origins
+
+    @property
+    def num_ids(self) -> int:
+        """Distinct ids in the parts (null ids left out)."""
+        return len(self.done)
+
+    def contains(self, ids) -> list[bool]:
+        """Whether each of these ids (a list or an Arrow array) is in the parts."""
+        from overnight.pipeline.idkeys import keys_of
+
+        keys, checks, valid = keys_of(ids if isinstance(ids, (pa.Array, pa.ChunkedArray)) else pa.array(list(ids)))
+        return (self.done.contains(keys, checks) & valid).tolist()
+
+    def add_rows(self, ids, prompt_hashes=None, errors=None) -> None:
+        """Add the ids of some part rows (Arrow arrays: ids, their prompt_hash strings, their error messages)."""
+        import pyarrow.compute as pc
+
+        from overnight.pipeline.idkeys import hex16_to_u64, keys_of
+
+        keys, checks, valid = keys_of(ids)
+        hashes = hex16_to_u64(prompt_hashes) if prompt_hashes is not None else np.zeros(len(keys), np.uint64)
+        if not valid.all():
+            if errors is not None:
+                null = pc.is_null(ids)
+                messages = [e for e in pc.filter(errors, null).to_pylist() if e]
+                if messages:
+                    self.add_null_origins([e.split(": ", 1)[0] for e in messages])
+            keys, checks, hashes = keys[valid], checks[valid], hashes[valid]
+        if len(keys):
+            if self._done is not None:
+                self._done.add(keys, checks, hashes)
+            else:
+                self._pending.append((keys, checks, hashes))
+
+    def add_null_origins(self, origins: list[str]) -> None:
+        from overnight.pipeline.idkeys import keys_of
+
+        keys, checks, _ = keys_of(pa.array(origins, pa.string()))
+        self.null_origins.add(keys, checks)
+
+    def find_ids(self, pick: Callable[[Any], Any], limit: int) -> list:
+        """Up to ``limit`` ids, in part order, whose slots in ``done`` ``pick(slots)`` selects (a bool array):
+        the parts' id columns are read again."""
+        import pyarrow.parquet as pq
+
+        from overnight.pipeline.idkeys import keys_of
+
+        found: list = []
+        table = self.done
+        for out, id_column, paths in self.sources:
+            for p in paths:
+                with out.fs.open(p, "rb") as f:
+                    ids = pq.ParquetFile(f, pre_buffer=False).read(columns=[id_column]).column(0)
+                keys, checks, valid = keys_of(ids)
+                slots = table.find(keys, checks)
+                hit = valid & (slots >= 0)
+                hit[hit] = pick(slots[hit])
+                for i in np.flatnonzero(hit):
+                    value = ids[int(i)].as_py()
+                    if value not in found:
+                        found.append(value)
+                        if len(found) >= limit:
+                            return found
+        return found
 
 
 class OutputDir:
@@ -80,36 +176,59 @@ class OutputDir:
         return self.shown(PARTS, "part-*.parquet")
 
     def scan(self, id_column: str, into: Optional[Scan] = None) -> Scan:
-        """Read the id, status and token columns of every completed part (added to ``into`` when given)."""
+        """Read the id, status, token and prompt_hash columns of every completed part, adding them to ``into``
+        when given (a job can scan several folders into one Scan), else to a new Scan.
+
+        Parts are read one at a time, and their ids are turned into keys some 64k rows at a time, so 10M rows in
+        10k parts take seconds and some 20 bytes an id (see ``pipeline/idkeys.py``)."""
         import pyarrow.compute as pc
         import pyarrow.parquet as pq
 
         scan = into if into is not None else Scan()
-        for p in self.part_paths():
+        paths = self.part_paths()
+        chunk: list[pa.Table] = []
+        rows = 0
+
+        def flush() -> None:
+            nonlocal chunk, rows
+            if not chunk:
+                return
+            t = pa.concat_tables(chunk, promote_options="permissive") if len(chunk) > 1 else chunk[0]
+            chunk, rows = [], 0
+            ok = pc.sum(pc.equal(t.column("status"), "ok")).as_py() or 0
+            scan.num_ok += ok
+            scan.num_error += t.num_rows - ok
+            scan.num_output_tokens += int(pc.sum(t.column("output_tokens")).as_py() or 0)
+            hashes = t.column("prompt_hash") if "prompt_hash" in t.column_names else None
+            scan.add_rows(t.column(id_column), hashes, t.column("error"))
+
+        for p in paths:
             try:
                 with self.fs.open(p, "rb") as f:
-                    names = pq.read_schema(f).names
-                    f.seek(0)
+                    pf = pq.ParquetFile(f, pre_buffer=False)
+                    names = pf.schema_arrow.names
                     cols = [id_column, "status", "output_tokens", "error"] + (
                         ["prompt_hash"] if "prompt_hash" in names else [])
-                    t = pq.read_table(f, columns=cols)
+                    missing = [c for c in cols if c not in names]
+                    if missing:
+                        raise KeyError(f"no column {missing[0]!r}")
+                    t = pf.read(columns=cols, use_threads=False)
             except (pa.ArrowInvalid, OSError, KeyError) as e:
                 raise OutputError(f"Part {unstrip(self.fs, p)} cannot be read ({e}). Delete it and rerun: "
                                   f"its rows will be processed again.") from None
-            ids = t.column(id_column)
-            hashes = t.column("prompt_hash").to_pylist() if "prompt_hash" in t.column_names else [None] * t.num_rows
-            scan.done_ids.update(zip(ids.to_pylist(), hashes))
-            if ids.null_count:
-                errors = t.filter(pc.is_null(ids)).column("error").to_pylist()
-                scan.null_id_origins.update(e.split(": ", 1)[0] for e in errors if e)
-            status = t.column("status").to_pylist()
-            ok = sum(1 for s in status if s == "ok")
-            scan.num_ok += ok
-            scan.num_error += len(status) - ok
-            scan.num_output_tokens += int(pc.sum(t.column("output_tokens")).as_py() or 0)
+            if chunk and (t.schema.field(id_column).type != chunk[0].schema.field(id_column).type
+                          or ("prompt_hash" in t.column_names) != ("prompt_hash" in chunk[0].column_names)):
+                flush()
+            chunk.append(t)
+            rows += t.num_rows
+            if rows >= SCAN_CHUNK_ROWS:
+                flush()
             scan.num_parts += 1
             index = int(PART_RE.match(p.rsplit("/", 1)[-1]).group(1))
             scan.next_index = max(scan.next_index, index + 1)
+        flush()
+        if paths:
+            scan.sources.append((self, id_column, paths))
         return scan
 
     def write_part(self, index: int, table: pa.Table) -> str:
