@@ -7,8 +7,12 @@ PYTHON ?= python3
 VENV   ?= .venv
 BIN     = $(VENV)/bin
 STAMP   = $(VENV)/.overnight-installed
+# Airflow pins many packages, so the test of examples/airflow runs it from a virtualenv of its own.
+AIRFLOW_VENV  = .venv-airflow
+AIRFLOW_STAMP = $(AIRFLOW_VENV)/.installed
+AIRFLOW_PIN   = apache-airflow==2.10.5
 
-.PHONY: setup demo test check clean
+.PHONY: setup airflow demo test check clean
 
 setup: $(STAMP)
 
@@ -28,15 +32,23 @@ $(STAMP): pyproject.toml
 	$(BIN)/overnight models prepare
 	touch $(STAMP)
 
+airflow: $(AIRFLOW_STAMP)
+
+$(AIRFLOW_STAMP):
+	test -x $(AIRFLOW_VENV)/bin/python || $(PYTHON) -m venv $(AIRFLOW_VENV)
+	$(AIRFLOW_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(AIRFLOW_VENV)/bin/pip install --quiet '$(AIRFLOW_PIN)'
+	touch $(AIRFLOW_STAMP)
+
 demo: setup
 	$(BIN)/overnight run examples/prompts.parquet --out results/demo
 	$(BIN)/overnight inspect results/demo
 
-test: setup
+test: setup airflow
 	$(BIN)/python -m pytest
 
 check: setup
 	$(BIN)/python -m pytest -m "not engine"
 
 clean:
-	rm -rf $(VENV) results
+	rm -rf $(VENV) $(AIRFLOW_VENV) results

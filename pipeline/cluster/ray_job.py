@@ -25,7 +25,7 @@ from typing import Optional
 from overnight.pipeline.cluster.units import Unit, UnitSource, plan_units
 from overnight.pipeline.config import JobConfig
 from overnight.pipeline.output.checkpoint import OutputDir, OutputError
-from overnight.pipeline.output.layout import WORKERS, check_layout, job_dirs, worker_out
+from overnight.pipeline.output.layout import check_layout, job_dirs, worker_out
 from overnight.pipeline.output.lock import RunLock
 from overnight.pipeline.progress import Progress, fmt_duration
 from overnight.pipeline.report import EXIT_ENGINE, EXIT_FAILED, EXIT_PARTIAL, Summary, iso
@@ -55,8 +55,11 @@ class Coordinator:
         self.stop_reason: Optional[str] = None
         self.stop_count = 0
         self.statuses: dict[int, dict] = {}
+        self.deaths = 0
+        self.started: set[int] = set()  # workers that asked for a unit at least once
 
     def next(self, worker: int) -> Optional[Unit]:
+        self.started.add(worker)
         if self.stop_reason or not self.pending:
             return None
         unit = self.pending.pop(0)
@@ -64,10 +67,12 @@ class Coordinator:
         return unit
 
     def release(self, worker: int, folder: str) -> int:
-        """A worker died: its units go back to the front of the queue, to be read without what it wrote."""
+        """A worker died: its units go back to the front of the queue, to be read without what it wrote
+        (``folder#n``: the n-th death, so that a worker reading the folder again sees what was written since)."""
         units = self.held.pop(worker, [])
-        self.pending[:0] = [dataclasses.replace(u, recheck=tuple(dict.fromkeys(u.recheck + (folder,))))
-                            for u in units]
+        self.deaths += 1
+        mark = f"{folder}#{self.deaths}"
+        self.pending[:0] = [dataclasses.replace(u, recheck=u.recheck + (mark,)) for u in units]
         return len(units)
 
     def finished(self, worker: int) -> None:
@@ -86,6 +91,10 @@ class Coordinator:
 
     def snapshot(self) -> tuple[int, dict]:
         return len(self.pending), dict(self.statuses)
+
+    def idle(self) -> tuple[int, int, set]:
+        """(units pending, units held by workers, workers that never asked for one)."""
+        return len(self.pending), sum(len(u) for u in self.held.values()), self.started
 
 
 class RemoteStop:
@@ -171,15 +180,16 @@ class Worker:
             self.coordinator.finished.remote(self.index)
         return dataclasses.asdict(summary)
 
-    def _ids_in(self, folder: str) -> set:
-        if folder not in self._seen:
+    def _ids_in(self, mark: str) -> set:
+        """The ids written in a dead worker's folder, read once per death (``folder#n``)."""
+        if mark not in self._seen:
             import pyarrow.parquet as pq
-            out, ids = OutputDir(folder), set()
+            out, ids = OutputDir(mark.rsplit("#", 1)[0]), set()
             for p in out.part_paths():
                 with out.fs.open(p, "rb") as f:
                     ids.update(pq.read_table(f, columns=[self.cfg.input.id_column]).column(0).to_pylist())
-            self._seen[folder] = ids
-        return self._seen[folder]
+            self._seen[mark] = ids
+        return self._seen[mark]
 
     def _open(self, next_unit):
         """The worker's job: units as its input, its own folder, resuming against every worker folder's ids."""
@@ -240,8 +250,12 @@ def run_on_ray(cfg: JobConfig, fresh: bool, workers: int, address: Optional[str]
         sc = dataclasses.replace(sc, lookahead_rows=min(sc.lookahead_rows, 2 * cfg.engine.max_num_seqs))
         wcfg = dataclasses.replace(cfg, scheduler=sc, output=dataclasses.replace(cfg.output, log_every_seconds=1e9))
         if not ray.is_initialized():
-            ray.init(address=address or os.environ.get("RAY_ADDRESS") or None, include_dashboard=False,
-                     log_to_driver=True, configure_logging=False)
+            address = address or os.environ.get("RAY_ADDRESS") or None
+            # A local cluster gets a slot for every worker, even beyond the machine's cores (echo engines, or
+            # small models sharing the cores); a real cluster offers what it has.
+            cpus = None if address else max(os.cpu_count() or 1, workers)
+            ray.init(address=address, num_cpus=cpus, include_dashboard=False, log_to_driver=True,
+                     configure_logging=False)
         driver = Driver(ray, wcfg, units, total, workers, root, lock, deadline_at, started, is_tty,
                         cfg.output.log_every_seconds)
         return driver.run(on_started)
@@ -261,7 +275,7 @@ class Driver:
         self.done_before = sum(self.done_in.values())
         self.progress = Progress(total, min(self.done_before, total), log_every, is_tty=is_tty)
         self.signals: list[str] = []
-        self.warned = False
+        self.warned = self.warned_unplaced = False
         log.info(f"{len(units)} units of the input ({total} rows, {self.done_before} already done) over {workers} "
                  f"Ray workers; one engine each")
 
@@ -304,6 +318,7 @@ class Driver:
                         failures[i] = str(e.cause if hasattr(e, "cause") else e).splitlines()[0]
                         log.error(f"worker w{i} failed ({failures[i]}); its {n} units go back to the queue")
                     self._rerun_idle(calls, actors, results, failures)
+                self._drop_unplaced(calls, actors)
                 self._tick()
         finally:
             self._restore_signals(previous)
@@ -314,13 +329,29 @@ class Driver:
             for a in actors + [self.coordinator]:  # their names are free for the next run on this cluster
                 ray.kill(a)
 
+    def _drop_unplaced(self, calls, actors) -> None:
+        """Once no unit is left to hand out, workers that never started (the cluster had no room for them) are
+        not waited for."""
+        pending, held, started = self.ray.get(self.coordinator.idle.remote())
+        waiting = [ref for ref, i in calls.items() if i not in started]
+        if pending or held or not waiting:
+            if waiting and time.time() - self.started > 60 and not self.warned_unplaced:
+                self.warned_unplaced = True
+                log.warning(f"{len(waiting)} of {self.num_workers} workers have not started after 60 s: the Ray "
+                            f"cluster has no room for them ({self.ray.cluster_resources()}); the others go on")
+            return
+        for ref in waiting:
+            i = calls.pop(ref)
+            self.ray.kill(actors[i])
+        log.info(f"{len(waiting)} workers never started (no room in the cluster) and are not needed any more")
+
     def _rerun_idle(self, calls, actors, results, failures) -> None:
-        """Units that came back to the queue go to a worker that has finished its pass."""
+        """Units that came back to the queue go to a worker that finished its pass (not one that stopped)."""
         pending, _ = self.ray.get(self.coordinator.snapshot.remote())
         if not pending or self.signals:
             return
         for i, a in enumerate(actors):
-            if i not in calls.values() and i not in failures and i in results:
+            if i not in calls.values() and i not in failures and results.get(i, {}).get("state") == "completed":
                 calls[a.run.remote()] = i
                 del results[i]
                 return
@@ -372,21 +403,23 @@ class Driver:
         pending, statuses = self.ray.get(self.coordinator.snapshot.remote())
         done = self._done_now(statuses)
         states = [r["state"] for r in results.values()]
-        complete = not pending and not failures and states and all(s == "completed" for s in states) \
-            and done >= self.total
+        complete = not pending and bool(states) and all(s == "completed" for s in states) and not any(
+            i in failures for i in results)
         stop = self.ray.get(self.coordinator.stop_state.remote())[0]
+        left = max(0, self.total - done)
         if complete:
             state, code, message = "completed", 0, None
-        elif failures and not results:
+        elif stop or self.signals or "partial" in states or "interrupted" in states:
+            state, code = ("interrupted" if self.signals else "partial"), EXIT_PARTIAL
+            reason = stop or next((r["message"].split(":")[0] for r in results.values() if r.get("message")),
+                                  "stopped")
+            message = f"{reason}: {left} rows not done; rerun the same command to continue"
+        elif failures:
             state, code = "failed", EXIT_ENGINE
-            message = f"every worker failed ({'; '.join(sorted(set(failures.values())))}); rerun to continue"
-        elif stop or "partial" in states or "interrupted" in states or pending:
-            state = "interrupted" if self.signals else "partial"
-            code = EXIT_PARTIAL
-            message = f"{stop or 'stopped'}: {max(0, self.total - done)} rows not done; rerun the same command " \
-                      f"to continue"
+            message = (f"workers failed ({'; '.join(sorted(set(failures.values())))}); {left} rows not done; the "
+                       f"rows they finished are saved, rerun to continue")
         else:
-            state, code, message = "failed", EXIT_FAILED, "; ".join(failures.values()) or "rows left undone"
+            state, code, message = "failed", EXIT_FAILED, f"{left} rows not done; rerun to continue"
         self.root.write_status(self._status(state, code, statuses, pending, 0.0 if complete else None, message))
         ok = sum(r["num_ok"] for r in results.values())
         err = sum(r["num_error"] for r in results.values())

@@ -28,7 +28,7 @@ UNITS_PER_WORKER = 8
 class Unit:
     index: int
     fragments: tuple[Fragment, ...]
-    recheck: tuple[str, ...] = ()  # output folders of workers that held this unit and died
+    recheck: tuple[str, ...] = ()  # "folder#n": output folders of workers that held this unit and died
 
     @property
     def num_rows(self) -> int:
@@ -65,7 +65,7 @@ class UnitSource(ParquetSource):
     def __init__(self, cfg, next_unit: Callable[[], Optional[Unit]], id_column_of: Callable[[str], set]):
         super().__init__(cfg)
         self.next_unit = next_unit
-        self.done_in = id_column_of  # the ids already written in a folder (cached by the caller)
+        self.done_in = id_column_of  # the ids already written in a dead worker's folder ("folder#n")
         self.on_unit: Callable[[int], None] = lambda n: None
         self.rows_taken = 0
         self.sees_every_row = False  # its resume must not call the ids other workers wrote "removed"

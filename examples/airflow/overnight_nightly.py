@@ -1,0 +1,60 @@
+"""A nightly overnight job in Airflow: one mapped task per shard, retried until each shard is done.
+
+Each shard runs `overnight run nightly.yaml --shard K/N` in a BashOperator (dynamic task mapping fans out the
+N shards). Exit codes drive the retries:
+
+- 0: the shard is done.
+- 75: stopped early at the deadline or by SIGTERM (Airflow's own timeout sends it); resumable. The task
+  fails, and its retry reruns the same command, which continues where the shard stopped.
+- 69: the engine failed to start or died (a busy or broken GPU); rows are saved. The retry waits
+  ``retry_delay``, doubling each time (``retry_exponential_backoff``).
+- 1 / 2: a real failure (bad input, bad config): retries will not help, and the message says why.
+
+The last task reads every shard's status with `overnight status OUT --json` and returns it as the XCom summary.
+
+Set OVERNIGHT (the `overnight` command), OVERNIGHT_CONFIG, OVERNIGHT_OUT (the config's output.path) and
+OVERNIGHT_SHARDS in the environment, or edit the defaults below.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from datetime import datetime, timedelta
+
+from airflow import DAG
+from airflow.decorators import task
+from airflow.operators.bash import BashOperator
+
+OVERNIGHT = os.environ.get("OVERNIGHT", "overnight")
+CONFIG = os.environ.get("OVERNIGHT_CONFIG", "/etc/overnight/nightly.yaml")
+OUT = os.environ.get("OVERNIGHT_OUT", "s3://my-bucket/answers/")
+SHARDS = int(os.environ.get("OVERNIGHT_SHARDS", "4"))
+EXTRA = os.environ.get("OVERNIGHT_EXTRA_ARGS", "")
+RETRY_DELAY = timedelta(seconds=float(os.environ.get("OVERNIGHT_RETRY_DELAY_S", "120")))
+
+with DAG(
+    dag_id="overnight_nightly",
+    start_date=datetime(2026, 1, 1),
+    schedule="0 22 * * *",
+    catchup=False,
+    max_active_runs=1,
+    default_args={"retries": 6, "retry_delay": RETRY_DELAY, "retry_exponential_backoff": True,
+                  "max_retry_delay": timedelta(minutes=30)},
+) as dag:
+    shards = BashOperator.partial(
+        task_id="shard",
+        # SIGTERM on a timeout: overnight drains, saves what finished and exits 75; the retry resumes.
+        execution_timeout=timedelta(hours=8),
+    ).expand(bash_command=[f"{OVERNIGHT} run {CONFIG} --shard {k}/{SHARDS} {EXTRA}" for k in range(SHARDS)])
+
+    @task(retries=0)
+    def summary() -> dict:
+        done = subprocess.run([OVERNIGHT, "status", OUT, "--json"], capture_output=True, text=True, check=True)
+        status = json.loads(done.stdout)
+        if status["state"] != "completed":
+            raise RuntimeError(f"overnight job in {OUT} is {status['state']}: {status['rows_left']} rows left")
+        return {k: status[k] for k in ("state", "rows_done", "rows_total", "exit_code", "shards")}
+
+    shards >> summary()

@@ -1,0 +1,89 @@
+"""The README's cluster recipes, run as written: the Slurm array script as each array task would run it, and
+the Kubernetes Indexed Job's container command with its ConfigMap, as each completion index would. Only the
+paths (the bucket becomes a local folder) and the engine (echo) are swapped."""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import subprocess
+from pathlib import Path
+
+import duckdb
+import pyarrow as pa
+import pyarrow.parquet as pq
+import yaml
+
+from conftest import REPO, overnight_cmd
+
+CLUSTER = REPO / "examples" / "cluster"
+
+
+def write_input(folder: Path, files: int = 5, rows: int = 30) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    for f in range(files):
+        pq.write_table(pa.table({"id": [f"f{f}-{i}" for i in range(rows)],
+                                 "prompt": [f"question {f} {i}" for i in range(rows)]}), folder / f"p{f}.parquet")
+    return folder
+
+
+def local_config(text: str, inp: Path, out: Path, tiny_model: str) -> dict:
+    """The recipe's config with the bucket swapped for local folders and the echo engine for vLLM."""
+    cfg = yaml.safe_load(text)
+    cfg["input"]["path"], cfg["output"]["path"] = str(inp), str(out)
+    cfg["engine"] = {"kind": "echo", "model": tiny_model}
+    return cfg
+
+
+def env_with_overnight() -> dict:
+    env = dict(os.environ)
+    env["PATH"] = f"{Path(overnight_cmd()[0]).parent}{os.pathsep}{env['PATH']}"
+    return env
+
+
+def assert_every_id_once(out: Path, n: int) -> None:
+    ids = duckdb.sql(f"select id from read_parquet('{out}/shards/*/parts/*.parquet')").fetchall()
+    assert len(ids) == len(set(ids)) == n
+    status = json.loads(subprocess.run([*overnight_cmd(), "status", str(out), "--json"], capture_output=True,
+                                       text=True, check=True).stdout)
+    assert (status["state"], status["exit_code"], status["rows_done"]) == ("completed", 0, n)
+
+
+def test_the_slurm_array_script(tmp_path, tiny_model):
+    script = (CLUSTER / "slurm.sbatch").read_text()
+    array = next(line for line in script.splitlines() if line.startswith("#SBATCH --array="))
+    first, last = map(int, array.split("=")[1].split("-"))
+    inp, out = write_input(tmp_path / "in"), tmp_path / "out"
+    config = tmp_path / "nightly.yaml"
+    config.write_text(yaml.safe_dump(local_config((CLUSTER / "nightly.yaml").read_text(), inp, out, tiny_model)))
+    for task in range(first, last + 1):   # what sbatch --array runs: one task per index, in any order
+        env = env_with_overnight() | {"SLURM_ARRAY_TASK_ID": str(task), "SLURM_ARRAY_TASK_MIN": str(first),
+                                      "SLURM_ARRAY_TASK_COUNT": str(last - first + 1), "CONFIG": str(config)}
+        done = subprocess.run(["bash", str(CLUSTER / "slurm.sbatch")], env=env, capture_output=True, text=True,
+                              cwd=REPO, timeout=300)
+        assert done.returncode == 0, done.stderr[-2000:]
+    assert len(list((out / "shards").iterdir())) == last - first + 1
+    assert_every_id_once(out, 150)
+
+
+def test_the_kubernetes_indexed_job(tmp_path, tiny_model):
+    docs = list(yaml.safe_load_all((CLUSTER / "k8s-indexed-job.yaml").read_text()))
+    config_map = next(d for d in docs if d["kind"] == "ConfigMap")
+    job = next(d for d in docs if d["kind"] == "Job")
+    spec = job["spec"]
+    assert spec["completionMode"] == "Indexed"
+    container = spec["template"]["spec"]["containers"][0]
+    mount = container["volumeMounts"][0]["mountPath"]
+    inp, out = write_input(tmp_path / "in"), tmp_path / "out"
+    mounted = tmp_path / "config"
+    mounted.mkdir()
+    for name, text in config_map["data"].items():
+        (mounted / name).write_text(yaml.safe_dump(local_config(text, inp, out, tiny_model)))
+    command = [str(mounted) + c[len(mount):] if c.startswith(mount) else c for c in container["command"]]
+    assert command[0] == "overnight"
+    for index in range(spec["completions"]):
+        env = env_with_overnight() | {"JOB_COMPLETION_INDEX": str(index)}
+        done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, f"{shlex.join(command)}: {done.stderr[-2000:]}"
+    assert_every_id_once(out, 150)
