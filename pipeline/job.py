@@ -40,6 +40,10 @@ class OpenJob:
     margin_s: float = 0.0
     # Held while the job runs; None for read-only uses.
     lock: Optional[RunLock] = None
+    # Start the engine only once the input stage finds a row to answer (a resume, or a Ray worker, which may
+    # get no unit): a rerun with nothing left starts no engine. A first attempt starts it at once, while the
+    # input is read.
+    lazy_engine: bool = False
 
     @property
     def run_id(self) -> str:
@@ -114,7 +118,8 @@ def _open_locked(cfg, fresh, source, out, model, fields, lock, deadline_at, marg
     lock.info["run_id"] = manifest["run_id"]
     manifest["counts"] = counts_from_scan(scan, source.num_rows)
     out.write_manifest(manifest)
-    return OpenJob(cfg, source, out, model, scan, schema, manifest, deadline_at, margin_s, lock)
+    return OpenJob(cfg, source, out, model, scan, schema, manifest, deadline_at, margin_s, lock,
+                   lazy_engine=scan.num_done > 0)
 
 
 def resolve_deadline(sc, now: float) -> tuple[Optional[float], float]:

@@ -141,6 +141,7 @@ class Reporter:
             "elapsed_s": round(self.tally.elapsed(), 3),
             "output_tokens_per_s": self.tally.tokens_per_s(),
             "eta_s": self.progress.eta_seconds(),
+            "engine_started": self.supervisor.engine is not None,  # false: a resume found nothing left to do
             "engine_restarts": self.supervisor.num_restarts,
             "scheduler": {"policy": self.scheduler.policy.value, "predictor": a.predictor.name,
                           "mode_switches": st.num_mode_switches, "aged": st.num_aged,

@@ -81,7 +81,7 @@ class Runner:
             sys.setswitchinterval(min(interval, 0.001))
             self.signals.install()
             cfg, model = self.job.cfg, self.job.model
-            if not self.job.scan.num_done:
+            if not self.job.lazy_engine:
                 model = model.with_context(self._start_engine().max_model_len)
             self.reader = Prefetcher(prepare(cfg, self.job.source, model, self.annotator, self.resume,
                                              self.job.source.passthrough_columns(), self.tally))

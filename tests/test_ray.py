@@ -74,6 +74,9 @@ def test_two_workers_share_the_units_and_answer_each_id_once(tmp_path, cfg, loca
     # a rerun finds everything done
     again = run_on_ray(c, False, 2, is_tty=False)
     assert again.exit_code == 0 and again.num_resumed == 800 and len(ids_in(out)) == 800
+    for w in ("w00000", "w00001"):  # nothing was left, so no worker started an engine
+        st = json.loads((out / "workers" / w / "status.json").read_text())
+        assert st["engine_started"] is False, (w, st)
 
 
 def test_a_killed_worker_loses_nothing(tmp_path, cfg, local_ray):
@@ -138,3 +141,14 @@ def test_sigterm_to_the_driver_drains_every_worker_and_exits_75(tmp_path, tiny_m
     ids = ids_in(out)
     assert 0 < len(ids) < 800 and len(ids) == len(set(ids))
     assert json.loads(status.read_text())["exit_code"] == 75
+
+
+def test_workers_the_cluster_has_no_room_for_are_not_waited_for(tmp_path, cfg, local_ray, caplog):
+    inp = write_input(tmp_path / "in", 1, 200, 50)
+    out = tmp_path / "out"
+    c = cfg(inp, out, engine={"kind": "echo", "max_num_seqs": 16}, sampling={"max_tokens": 4})
+    with caplog.at_level("INFO", logger="overnight"):
+        s = run_on_ray(c, False, 3, is_tty=False)   # the local cluster has 2 CPUs: one worker never starts
+    assert (s.state, s.exit_code) == ("completed", 0)
+    assert len(ids_in(out)) == 200
+    assert "1 workers never started (no room in the cluster)" in caplog.text

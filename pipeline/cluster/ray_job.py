@@ -56,10 +56,13 @@ class Coordinator:
         self.stop_count = 0
         self.statuses: dict[int, dict] = {}
         self.deaths = 0
-        self.started: set[int] = set()  # workers that asked for a unit at least once
+        self.started: set[int] = set()  # worker actors the cluster found room for
+
+    def hello(self, worker: int) -> None:
+        """A worker actor was placed and constructed."""
+        self.started.add(worker)
 
     def next(self, worker: int) -> Optional[Unit]:
-        self.started.add(worker)
         if self.stop_reason or not self.pending:
             return None
         unit = self.pending.pop(0)
@@ -93,7 +96,7 @@ class Coordinator:
         return len(self.pending), dict(self.statuses)
 
     def idle(self) -> tuple[int, int, set]:
-        """(units pending, units held by workers, workers that never asked for one)."""
+        """(units pending, units held by workers, workers placed)."""
         return len(self.pending), sum(len(u) for u in self.held.values()), self.started
 
 
@@ -156,6 +159,7 @@ class Worker:
             cfg = dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, cpu_threads_bind=bind))
         self.cfg, self.index = cfg, index
         self.coordinator = _ray().get_actor(COORDINATOR, namespace=NAMESPACE)
+        self.coordinator.hello.remote(index)
         # What the engine and its libraries print goes to stderr, which Ray forwards to the driver's stderr:
         # the driver's stdout carries only its summary (or --json's one document).
         os.dup2(2, 1)
@@ -205,6 +209,7 @@ class Worker:
         fields = mf.fingerprint_fields(cfg, model.requested, model.chat)
         deadline_at, margin = jobmod.resolve_deadline(cfg.scheduler, time.time())
         job = jobmod._open_locked(cfg, False, source, out, model, fields, RunLock(out), deadline_at, margin)
+        job.lazy_engine = True  # a worker may get no unit, or only rows already done
         own = job.scan
         merged = Scan()
         for d in job_dirs(cfg.output.path):
