@@ -45,8 +45,9 @@ class StderrHandler(logging.StreamHandler):
 
 
 def setup_logging(verbose: bool) -> None:
-    if verbose:
-        os.environ.setdefault("VLLM_LOGGING_LEVEL", "INFO")
+    from overnight.pipeline.streams import quiet_libraries
+
+    quiet_libraries(verbose)
     logger = logging.getLogger("overnight")
     logger.setLevel(logging.DEBUG if verbose else logging.INFO)
     if not logger.handlers:

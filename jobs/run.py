@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 
 import click
 
@@ -51,15 +52,20 @@ def run(input_path, out, config_file, fresh, as_json, **options):
     from overnight.pipeline.engine import EngineError
     from overnight.pipeline.report import EXIT_ENGINE
 
+    from overnight.pipeline.streams import filtered_stderr, reserved_stdout
+
     cfg = build_config(input_path, out, config_file, options)
-    try:
-        summary = run_job(cfg, fresh=fresh)
-    except EngineError as e:
-        click.echo(f"Error: {e}", err=True)
-        click.get_current_context().exit(EXIT_ENGINE)
-    if as_json:
-        from dataclasses import asdict
-        click.echo(json.dumps(asdict(summary), indent=2))
-    else:
-        click.echo(summary.line())
+    verbose = logging.getLogger("overnight").isEnabledFor(logging.DEBUG)
+    # What the engine and its libraries print goes to stderr, without the noise unless -v.
+    with filtered_stderr(verbose), reserved_stdout() as stdout:
+        try:
+            summary = run_job(cfg, fresh=fresh)
+        except EngineError as e:
+            click.echo(f"Error: {e}", err=True)
+            click.get_current_context().exit(EXIT_ENGINE)
+        if as_json:
+            from dataclasses import asdict
+            click.echo(json.dumps(asdict(summary), indent=2), file=stdout)
+        else:
+            click.echo(summary.line(), file=stdout)
     click.get_current_context().exit(summary.exit_code)

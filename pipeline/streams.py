@@ -1,0 +1,145 @@
+"""Clean streams: stdout carries only what overnight means to print; everything else goes to stderr, quiet.
+
+vLLM logs to stdout by default, and its engine process, torch, Triton and tqdm print straight to the file
+descriptors. So a command that runs an engine first takes a private copy of stdout for its own summary (or
+--json document), then points file descriptor 1 at stderr: whatever a library or a child process prints
+lands on stderr, and stdout stays parseable (`overnight run ... --json | jq .state`).
+
+Unless -v, the libraries are told to keep to errors: vLLM's log level, torch's C++ log level, transformers'
+verbosity, Python warnings (also in the engine's processes, through PYTHONWARNINGS), and vLLM's progress
+bars. -v shows all of it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import re
+import sys
+import threading
+import warnings
+from typing import Iterator, Optional, TextIO
+
+QUIET_ENV = {
+    "VLLM_LOGGING_LEVEL": "ERROR",
+    "TORCH_CPP_LOG_LEVEL": "ERROR",
+    "TRANSFORMERS_VERBOSITY": "error",
+    "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+    "PYTHONWARNINGS": "ignore",
+    "RAY_DEDUP_LOGS": "1",
+}
+
+
+# Lines that the engine's processes print straight to their file descriptors and that tell an operator
+# nothing (each was seen on a plain run); dropped unless -v. Anything else, errors above all, passes.
+NOISE = re.compile("|".join([
+    r"Triton is installed, but doesn't include CPU backend",
+    r"Triton is not installed",
+    r"libtcmalloc is not found",
+    r"Passing raw prompts to InputProcessor is deprecated",
+    r"Loading safetensors checkpoint shards",
+    r"NUMA binding",
+    r"\bFutureWarning\b|\bDeprecationWarning\b|\bUserWarning\b",
+    r"^\s*(warnings\.warn|if hasattr\(value|wrapper = lookup)",
+    r"force.?kill|forcefully kill|Engine core proc .* did not terminate",
+    r"This model does not officially support disabling chunked prefill",
+    r"Enforce eager set|Inductor compilation was disabled|Reset SSM cache type",
+    r"^\s*$",
+]), re.IGNORECASE)
+
+
+def quiet_libraries(verbose: bool) -> None:
+    """Send vLLM's logs to stderr always; unless verbose, keep the libraries to their errors."""
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
+    if verbose:
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "INFO")
+        return
+    for k, v in QUIET_ENV.items():
+        os.environ.setdefault(k, v)
+    # vLLM's loggers warn before vLLM configures its logging (Python's last-resort handler prints them).
+    logging.getLogger("vllm").addHandler(logging.NullHandler())
+    warnings.filterwarnings("ignore", category=DeprecationWarning)
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    warnings.filterwarnings("ignore", category=UserWarning)
+
+
+@contextlib.contextmanager
+def reserved_stdout() -> Iterator[TextIO]:
+    """A private stdout for overnight's own output, while file descriptor 1 points at stderr."""
+    try:
+        real = sys.stdout.fileno() == 1
+    except (AttributeError, OSError, ValueError):  # a test runner's buffer, a notebook: nothing to protect
+        real = False
+    if not real:
+        yield sys.stdout
+        return
+    sys.stdout.flush()
+    saved = os.dup(1)
+    out = os.fdopen(os.dup(saved), "w", buffering=1)
+    os.dup2(2, 1)
+    try:
+        yield out
+    finally:
+        try:
+            sys.stdout.flush()
+        except (OSError, ValueError):
+            pass
+        os.dup2(saved, 1)
+        os.close(saved)
+        out.flush()
+        out.close()
+
+
+@contextlib.contextmanager
+def filtered_stderr(verbose: bool) -> Iterator[None]:
+    """Point file descriptor 2 (what the engine's processes inherit) at a pipe whose lines are passed on to the
+    real stderr without the known NOISE; overnight's own log lines and progress bar write to the real stderr
+    directly (``sys.stderr``). Unless verbose."""
+    try:
+        real = sys.stderr.fileno() == 2
+    except (AttributeError, OSError, ValueError):
+        real = False
+    if verbose or not real:
+        yield
+        return
+    sys.stderr.flush()
+    saved = os.dup(2)
+    r, w = os.pipe()
+    os.dup2(w, 2)
+    os.close(w)
+    previous = sys.stderr
+    sys.stderr = os.fdopen(os.dup(saved), "w", buffering=1)
+    thread = threading.Thread(target=_pass_on, args=(r, saved), name="overnight-stderr", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        sys.stderr.flush()
+        os.dup2(saved, 2)  # closes our end of the pipe; the reader ends once the engine's processes are gone
+        thread.join(timeout=2)
+        sys.stderr.close()
+        sys.stderr = previous
+
+
+def _pass_on(r: int, out: int) -> None:
+    pending = b""
+    with os.fdopen(r, "rb", buffering=0) as pipe:
+        while True:
+            chunk = pipe.read(65536)
+            if not chunk:
+                break
+            pending += chunk
+            *lines, pending = re.split(rb"(?<=[\n\r])", pending)
+            _write(out, lines)
+    _write(out, [pending] if pending else [])
+
+
+def _write(out: int, lines: list) -> None:
+    kept = [ln for ln in lines if not NOISE.search(ln.decode("utf-8", "replace"))]
+    if kept:
+        try:
+            os.write(out, b"".join(kept))
+        except OSError:
+            pass

@@ -1,0 +1,37 @@
+"""Clean streams with the real engine, through the command a user runs: stdout is exactly the summary (one
+JSON document with --json), stderr holds overnight's own lines and no library noise unless -v."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+import pyarrow.parquet as pq
+import pytest
+
+from conftest import overnight_cmd, real_prompts
+
+pytestmark = pytest.mark.engine
+
+NOISE = ("Triton is installed", "Loading safetensors", "libtcmalloc", "Passing raw prompts", "FutureWarning",
+         "WARNING", "NUMA binding")
+
+
+def test_json_stdout_and_quiet_stderr_with_the_real_engine(tmp_path, model_path):
+    inp = tmp_path / "in.parquet"
+    pq.write_table(real_prompts(6), inp)
+    args = ["run", str(inp), "--max-tokens", "8", "--kv-cache-space", "1", "--json"]
+    quiet = subprocess.run([*overnight_cmd(), *args, "--out", str(tmp_path / "a")], capture_output=True, text=True,
+                           timeout=600)
+    assert quiet.returncode == 0, quiet.stderr[-3000:]
+    summary = json.loads(quiet.stdout)            # stdout is one JSON document and nothing else
+    assert summary["state"] == "completed" and summary["num_ok"] == 6
+    lines = [ln for ln in quiet.stderr.splitlines() if ln.strip()]
+    assert lines and all(" overnight " in ln for ln in lines), quiet.stderr   # only overnight's own lines
+    assert not [n for n in NOISE if n in quiet.stderr]
+
+    loud = subprocess.run([*overnight_cmd(), "-v", *args, "--out", str(tmp_path / "b")], capture_output=True,
+                          text=True, timeout=600)
+    assert loud.returncode == 0, loud.stderr[-3000:]
+    assert json.loads(loud.stdout)["num_ok"] == 6  # -v changes stderr only
+    assert "INFO" in loud.stderr and any(n in loud.stderr for n in NOISE[:3])   # vLLM's own lines are back
