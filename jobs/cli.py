@@ -12,6 +12,7 @@ from overnight.jobs.inspection import inspect_cmd
 from overnight.jobs.models import models
 from overnight.jobs.plan import plan
 from overnight.jobs.predictor import predictor
+from overnight.jobs.report import report
 from overnight.jobs.run import run
 from overnight.jobs.status import status
 from overnight.jobs.tune import tune
@@ -19,8 +20,11 @@ from overnight.jobs.tune import tune
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.option("-v", "--verbose", is_flag=True, help="Debug logging, including vLLM's own start-up logs.")
+@click.option("--log-format", type=click.Choice(["text", "json"]), default="text", show_default=True,
+              help="stderr lines as text, or as one JSON object each (time, level, message, counters) for log "
+                   "shippers.")
 @click.version_option(package_name="overnight")
-def cli(verbose: bool) -> None:
+def cli(verbose: bool, log_format: str) -> None:
     """Offline bulk LLM inference over Parquet, on vLLM.
 
     \b
@@ -29,7 +33,7 @@ def cli(verbose: bool) -> None:
         overnight run prompts.parquet --out results/
         overnight inspect results/ --sql "select status, count(*) from results group by 1"
     """
-    setup_logging(verbose)
+    setup_logging(verbose, log_format)
 
 
 class StderrHandler(logging.StreamHandler):
@@ -44,23 +48,42 @@ class StderrHandler(logging.StreamHandler):
         pass
 
 
-def setup_logging(verbose: bool) -> None:
+class JsonFormatter(logging.Formatter):
+    """One JSON object a line: time (UTC, ISO), level, message, and the counters a progress line carries."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        import datetime as dt
+        import json
+
+        doc = {"time": dt.datetime.fromtimestamp(record.created, dt.timezone.utc).isoformat(timespec="milliseconds"),
+               "level": record.levelname.lower(), "logger": record.name, "message": record.getMessage()}
+        counters = getattr(record, "counters", None)
+        if counters:
+            doc["counters"] = counters
+        if record.exc_info:
+            doc["exception"] = self.formatException(record.exc_info)
+        return json.dumps(doc, default=str)
+
+
+def setup_logging(verbose: bool, log_format: str = "text") -> None:
     from overnight.pipeline.streams import quiet_libraries
 
     quiet_libraries(verbose)
     logger = logging.getLogger("overnight")
     logger.setLevel(logging.DEBUG if verbose else logging.INFO)
     if not logger.handlers:
-        handler = StderrHandler()
-        handler.setFormatter(logging.Formatter("%(asctime)s overnight %(levelname)s %(message)s",
-                                               datefmt="%Y-%m-%dT%H:%M:%S"))
-        logger.addHandler(handler)
+        logger.addHandler(StderrHandler())
         logger.propagate = False
+    formatter = JsonFormatter() if log_format == "json" else logging.Formatter(
+        "%(asctime)s overnight %(levelname)s %(message)s", datefmt="%Y-%m-%dT%H:%M:%S")
+    for handler in logger.handlers:
+        handler.setFormatter(formatter)
 
 
 cli.add_command(run)
 cli.add_command(plan)
 cli.add_command(status)
+cli.add_command(report)
 cli.add_command(inspect_cmd)
 cli.add_command(predictor)
 cli.add_command(tune)

@@ -218,6 +218,10 @@ OUTPUT = [
     Opt("--flush-seconds", "output.flush_seconds", "... or every T seconds, whichever comes first."),
     Opt("--log-every", "output.log_every_seconds",
         "Seconds between progress log lines when stderr is not a terminal."),
+    Opt("--metrics-file", "output.metrics_file",
+        "Write Prometheus metrics here at every flush (for node_exporter's textfile collector)."),
+    Opt("--metrics-port", "output.metrics_port", "Serve Prometheus metrics on this port while the job runs.",
+        type=click.IntRange(min=1, max=65535)),
 ]
 
 CLUSTER = [

@@ -229,6 +229,10 @@ class OutputConfig:
     flush_seconds: float = 60.0
     # Progress as plain log lines every this many seconds when stderr is not a terminal.
     log_every_seconds: float = 30.0
+    # Prometheus text format, rewritten at every flush (node_exporter's textfile collector reads it).
+    metrics_file: Optional[str] = None
+    # Serve the same metrics over HTTP on this port while the job runs.
+    metrics_port: Optional[int] = None
 
     def __post_init__(self) -> None:
         _check(self.flush_rows >= 1, f"output.flush_rows is {self.flush_rows}; it must be at least 1.")

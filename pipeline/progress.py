@@ -39,6 +39,9 @@ class Rate:
         return (v1 - v0) / (t1 - t0) if t1 > t0 else 0.0
 
 
+MAX_SAMPLES = 2000
+
+
 class Progress:
     def __init__(self, total: int, initial: int, log_every: float, is_tty: Optional[bool] = None,
                  clock: Callable[[], float] = time.monotonic):
@@ -57,6 +60,10 @@ class Progress:
         self.forecast_eta: Optional[float] = None
         self.deadline_left: Optional[float] = None
         self.deadline_at_risk = False
+        # The job's story over time, for `overnight report`: a sample at each forecast (every 2 s), thinned to
+        # every other one whenever MAX_SAMPLES is reached, so a night's run keeps ~1,000-2,000 points.
+        self.samples: list[dict] = []
+        self.sample_every = 0.0
         if self.is_tty:
             from tqdm import tqdm
 
@@ -74,13 +81,26 @@ class Progress:
             self.bar.set_postfix_str(self.postfix(), refresh=False)
         elif now - self.last_log >= self.log_every:
             self.last_log = now
-            log.info(self.line())
+            log.info(self.line(), extra={"counters": self.counters()})
 
     def set_forecast(self, eta_s: Optional[float], deadline_left_s: Optional[float], at_risk: bool) -> None:
         """The deadline tracker's ETA (from predicted tokens) replaces the row-rate estimate."""
         self.forecast_eta = eta_s
         self.deadline_left = deadline_left_s
         self.deadline_at_risk = at_risk
+        self.sample()
+
+    def sample(self) -> None:
+        now = time.time()
+        if self.samples and now - self.samples[-1]["t"] < self.sample_every:
+            return
+        self.samples.append({"t": round(now, 3), "rows_done": self.done, "output_tokens": self.tokens,
+                             "output_tokens_per_s": round(self.token_rate.per_second(), 2),
+                             "eta_s": self.eta_seconds(), "deadline_left_s": self.deadline_left,
+                             "at_risk": self.deadline_at_risk})
+        if len(self.samples) >= MAX_SAMPLES:
+            self.samples = self.samples[::2]
+            self.sample_every = 2 * max(self.sample_every, 1.0)
 
     def postfix(self) -> str:
         text = f"{self.token_rate.per_second():.0f} tok/s, ETA {fmt_duration(self.eta_seconds())}"
@@ -100,6 +120,12 @@ class Progress:
     def line(self) -> str:
         pct = 100.0 * self.done / self.total if self.total else 100.0
         return f"{self.done}/{self.total} rows ({pct:.0f}%), {self.postfix().replace('tok/s', 'output tok/s', 1)}"
+
+    def counters(self) -> dict:
+        """What a progress line says, as numbers (the JSON log lines carry them)."""
+        return {"rows_done": self.done, "rows_total": self.total,
+                "output_tokens_per_s": round(self.token_rate.per_second(), 2), "eta_s": self.eta_seconds(),
+                "deadline_left_s": self.deadline_left, "deadline_at_risk": self.deadline_at_risk}
 
     def close(self) -> None:
         if self.bar is not None:

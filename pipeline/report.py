@@ -113,6 +113,14 @@ class Reporter:
         self.tracker = tracker
         self.progress = progress
         self.num_parts_written = 0
+        # Earlier attempts' samples (a resumed job's story goes on), the last 2,000 of them.
+        attempt = len(job.manifest["attempts"])
+        self.earlier = [s for s in job.out.read_timeline() if s.get("attempt", 0) < attempt][-2000:]
+        out = job.cfg.output
+        self.metrics = None
+        if out.metrics_file or out.metrics_port:
+            from overnight.pipeline.output.metrics import Metrics
+            self.metrics = Metrics(out.metrics_file, out.metrics_port, job.out.shown())
 
     def on_flush(self, results, path: str) -> None:
         """After each part: the manifest's counts and a fresh status snapshot."""
@@ -121,7 +129,15 @@ class Reporter:
         m["counts"] = self._counts()
         m["updated_at"] = mf.now_iso()
         self.job.out.write_manifest(m)
-        self.job.out.write_status(self.status(mf.RunState.RUNNING, None))
+        self._publish(self.status(mf.RunState.RUNNING, None))
+
+    def _publish(self, status: dict) -> None:
+        self.job.out.write_status(status)
+        self.progress.sample()
+        self.job.out.write_timeline(self.earlier + [dict(s, attempt=len(self.job.manifest["attempts"]))
+                                                    for s in self.progress.samples])
+        if self.metrics is not None:
+            self.metrics.update(status)
 
     def _counts(self) -> dict:
         return self.tally.counts(self.job.scan.num_parts + self.num_parts_written)
@@ -165,7 +181,7 @@ class Reporter:
         status = self.status(state, exit_code, message)
         try:
             self.job.out.write_manifest(m)
-            self.job.out.write_status(status)
+            self._publish(status)
         except Exception as e:
             log.error("could not write the manifest or status file: %s", e)
         return summary(self.tally, self.job.run_id, self.job.out.shown(), state, exit_code, message,

@@ -21,14 +21,21 @@ def test_json_stdout_and_quiet_stderr_with_the_real_engine(tmp_path, model_path)
     inp = tmp_path / "in.parquet"
     pq.write_table(real_prompts(6), inp)
     args = ["run", str(inp), "--max-tokens", "8", "--kv-cache-space", "1", "--json"]
-    quiet = subprocess.run([*overnight_cmd(), *args, "--out", str(tmp_path / "a")], capture_output=True, text=True,
-                           timeout=600)
+    metrics = tmp_path / "job.prom"
+    quiet = subprocess.run([*overnight_cmd(), *args, "--out", str(tmp_path / "a"), "--metrics-file", str(metrics)],
+                           capture_output=True, text=True, timeout=600)
     assert quiet.returncode == 0, quiet.stderr[-3000:]
     summary = json.loads(quiet.stdout)            # stdout is one JSON document and nothing else
     assert summary["state"] == "completed" and summary["num_ok"] == 6
     lines = [ln for ln in quiet.stderr.splitlines() if ln.strip()]
     assert lines and all(" overnight " in ln for ln in lines), quiet.stderr   # only overnight's own lines
     assert not [n for n in NOISE if n in quiet.stderr]
+    assert 'overnight_rows{job="' in metrics.read_text() and 'state="completed"} 1.0' in metrics.read_text()
+    # the report of the real run: every plot, embedded
+    report = subprocess.run([*overnight_cmd(), "report", str(tmp_path / "a"), "--html", str(tmp_path / "r.html")],
+                            capture_output=True, text=True, timeout=300)
+    assert report.returncode == 0, report.stderr
+    assert (tmp_path / "r.html").read_text().count("data:image/png;base64,") == 6
 
     loud = subprocess.run([*overnight_cmd(), "-v", *args, "--out", str(tmp_path / "b")], capture_output=True,
                           text=True, timeout=600)

@@ -59,6 +59,8 @@ SAMPLES = {
     "--flush-rows": ("50", 50),
     "--flush-seconds": ("5", 5.0),
     "--log-every": ("9", 9.0),
+    "--metrics-file": ("m.prom", "m.prom"),
+    "--metrics-port": ("9300", 9300),
     "--shard": ("1/4", "1/4"),
     "--shards": ("4", 4),
     "--workers": ("3", 3),

@@ -3,6 +3,7 @@
     OUT/parts/part-00000.parquet ...   finished rows; a part exists whole or not at all
     OUT/manifest.json                  the run: id, resolved config, fingerprint, counts, state, attempts
     OUT/status.json                    the latest progress snapshot (rows, tokens/s, ETA, exit code)
+    OUT/timeline.json                  progress over time: a sample every few seconds, for `overnight report`
 
 The parts are the truth. A kill between writing a part and updating the
 manifest leaves the manifest's counts stale; the next start recounts them
@@ -29,6 +30,7 @@ from overnight.pipeline.output.storage import (StorageError, join, read_text, re
 PART_RE = re.compile(r"^part-(\d{5,})\.parquet$")
 MANIFEST = "manifest.json"
 STATUS = "status.json"
+TIMELINE = "timeline.json"
 PARTS = "parts"
 # Part rows turned into keys at a time by OutputDir.scan.
 SCAN_CHUNK_ROWS = 65536
@@ -265,11 +267,19 @@ class OutputDir:
     def write_status(self, status: dict) -> None:
         self._write(self.path(STATUS), json.dumps(status, indent=2, default=str).encode())
 
+    def read_timeline(self) -> list:
+        text = read_text(self.fs, self.path(TIMELINE))
+        return json.loads(text) if text else []
+
+    def write_timeline(self, samples: list) -> None:
+        """The run's progress over time (``overnight report`` plots it), one attempt after another."""
+        self._write(self.path(TIMELINE), json.dumps(samples, default=str).encode())
+
     def clear(self) -> None:
         """Remove what overnight wrote here (parts, manifest, status), for --fresh."""
         for p in self.part_paths():
             self.fs.rm(p)
-        for name in (MANIFEST, STATUS):
+        for name in (MANIFEST, STATUS, TIMELINE):
             if self.fs.exists(self.path(name)):
                 self.fs.rm(self.path(name))
 

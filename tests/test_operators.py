@@ -1,0 +1,102 @@
+"""For the people who run it: JSON log lines, Prometheus metrics, `overnight report` (its HTML rendered in
+headless Chromium where the machine has it), through the command a user runs, with the echo engine."""
+
+from __future__ import annotations
+
+import base64
+import json
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from conftest import overnight_cmd
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+
+
+def write_input(folder: Path, files: int = 3, rows: int = 60) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    for f in range(files):
+        ids = [f"f{f}-{i}" for i in range(rows)]
+        prompts = [("word " * (i % 9 + 1)) + f"{f} {i}" if i % 17 else None for i in range(rows)]  # some errors
+        pq.write_table(pa.table({"id": ids, "prompt": prompts}), folder / f"p{f}.parquet")
+    return folder
+
+
+def overnight(*args, check=True, **kw):
+    done = subprocess.run([*overnight_cmd(), *args], capture_output=True, text=True, timeout=300, **kw)
+    if check:
+        assert done.returncode == 0, done.stderr[-3000:]
+    return done
+
+
+def test_log_format_json_puts_one_object_on_each_stderr_line(tmp_path, tiny_model):
+    inp = write_input(tmp_path / "in")
+    done = overnight("--log-format", "json", "run", str(inp), "--out", str(tmp_path / "out"), "--engine", "echo",
+                     "--echo-step-ms", "20", "--max-num-seqs", "8", "--log-every", "0.5", "--model", tiny_model)
+    lines = [json.loads(ln) for ln in done.stderr.splitlines() if ln.strip()]
+    assert lines and all({"time", "level", "message"} <= set(d) for d in lines)
+    progress = [d for d in lines if "counters" in d]
+    assert progress and progress[-1]["counters"]["rows_total"] == 180
+    assert done.stdout.startswith("overnight: done:")   # stdout keeps the summary
+
+
+def test_metrics_file_in_prometheus_text_format(tmp_path, tiny_model):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    metrics = tmp_path / "overnight.prom"
+    inp = write_input(tmp_path / "in")
+    overnight("run", str(inp), "--out", str(tmp_path / "out"), "--engine", "echo", "--model", tiny_model,
+              "--metrics-file", str(metrics), "--time-budget", "1h", "--flush-rows", "20")
+    samples = {(s.name, s.labels.get("state")): s.value
+               for fam in text_string_to_metric_families(metrics.read_text()) for s in fam.samples}
+    assert samples[("overnight_rows", "done")] == 180 and samples[("overnight_rows", "remaining")] == 0
+    assert samples[("overnight_rows", "error")] == 12   # rows 0, 17, 34, 51 of each file have no prompt
+    assert samples[("overnight_state", "completed")] == 1 and samples[("overnight_exit_code", None)] == 0
+    assert samples[("overnight_engine_restarts", None)] == 0
+    assert 0 < samples[("overnight_deadline_slack_seconds", None)] <= 3600
+    assert samples[("overnight_output_tokens_per_second", None)] > 0
+
+
+def test_report_of_a_sharded_job_with_every_plot(tmp_path, tiny_model):
+    inp = write_input(tmp_path / "in")
+    out = tmp_path / "out"
+    for k in range(3):
+        overnight("run", str(inp), "--out", str(out), "--engine", "echo", "--echo-step-ms", "10", "--model",
+                  tiny_model, "--shard", f"{k}/3", "--time-budget", "10m")
+    html_path, png_dir = tmp_path / "report.html", tmp_path / "png"
+    overnight("report", str(out), "--html", str(html_path), "--png", str(png_dir))
+    text = html_path.read_text()
+    images = re.findall(r"src='data:image/png;base64,([^']+)'", text)
+    names = sorted(p.stem for p in png_dir.glob("*.png"))
+    assert names == sorted(["progress", "forecast", "lengths", "buckets", "latency", "errors"])
+    assert len(images) == len(names)
+    for data in images:
+        png = base64.b64decode(data)
+        assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 2000
+    assert "http" not in text.replace("http-equiv", "")      # nothing to fetch: it opens offline
+    assert "Kendall&#x27;s tau" in text or "Kendall's tau" in text
+    assert "empty prompt" in text or "error" in text
+    for lane in ("0/3", "1/3", "2/3"):   # one lane per shard in the progress plot's legend is drawn from these
+        assert (out / "shards" / f"0000{lane[0]}-of-00003" / "timeline.json").exists()
+    if CHROMIUM:
+        _renders_in_chromium(html_path, len(images), tmp_path)
+
+
+def _renders_in_chromium(html_path: Path, n: int, tmp_path: Path) -> None:
+    """Every plot decodes and lays out in a real browser: the page reports its loaded images in its title."""
+    probe = tmp_path / "probe.html"
+    probe.write_text(html_path.read_text().replace(
+        "</body>", "<script>window.onload=()=>{document.title='loaded '+[...document.images].filter("
+                   "i=>i.complete&&i.naturalWidth>100).length}</script></body>"))
+    flags = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+             "--disable-background-networking", "--disable-component-update", "--disable-sync",
+             f"--user-data-dir={tmp_path / 'chromium'}", "--virtual-time-budget=5000"]
+    dom = subprocess.run([CHROMIUM, *flags, "--dump-dom", probe.as_uri()], capture_output=True, text=True,
+                         timeout=120).stdout
+    assert f"<title>loaded {n}</title>" in dom
