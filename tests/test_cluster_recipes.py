@@ -13,9 +13,12 @@ from pathlib import Path
 import duckdb
 import pyarrow as pa
 import pyarrow.parquet as pq
+import pytest
 import yaml
 
 from conftest import REPO, overnight_cmd
+
+pytestmark = pytest.mark.slow
 
 CLUSTER = REPO / "examples" / "cluster"
 

@@ -16,6 +16,8 @@ import pytest
 
 from conftest import overnight_cmd
 
+pytestmark = pytest.mark.slow
+
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 
 

@@ -17,6 +17,8 @@ import pytest
 
 from conftest import overnight_cmd
 
+pytestmark = pytest.mark.slow
+
 ray = pytest.importorskip("ray")
 
 from overnight.pipeline.cluster.ray_job import run_on_ray  # noqa: E402

@@ -205,6 +205,7 @@ def test_a_rerun_with_nothing_to_do_starts_no_engine(tmp_path, cfg):
 
 # -- three shards as three processes, one killed --------------------------------------------------------
 
+@pytest.mark.slow
 def test_three_shard_processes_one_killed_rerun_exactly_once(tmp_path, tiny_model):
     inp = write_input(tmp_path / "in", [120, 130, 140, 150, 160, 170], row_group_size=40)
     out = tmp_path / "out"
