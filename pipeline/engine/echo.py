@@ -22,7 +22,7 @@ class EchoEngine:
     supports_priority = True
 
     def __init__(self, max_num_seqs: int = 64, max_model_len: int = 2048,
-                 length_of: Optional[Callable[[list], int]] = None, step_sleep: float = 0.0):
+                 length_of: Optional[Callable[[list], int]] = None, step_sleep: float = 0.0, record: bool = True):
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
         self.kv_cache_tokens = None
@@ -32,9 +32,13 @@ class EchoEngine:
         self.waiting: dict[str, dict] = {}
         self._queue: list = []  # (priority, arrival, request id), as vLLM's priority queue
         self.running: dict[str, dict] = {}
+        # What was added and aborted, and each request's priority, for tests to read; off for `--engine echo`,
+        # where they would grow with the rows (10M rows: some 1.5 GB).
+        self.record = record
         self.added: list[str] = []
         self.aborted: list[str] = []
         self.priorities: dict[str, int] = {}
+        self._arrivals = 0
         self.num_steps = 0
         self.step_total = 0.0  # seconds spent inside step(): the engine's share of a run's wall time
 
@@ -44,15 +48,17 @@ class EchoEngine:
         from overnight.pipeline.input.stage import FALLBACK_CONTEXT
 
         return cls(max_num_seqs=cfg.max_num_seqs, max_model_len=cfg.max_model_len or FALLBACK_CONTEXT,
-                   step_sleep=cfg.echo_step_ms / 1000)
+                   step_sleep=cfg.echo_step_ms / 1000, record=False)
 
     def add(self, request_id, prompt_token_ids, sampling, priority=0):
         target = min(sampling["max_tokens"], self.length_of(prompt_token_ids))
         self.waiting[request_id] = {"n": len(prompt_token_ids), "target": target, "done": 0,
                                     "length": target == sampling["max_tokens"]}
-        heapq.heappush(self._queue, (priority, len(self.added), request_id))
-        self.added.append(request_id)
-        self.priorities[request_id] = priority
+        heapq.heappush(self._queue, (priority, self._arrivals, request_id))
+        self._arrivals += 1
+        if self.record:
+            self.added.append(request_id)
+            self.priorities[request_id] = priority
 
     def step(self):
         t0 = time.perf_counter()
@@ -84,7 +90,8 @@ class EchoEngine:
         for rid in request_ids:
             self.waiting.pop(rid, None)
             self.running.pop(rid, None)
-            self.aborted.append(rid)
+            if self.record:
+                self.aborted.append(rid)
 
     def has_unfinished(self):
         return bool(self.waiting or self.running)
