@@ -45,20 +45,29 @@ def tune(input_path, config_file, batched_tokens, seqs, sample, time_limit, save
     from overnight.pipeline.output.storage import url_to_fs, write_atomic
     from overnight.pipeline.tools.tune import preset_yaml, tune as run_tune
 
+    import functools
+    import logging
+
+    from overnight.pipeline.streams import filtered_stderr, reserved_stdout
+
     b, s = int_list(batched_tokens), int_list(seqs)
     cfg = build_config(input_path, None, config_file, options)
-    report = run_tune(cfg, b, s, sample, parse_budget(time_limit), echo=click.echo)
-    for bt, sq in report.skipped:
-        click.echo(f"max_num_batched_tokens={bt} max_num_seqs={sq}: skipped (time limit)")
-    best = report.best
-    if best is None:
-        raise click.ClickException("No setting ran successfully; see the messages above.")
-    click.echo(f"best: max_num_batched_tokens={best.max_num_batched_tokens} max_num_seqs={best.max_num_seqs} "
-               f"at {best.tokens_per_s:.1f} output tok/s")
-    text = preset_yaml(report, cfg, cfg.input.path)
-    if save_to:
-        fs, path = url_to_fs(save_to)
-        write_atomic(fs, path, text.encode())
-        click.echo(f"preset written to {save_to}")
-    else:
-        click.echo(text, nl=False)
+    verbose = logging.getLogger("overnight").isEnabledFor(logging.DEBUG)
+    # stdout: only tune's own table and preset; what vLLM prints goes to stderr (without the noise unless -v)
+    with filtered_stderr(verbose), reserved_stdout() as stdout:
+        echo = functools.partial(click.echo, file=stdout)
+        report = run_tune(cfg, b, s, sample, parse_budget(time_limit), echo=echo)
+        for bt, sq in report.skipped:
+            echo(f"max_num_batched_tokens={bt} max_num_seqs={sq}: skipped (time limit)")
+        best = report.best
+        if best is None:
+            raise click.ClickException("No setting ran successfully; see the messages above.")
+        echo(f"best: max_num_batched_tokens={best.max_num_batched_tokens} max_num_seqs={best.max_num_seqs} "
+             f"at {best.tokens_per_s:.1f} output tok/s")
+        text = preset_yaml(report, cfg, cfg.input.path)
+        if save_to:
+            fs, path = url_to_fs(save_to)
+            write_atomic(fs, path, text.encode())
+            echo(f"preset written to {save_to}")
+        else:
+            echo(text, nl=False)

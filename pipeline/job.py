@@ -85,6 +85,7 @@ def open_job(cfg: JobConfig, fresh: bool = False, now: Optional[float] = None) -
 
 
 def _open_locked(cfg, fresh, source, out, model, fields, lock, deadline_at, margin_s) -> OpenJob:
+    _check_other_shards(cfg, source, out, fields)
     previous = out.read_manifest()
     if fresh:
         if previous or out.part_paths():
@@ -97,11 +98,6 @@ def _open_locked(cfg, fresh, source, out, model, fields, lock, deadline_at, marg
         raise OutputError(f"{out.url} holds result parts but no manifest.json, so they cannot be trusted for a "
                           f"resume. Pass --fresh to discard them, or choose another --out.")
 
-    for d, m in read_manifests(cfg.output.path):  # the other shards of this job ran with the same settings
-        if m is not None and d.out.root != out.root and m.get("fingerprint") != mf.fingerprint(fields):
-            raise OutputError(f"Shard {d.label} of this job in {cfg.output.path} ran with other settings "
-                              f"({mf.differences(m, fields)}); every shard of a job must run with the same "
-                              f"settings. Rerun with theirs, or choose another --out.")
     id_name = cfg.input.id_column
     scan = out.scan(id_name) if previous is not None else Scan()
     passthrough = [source.schema.field(c) for c in source.passthrough_columns()]
@@ -110,6 +106,7 @@ def _open_locked(cfg, fresh, source, out, model, fields, lock, deadline_at, marg
     if source.shard is not None:
         input_info["shard"] = str(source.shard)
         input_info["split"] = source.selection.how
+        input_info["listing"] = source.listing_digest()
     cfg_dict = cfg.to_dict()
     cfg_dict["input"]["path"] = redact(cfg_dict["input"]["path"] or "")
     cfg_dict["output"]["path"] = redact(cfg_dict["output"]["path"] or "")
@@ -120,6 +117,27 @@ def _open_locked(cfg, fresh, source, out, model, fields, lock, deadline_at, marg
     out.write_manifest(manifest)
     return OpenJob(cfg, source, out, model, scan, schema, manifest, deadline_at, margin_s, lock,
                    lazy_engine=scan.num_done > 0)
+
+
+def _check_other_shards(cfg, source, out, fields) -> None:
+    """Every shard of a job runs with the same settings, over the same input listing (the split is computed
+    from it: a file added or grown would move rows between shards, whose resumes are their own)."""
+    if source.shard is None:
+        return
+    listing = source.listing_digest()
+    for d, m in read_manifests(cfg.output.path):
+        if m is None or d.shard is None:
+            continue
+        if d.out.root != out.root and m.get("fingerprint") != mf.fingerprint(fields):
+            raise OutputError(f"Shard {d.label} of this job in {cfg.output.path} ran with other settings "
+                              f"({mf.differences(m, fields)}); every shard of a job must run with the same "
+                              f"settings. Rerun with theirs, or choose another --out.")
+        theirs = m.get("input", {}).get("listing")
+        if theirs and theirs != listing:
+            raise OutputError(f"The input {source.url} has changed since shard {d.label} of this job ran (files "
+                              f"or row groups were added, removed or rewritten). The shards split the input by "
+                              f"its listing, so a change would move rows between shards: finish the job with the "
+                              f"input as it was, or run the new input into another --out.")
 
 
 def resolve_deadline(sc, now: float) -> tuple[Optional[float], float]:

@@ -81,7 +81,7 @@ class Runner:
             sys.setswitchinterval(min(interval, 0.001))
             self.signals.install()
             cfg, model = self.job.cfg, self.job.model
-            if not self.job.lazy_engine:
+            if not (self.job.lazy_engine and model.context_known):  # a guessed context: ask the engine
                 model = model.with_context(self._start_engine().max_model_len)
             self.reader = Prefetcher(prepare(cfg, self.job.source, model, self.annotator, self.resume,
                                              self.job.source.passthrough_columns(), self.tally))
@@ -127,9 +127,17 @@ class Runner:
         return self.engine
 
     def _has_work(self) -> bool:
-        """On a resume, read until a row is left to answer: a rerun that finds all done starts no engine."""
+        """On a resume, read until a row is left to answer: a rerun that finds all done starts no engine. The
+        lock's heartbeat goes on meanwhile, and a signal or the deadline ends the wait."""
         while not self.scheduler.num_pending:
-            batch = self.reader.get(block=True)
+            batch = self.reader.get(block=True, timeout=TICK_S)
+            if self.job.lock is not None:
+                self.job.lock.heartbeat()
+            if batch is None and not self.reader.is_exhausted:
+                if self.signals.first or self.tracker.should_stop():
+                    self.stopping = f"interrupted by {self.signals.first}" if self.signals.first else "deadline reached"
+                    return False
+                continue
             if batch is None:
                 log.info("every row is already done: the engine is not started")
                 return False

@@ -102,3 +102,28 @@ def _renders_in_chromium(html_path: Path, n: int, tmp_path: Path) -> None:
     dom = subprocess.run([CHROMIUM, *flags, "--dump-dom", probe.as_uri()], capture_output=True, text=True,
                          timeout=120).stdout
     assert f"<title>loaded {n}</title>" in dom
+
+
+def test_metrics_port_serves_while_the_job_runs(tmp_path, tiny_model):
+    import socket
+    import time
+    import urllib.request
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    inp = write_input(tmp_path / "in")
+    proc = subprocess.Popen([*overnight_cmd(), "run", str(inp), "--out", str(tmp_path / "out"), "--engine", "echo",
+                             "--echo-step-ms", "50", "--max-num-seqs", "4", "--flush-rows", "4", "--model",
+                             tiny_model, "--metrics-port", str(port)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    body, deadline = "", time.time() + 120
+    while time.time() < deadline and 'state="done"' not in body:
+        try:
+            body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2).read().decode()
+        except OSError:
+            time.sleep(0.3)
+    proc.terminate()
+    proc.communicate(timeout=120)
+    assert 'overnight_rows{job=' in body and 'overnight_state{job="' in body
+    assert 'state="running"} 1.0' in body    # scraped mid-run

@@ -62,7 +62,8 @@ def test_units_cover_the_input_in_order_many_more_than_workers():
 def test_two_workers_share_the_units_and_answer_each_id_once(tmp_path, cfg, local_ray):
     inp = write_input(tmp_path / "in", 2, 400, 50)
     out = tmp_path / "out"
-    c = cfg(inp, out, engine={"kind": "echo", "echo_step_ms": 10, "max_num_seqs": 16},
+    # about 12 s of engine time for one worker, so that both are up long before the units run out
+    c = cfg(inp, out, engine={"kind": "echo", "echo_step_ms": 20, "max_num_seqs": 8},
             sampling={"max_tokens": 6})
     s = run_on_ray(c, False, 2, is_tty=False)
     assert (s.state, s.exit_code, s.num_done, s.num_rows) == ("completed", 0, 800, 800)
@@ -90,12 +91,14 @@ def test_a_killed_worker_loses_nothing(tmp_path, cfg, local_ray):
 
     def kill_when_writing(actors):
         def go():
-            parts = out / "workers" / "w00000" / "parts"
             deadline = time.time() + 60
-            while time.time() < deadline and len(list(parts.glob("part-*.parquet"))) < 3:
-                time.sleep(0.1)
-            ray.kill(actors[0], no_restart=False)  # Ray restarts it; the driver requeues its units
-            killed.append(time.time())
+            while time.time() < deadline:
+                for i in range(len(actors)):  # the first worker to have written 3 parts, mid-run
+                    if len(list((out / "workers" / f"w{i:05d}" / "parts").glob("part-*.parquet"))) >= 3:
+                        ray.kill(actors[i], no_restart=False)  # Ray restarts it; its units go back to the queue
+                        killed.append(i)
+                        return
+                time.sleep(0.05)
         threading.Thread(target=go, daemon=True).start()
 
     s = run_on_ray(c, False, 2, is_tty=False, on_started=kill_when_writing)
@@ -135,6 +138,10 @@ def test_sigterm_to_the_driver_drains_every_worker_and_exits_75(tmp_path, tiny_m
         if status.exists() and json.loads(status.read_text() or "{}").get("rows", {}).get("done", 0) >= 8:
             break
         time.sleep(0.2)
+    running = json.loads(subprocess.run([*overnight_cmd(), "status", str(out), "--json"], capture_output=True,
+                                        text=True, check=True).stdout)
+    assert running["state"] == "running" and running["workers"] == 2 and running["rows_total"] == 800
+    assert {w["state"] for w in running["per_shard"]} <= {"running", "not started"}
     proc.send_signal(signal.SIGTERM)
     stdout, stderr = proc.communicate(timeout=120)
     assert proc.returncode == 75, stderr[-3000:]
@@ -143,6 +150,9 @@ def test_sigterm_to_the_driver_drains_every_worker_and_exits_75(tmp_path, tiny_m
     ids = ids_in(out)
     assert 0 < len(ids) < 800 and len(ids) == len(set(ids))
     assert json.loads(status.read_text())["exit_code"] == 75
+    after = json.loads(subprocess.run([*overnight_cmd(), "status", str(out), "--json"], capture_output=True,
+                                      text=True, check=True).stdout)
+    assert after["state"] == "interrupted" and after["exit_code"] == 75
 
 
 def test_workers_the_cluster_has_no_room_for_are_not_waited_for(tmp_path, cfg, local_ray, caplog):

@@ -33,7 +33,7 @@ from overnight.pipeline.report import EXIT_ENGINE, EXIT_FAILED, EXIT_PARTIAL, Su
 log = logging.getLogger("overnight")
 
 POLL_S = 1.0          # how often the driver looks at its workers
-NAMESPACE, COORDINATOR = "overnight", "overnight-coordinator"
+NAMESPACE = "overnight"
 MAX_ACTOR_RESTARTS = 3
 
 
@@ -57,10 +57,15 @@ class Coordinator:
         self.statuses: dict[int, dict] = {}
         self.deaths = 0
         self.started: set[int] = set()  # worker actors the cluster found room for
+        self.incarnations: dict[int, str] = {}
 
-    def hello(self, worker: int) -> None:
-        """A worker actor was placed and constructed."""
+    def hello(self, worker: int, incarnation: str, folder: str) -> None:
+        """A worker actor was placed and constructed. A new incarnation of a worker (Ray restarted it) means the
+        old one died: what it held goes back to the queue."""
         self.started.add(worker)
+        if self.incarnations.get(worker, incarnation) != incarnation:
+            self.release(worker, folder)
+        self.incarnations[worker] = incarnation
 
     def next(self, worker: int) -> Optional[Unit]:
         if self.stop_reason or not self.pending:
@@ -146,10 +151,16 @@ class ReportingOutputDir(OutputDir):
         self.coordinator.report.remote(self.index, status)
 
 
+def jobmod_deadline(sc) -> float:
+    """The job's absolute deadline (the driver made it one), as seconds since the epoch."""
+    from overnight.pipeline.scheduling.deadline import parse_deadline
+    return parse_deadline(sc.deadline, 0.0)
+
+
 class Worker:
     """One engine (a Ray actor). Each ``run`` is an attempt of overnight's own loop over the units it pulls."""
 
-    def __init__(self, cfg: JobConfig, index: int, num_workers: int):
+    def __init__(self, cfg: JobConfig, index: int, num_workers: int, coordinator: str, files: list):
         if cfg.engine.kind == "vllm" and cfg.engine.cpu_threads_bind is None and not _ray().get_gpu_ids():
             # vLLM on CPUs: each worker binds its own cores, so that workers on one machine do not contend.
             cores = os.cpu_count() or 1
@@ -158,12 +169,15 @@ class Worker:
             bind = str(first) if per == 1 else f"{first}-{min(cores, first + per) - 1}"
             cfg = dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, cpu_threads_bind=bind))
         self.cfg, self.index = cfg, index
-        self.coordinator = _ray().get_actor(COORDINATOR, namespace=NAMESPACE)
-        self.coordinator.hello.remote(index)
+        self.files = files  # the driver's listing: units name its files by index
+        import uuid
+
+        self.coordinator = _ray().get_actor(coordinator, namespace=NAMESPACE)
+        self.coordinator.hello.remote(index, uuid.uuid4().hex, worker_out(cfg.output.path, index).url)
         # What the engine and its libraries print goes to stderr, which Ray forwards to the driver's stderr:
         # the driver's stdout carries only its summary (or --json's one document).
         os.dup2(2, 1)
-        self._seen: dict[str, set] = {}
+        self._seen: dict = {}
         logging.getLogger("overnight").setLevel(logging.WARNING)  # the driver speaks for the job
 
     def run(self) -> dict:
@@ -172,6 +186,11 @@ class Worker:
         from overnight.pipeline.runner import Runner
 
         ray = _ray()
+        sc = self.cfg.scheduler
+        if sc.deadline and jobmod_deadline(sc) <= time.time():  # it started after the job's deadline
+            return {"state": "partial", "exit_code": EXIT_PARTIAL, "message": "deadline reached", "num_ok": 0,
+                    "num_error": 0, "num_resumed": 0, "num_duplicates": 0, "num_output_tokens": 0,
+                    "output_tokens_per_s": 0.0, "elapsed_s": 0.0}
         job = self._open(lambda: ray.get(self.coordinator.next.remote(self.index)))
         runner = Runner(job, EngineSupervisor(factory_for(self.cfg), job), is_tty=False)
         runner.signals = RemoteStop(self.coordinator)
@@ -184,15 +203,14 @@ class Worker:
             self.coordinator.finished.remote(self.index)
         return dataclasses.asdict(summary)
 
-    def _ids_in(self, mark: str) -> set:
-        """The ids written in a dead worker's folder, read once per death (``folder#n``)."""
+    def ping(self) -> bool:
+        return True
+
+    def _done_in(self, mark: str):
+        """What a dead worker's folder holds (``folder#n``: read once per death), as a Scan of compact keys."""
         if mark not in self._seen:
-            import pyarrow.parquet as pq
-            out, ids = OutputDir(mark.rsplit("#", 1)[0]), set()
-            for p in out.part_paths():
-                with out.fs.open(p, "rb") as f:
-                    ids.update(pq.read_table(f, columns=[self.cfg.input.id_column]).column(0).to_pylist())
-            self._seen[mark] = ids
+            from overnight.pipeline.output.checkpoint import Scan
+            self._seen = {mark: OutputDir(mark.rsplit("#", 1)[0]).scan(self.cfg.input.id_column, into=Scan())}
         return self._seen[mark]
 
     def _open(self, next_unit):
@@ -203,7 +221,8 @@ class Worker:
         from overnight.pipeline.output.checkpoint import Scan
 
         cfg = self.cfg
-        source = UnitSource(cfg.input, next_unit, self._ids_in)
+        source = UnitSource(cfg.input, next_unit, self._done_in)
+        source.files = self.files
         out = ReportingOutputDir(worker_out(cfg.output.path, self.index).url, self.coordinator, self.index)
         model = open_model(cfg)
         fields = mf.fingerprint_fields(cfg, model.requested, model.chat)
@@ -216,9 +235,9 @@ class Worker:
             if d.worker is not None and d.out.root != out.root:
                 d.out.scan(cfg.input.id_column, into=merged)
         if merged.num_parts:
-            out.scan(cfg.input.id_column, into=merged)
+            out.scan(cfg.input.id_column, into=merged)  # the ids of every folder; the counts stay this folder's
             for name in ("num_ok", "num_error", "num_output_tokens", "num_parts", "next_index"):
-                setattr(merged, name, getattr(own, name))  # counts are this folder's; the ids, all of them
+                setattr(merged, name, getattr(own, name))
             job.scan = merged
         return job
 
@@ -262,17 +281,23 @@ def run_on_ray(cfg: JobConfig, fresh: bool, workers: int, address: Optional[str]
             ray.init(address=address, num_cpus=cpus, include_dashboard=False, log_to_driver=True,
                      configure_logging=False)
         driver = Driver(ray, wcfg, units, total, workers, root, lock, deadline_at, started, is_tty,
-                        cfg.output.log_every_seconds)
+                        cfg.output.log_every_seconds, source.files)
         return driver.run(on_started)
     finally:
         lock.release()
 
 
 class Driver:
-    def __init__(self, ray, cfg, units, total, workers, root, lock, deadline_at, started, is_tty, log_every):
+    def __init__(self, ray, cfg, units, total, workers, root, lock, deadline_at, started, is_tty, log_every, files):
+        import uuid
+
         self.ray, self.cfg, self.total, self.num_workers = ray, cfg, total, workers
         self.root, self.lock, self.deadline_at, self.started = root, lock, deadline_at, started
-        self.coordinator = ray.remote(Coordinator).options(num_cpus=0, name=COORDINATOR,
+        self.files = files
+        # Names of this job's actors: unique, so that jobs may share a cluster.
+        self.prefix = f"overnight-{uuid.uuid4().hex[:8]}"
+        self.coordinator_name = f"{self.prefix}-coordinator"
+        self.coordinator = ray.remote(Coordinator).options(num_cpus=0, name=self.coordinator_name,
                                                            namespace=NAMESPACE).remote(units)
         # Rows done in each worker folder: from the manifests at the start, then from each worker's status.
         self.done_in = {d.worker: (d.out.read_manifest() or {}).get("counts", {}).get("num_done", 0)
@@ -290,8 +315,8 @@ class Driver:
         tp = self.cfg.engine.tensor_parallel_size
         opts = {"num_gpus": tp} if gpus >= tp else {"num_cpus": 1}
         cls = ray.remote(Worker).options(max_restarts=MAX_ACTOR_RESTARTS, max_task_retries=0,
-                                         name=f"overnight-w{i:05d}", namespace=NAMESPACE, **opts)
-        return cls.remote(self.cfg, i, self.num_workers)
+                                         name=f"{self.prefix}-w{i:05d}", namespace=NAMESPACE, **opts)
+        return cls.remote(self.cfg, i, self.num_workers, self.coordinator_name, self.files)
 
     def run(self, on_started=None) -> Summary:
         ray = self.ray
@@ -311,17 +336,28 @@ class Driver:
                     try:
                         results[i] = ray.get(ref)
                         failures.pop(i, None)
-                    except ray.exceptions.RayActorError as e:
-                        n = ray.get(self.coordinator.release.remote(i, worker_out(self.cfg.output.path, i).url))
+                    except ray.exceptions.ActorUnavailableError as e:
+                        # Restarting, or unreachable for now and maybe still working: ask again. A restarted
+                        # worker's new incarnation gives back what the dead one held (Coordinator.hello).
                         restarts += 1
-                        log.warning(f"worker w{i} was lost ({type(e).__name__}); its {n} units go back to the "
-                                    f"queue and what it wrote is kept")
+                        log.warning(f"worker w{i} is unavailable ({type(e).__name__}); asking it again")
                         if restarts <= MAX_ACTOR_RESTARTS * self.num_workers:
-                            calls[actors[i].run.remote()] = i  # Ray restarts the actor; it resumes
+                            calls[actors[i].run.remote()] = i
+                    except ray.exceptions.RayActorError as e:
+                        restarts += 1
+                        if self._restarted(actors[i]):  # its new incarnation gave back what it held (hello)
+                            log.warning(f"worker w{i} was lost ({type(e).__name__}) and restarted; its units go "
+                                        f"back to the queue and what it wrote is kept")
+                            calls[actors[i].run.remote()] = i
+                        else:
+                            n = ray.get(self.coordinator.release.remote(i, worker_out(self.cfg.output.path, i).url))
+                            log.warning(f"worker w{i} was lost for good ({type(e).__name__}); its {n} units go "
+                                        f"back to the queue and what it wrote is kept")
                     except ray.exceptions.RayTaskError as e:
                         n = ray.get(self.coordinator.release.remote(i, worker_out(self.cfg.output.path, i).url))
-                        failures[i] = str(e.cause if hasattr(e, "cause") else e).splitlines()[0]
-                        log.error(f"worker w{i} failed ({failures[i]}); its {n} units go back to the queue")
+                        cause = getattr(e, "cause", None) or e
+                        failures[i] = (type(cause).__name__, str(cause).strip().splitlines()[0])
+                        log.error(f"worker w{i} failed ({failures[i][1]}); its {n} units go back to the queue")
                     self._rerun_idle(calls, actors, results, failures)
                 self._drop_unplaced(calls, actors)
                 self._tick()
@@ -334,12 +370,26 @@ class Driver:
             for a in actors + [self.coordinator]:  # their names are free for the next run on this cluster
                 ray.kill(a)
 
+    def _restarted(self, actor) -> bool:
+        """Whether Ray brought a lost worker back (it answers), rather than giving it up."""
+        try:
+            self.ray.get(actor.ping.remote(), timeout=120)
+            return True
+        except (self.ray.exceptions.RayActorError, self.ray.exceptions.GetTimeoutError):
+            return False
+
     def _drop_unplaced(self, calls, actors) -> None:
-        """Once no unit is left to hand out, workers that never started (the cluster had no room for them) are
-        not waited for."""
+        """Workers the cluster had no room for are not waited for once no work is left for them: every unit is
+        done, the job stopped, or no placed worker is left to go on."""
         pending, held, started = self.ray.get(self.coordinator.idle.remote())
         waiting = [ref for ref, i in calls.items() if i not in started]
-        if pending or held or not waiting:
+        placed_running = len(calls) - len(waiting)
+        stopped = self.signals or self.ray.get(self.coordinator.stop_state.remote())[0] or (
+            self.deadline_at is not None and time.time() >= self.deadline_at)
+        # Wait for them while work is left and the job still runs (a placed worker at it, or none placed yet);
+        # not after a stop.
+        keep_waiting = not stopped and bool(pending or held) and bool(placed_running or not started)
+        if not waiting or keep_waiting:
             if waiting and time.time() - self.started > 60 and not self.warned_unplaced:
                 self.warned_unplaced = True
                 log.warning(f"{len(waiting)} of {self.num_workers} workers have not started after 60 s: the Ray "
@@ -408,8 +458,7 @@ class Driver:
         pending, statuses = self.ray.get(self.coordinator.snapshot.remote())
         done = self._done_now(statuses)
         states = [r["state"] for r in results.values()]
-        complete = not pending and bool(states) and all(s == "completed" for s in states) and not any(
-            i in failures for i in results)
+        complete = not pending and bool(states) and all(s == "completed" for s in states) and not failures
         stop = self.ray.get(self.coordinator.stop_state.remote())[0]
         left = max(0, self.total - done)
         if complete:
@@ -420,9 +469,11 @@ class Driver:
                                   "stopped")
             message = f"{reason}: {left} rows not done; rerun the same command to continue"
         elif failures:
-            state, code = "failed", EXIT_ENGINE
-            message = (f"workers failed ({'; '.join(sorted(set(failures.values())))}); {left} rows not done; the "
-                       f"rows they finished are saved, rerun to continue")
+            engine = all(kind == "EngineError" for kind, _ in failures.values())
+            state, code = "failed", (EXIT_ENGINE if engine else EXIT_FAILED)
+            what = "; ".join(sorted({m for _, m in failures.values()}))
+            message = (f"{what}; {left} rows not done" + ("; the rows finished are saved, rerun to continue"
+                                                           if engine else ""))
         else:
             state, code, message = "failed", EXIT_FAILED, f"{left} rows not done; rerun to continue"
         self.root.write_status(self._status(state, code, statuses, pending, 0.0 if complete else None, message))
@@ -438,7 +489,8 @@ class Driver:
                        elapsed_s=round(elapsed, 3),
                        output_tokens_per_s=round(this_attempt / elapsed, 2) if elapsed else 0.0,
                        message=message, extra={"workers": {f"w{i}": r["state"] for i, r in sorted(results.items())},
-                                               "worker_restarts": restarts, "failures": failures})
+                                               "worker_restarts": restarts,
+                                               "failures": {f"w{i}": m for i, (_, m) in failures.items()}})
 
     # -- signals ---------------------------------------------------------------------------------
     def _install_signals(self) -> dict:

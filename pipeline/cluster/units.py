@@ -62,10 +62,10 @@ class UnitSource(ParquetSource):
     """The input as a worker sees it: units pulled one at a time from ``next_unit``; ``on_unit`` hears the rows
     of each unit taken."""
 
-    def __init__(self, cfg, next_unit: Callable[[], Optional[Unit]], id_column_of: Callable[[str], set]):
+    def __init__(self, cfg, next_unit: Callable[[], Optional[Unit]], id_column_of: Callable[[str], object]):
         super().__init__(cfg)
         self.next_unit = next_unit
-        self.done_in = id_column_of  # the ids already written in a dead worker's folder ("folder#n")
+        self.done_in = id_column_of  # a Scan of what a dead worker's folder holds ("folder#n")
         self.on_unit: Callable[[int], None] = lambda n: None
         self.rows_taken = 0
         self.sees_every_row = False  # its resume must not call the ids other workers wrote "removed"
@@ -82,24 +82,39 @@ class UnitSource(ParquetSource):
                 return
             self.rows_taken += unit.num_rows
             self.on_unit(unit.num_rows)
-            skip: set = set()
-            for folder in unit.recheck:
-                skip |= self.done_in(folder)
+            dead = [self.done_in(mark) for mark in unit.recheck]
             for sb in self._read(iter(unit.fragments), columns):
-                sb = _without(sb, skip, self.cfg.id_column if self.has_id_column else None) if skip else sb
+                for scan in dead:
+                    sb = _without(sb, scan, self.cfg.id_column if self.has_id_column else None)
+                    if sb is None:
+                        break
                 if sb is not None:
                     yield sb
 
 
-def _without(sb: SourceBatch, skip: set, id_column: Optional[str]) -> Optional[SourceBatch]:
+def _without(sb: SourceBatch, scan, id_column: Optional[str]) -> Optional[SourceBatch]:
+    """The rows of ``sb`` that ``scan`` (a dead worker's folder) does not hold: by id, or for a row without
+    one by its origin, as the error row written for it is matched."""
+    import numpy as np
     import pyarrow as pa
 
+    from overnight.pipeline.idkeys import keys_of
+
     n = sb.batch.num_rows
-    ids = sb.batch.column(id_column).to_pylist() if id_column else [None] * n
-    keep = [i for i in range(n) if (ids[i] if ids[i] is not None else f"{sb.file.name}#{sb.row_number(i)}")
-            not in skip]
-    if not keep:
+    origins = pa.array([f"{sb.file.name}#{sb.row_number(i)}" for i in range(n)])
+    ids = sb.batch.column(id_column) if id_column else origins
+    keys, checks, valid = keys_of(ids)
+    done = np.zeros(n, bool)
+    rows = np.flatnonzero(valid)
+    if len(rows) and len(scan.done):
+        done[rows] = scan.done.find(keys[rows], checks[rows]) >= 0
+    null = np.flatnonzero(~valid)
+    if len(null) and len(scan.null_origins):
+        ok, oc, _ = keys_of(origins.take(pa.array(null)))
+        done[null] = scan.null_origins.contains(ok, oc)
+    keep = np.flatnonzero(~done)
+    if not len(keep):
         return None
     if len(keep) == n:
         return sb
-    return SourceBatch(sb.file, sb.start, sb.batch.take(pa.array(keep)), [sb.row_number(i) for i in keep])
+    return SourceBatch(sb.file, sb.start, sb.batch.take(pa.array(keep)), [sb.row_number(int(i)) for i in keep])

@@ -50,12 +50,13 @@ class Prefetcher:
                 continue
         return False
 
-    def get(self, block: bool) -> Optional[object]:
-        """The next item; None when none is ready (block=False) or the input is exhausted."""
+    def get(self, block: bool, timeout: Optional[float] = None) -> Optional[object]:
+        """The next item; None when none is ready (block=False, or after ``timeout`` seconds) or the input is
+        exhausted."""
         if self.is_exhausted:
             return None
         try:
-            item = self._queue.get(block=block)
+            item = self._queue.get(block=block, timeout=timeout if block else None)
         except queue.Empty:
             return None
         if isinstance(item, _End):

@@ -173,6 +173,12 @@ class ParquetSource:
                                  f"(columns: {', '.join(schema.names)}). Fix --passthrough.")
 
     # -- properties --------------------------------------------------------------------------
+    def listing_digest(self) -> str:
+        """The input listing a split is computed from (names, row groups): a shard refuses a changed one."""
+        import hashlib
+        text = "\n".join(f"{f.name}:{','.join(map(str, f.row_groups))}" for f in self.files)
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
     @property
     def has_id_column(self) -> bool:
         return self.cfg.id_column in self.schema.names
@@ -265,7 +271,9 @@ class ParquetSource:
                                              use_threads=False):
                     first, start = start, start + batch.num_rows
                     if hi is not None:  # a slice of the row group: keep the rows in [lo, hi)
-                        if start <= lo or first >= hi:
+                        if first >= hi:
+                            break
+                        if start <= lo:
                             continue
                         batch = batch.slice(max(0, lo - first), min(hi, start) - max(lo, first))
                         first = max(lo, first)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any, Iterator, Optional
 
 from overnight.pipeline.config import JobConfig
 from overnight.pipeline.input.prompts import PromptBuilder, has_chat_template
@@ -37,6 +37,9 @@ class OpenModel:
     # Longest prompt + output: engine.max_model_len, else the model's own context. A running engine's own
     # value replaces it (see with_context).
     max_model_len: int
+    # False when max_model_len is a guess (FALLBACK_CONTEXT: a hub model, an unreadable config.json): then
+    # only a running engine can say, and prompts are checked against the engine's.
+    context_known: bool = True
 
     @property
     def requested(self) -> str:
@@ -66,18 +69,22 @@ def open_model(cfg: JobConfig) -> OpenModel:
     if chat and not has_chat_template(tokenizer):
         raise ModelError(f"Model {model.requested} has no chat template, so --chat cannot apply one. "
                          f"Run with --no-chat to send prompts as plain text.")
-    return OpenModel(model, tokenizer, chat, cfg.engine.max_model_len or model_context(model))
+    own = None if cfg.engine.max_model_len else model_context(model)
+    return OpenModel(model, tokenizer, chat, cfg.engine.max_model_len or own or FALLBACK_CONTEXT,
+                     context_known=bool(cfg.engine.max_model_len or own))
 
 
-def model_context(model: ResolvedModel) -> int:
-    """The model's own context length, from its config.json (what vLLM uses when max_model_len is unset)."""
+def model_context(model: ResolvedModel) -> Optional[int]:
+    """The model's own context length, from its config.json (what vLLM uses when max_model_len is unset);
+    None when it cannot be read here (a hub model)."""
     if model.is_hub:
-        return FALLBACK_CONTEXT
+        return None
     try:
         with open(os.path.join(model.path, "config.json")) as f:
-            return int(json.load(f).get("max_position_embeddings") or FALLBACK_CONTEXT)
+            value = json.load(f).get("max_position_embeddings")
+        return int(value) if value else None
     except (OSError, ValueError):
-        return FALLBACK_CONTEXT
+        return None
 
 
 def prepare(cfg: JobConfig, source: ParquetSource, model: OpenModel, annotator=None, resume=None,
@@ -88,14 +95,18 @@ def prepare(cfg: JobConfig, source: ParquetSource, model: OpenModel, annotator=N
     leaves out rows already done and duplicate ids; tally: counts rows read and predicted tokens."""
     builder = PromptBuilder(model.tokenizer, model.chat, cfg.prompt.system_prompt, model.max_model_len)
     defaults = sampling_defaults(cfg.sampling)
-    for sb in source.batches():
-        if tally is not None:
-            tally.num_read += sb.batch.num_rows
-        if resume is not None:
-            # Whole batches at once, before the per-row parse: a rerun over rows already done parses none.
-            sb = resume.filter(sb, cfg.input)
-            if sb is None:
-                continue
+    def read():
+        for sb in source.batches():
+            if tally is not None:
+                tally.num_read += sb.batch.num_rows
+            yield sb
+
+    batches = read()
+    if resume is not None:
+        # Whole batches at once (some 16k rows), before the per-row parse: a rerun over rows already done parses
+        # none of them in Python.
+        batches = resume.filter_batches(batches, cfg.input)
+    for sb in batches:
         parsed, errors = parse_batch(sb, cfg.input, defaults, passthrough)
         rows, texts, bad = builder.build(parsed)
         if annotator is not None:

@@ -23,12 +23,12 @@ def _is_running(out: OutputDir) -> bool:
     return holder is not None and not lock.is_stale(holder)
 
 
-def shard_status(d) -> dict:
+def shard_status(d, lock_of: OutputDir) -> dict:
     st, m = d.out.read_status() or {}, d.out.read_manifest() or {}
     state = st.get("state") or m.get("state") or "not started"
     if m.get("state") == "running" and state != "running":
         state = "running"  # a new attempt began; its first status is written at its first flush
-    if state == "running" and not _is_running(d.out):
+    if state == "running" and not _is_running(lock_of):
         state = "stopped"
     rows = st.get("rows", {})
     counts = m.get("counts", {})
@@ -48,10 +48,13 @@ def job_status(url: str) -> dict:
     if not out.fs.exists(out.root):
         raise OutputError(f"Output folder {url} does not exist. Pass the --out folder of a run.")
     dirs = job_dirs(url)
+    driver = out.read_status() if not any(d.shard is None and d.worker is None for d in dirs) else None
+    if driver and "workers" in driver:
+        return _ray_status(out, dirs, driver)
     if not dirs:
         raise OutputError(f"{url} holds no overnight job (no manifest.json or parts/, at its top or in shards/). "
                           f"Pass the --out folder of a run.")
-    shards = [shard_status(d) for d in dirs]
+    shards = [shard_status(d, d.out) for d in dirs]
     n = max((d.shard.n for d in dirs if d.shard is not None), default=None)
     if n is not None:
         present = {d.shard.k for d in dirs if d.shard is not None}
@@ -80,10 +83,28 @@ def job_status(url: str) -> dict:
             "per_shard": shards}
 
 
+def _ray_status(out: OutputDir, dirs, driver: dict) -> dict:
+    """A job on Ray workers: the driver's status for the whole, each worker's folder for its line. The workers
+    run while the driver holds OUT's lock."""
+    state = driver.get("state", "running")
+    if state == "running" and not _is_running(out):
+        state = "stopped"
+    rows = driver.get("rows", {})
+    workers = [shard_status(d, out) for d in dirs if d.worker is not None]
+    for w in workers:
+        w["rows_total"] = w["rows_left"] = None  # a worker's share is whatever units it took
+    return {"out": out.shown(), "state": state, "shards": None, "workers": driver.get("workers"),
+            "rows_total": rows.get("total"), "rows_done": rows.get("done", 0), "rows_left": rows.get("remaining"),
+            "output_tokens_per_s": driver.get("output_tokens_per_s") if state == "running" else None,
+            "eta_s": driver.get("eta_s"), "exit_code": driver.get("exit_code"), "per_shard": workers}
+
+
 def status_lines(s: dict) -> list[str]:
     total = "?" if s["rows_total"] is None else s["rows_total"]
     left = "?" if s["rows_left"] is None else s["rows_left"]
     head = f"{s['out']}: {s['state']}"
+    if s.get("workers"):
+        head += f", {s['workers']} Ray workers"
     if s["shards"]:
         counts: dict = {}
         for p in s["per_shard"]:
