@@ -31,6 +31,7 @@ _M1, _M2 = U64(0xFF51AFD7ED558CCD), U64(0xC4CEB9FE1A85EC53)  # MurmurHash3's fmi
 _S1, _S2 = U64(0xBF58476D1CE4E5B9), U64(0x94D049BB133111EB)  # splitmix64
 _SEED_A, _SEED_B = U64(0x6F766572_6E696768), U64(0x74206B65_79732121)
 _MUL_B = U64(0xC2B2AE3D27D4EB4F)
+CHUNK = 65536  # keys placed at a time when a table grows
 # MASKS[r]: the low r bytes of a word (r = 0..8)
 _MASKS = np.array([(1 << (8 * r)) - 1 for r in range(8)] + [(1 << 64) - 1], dtype=U64)
 
@@ -284,11 +285,10 @@ class KeyTable:
         if (self.size + n) > self.num_buckets * self.SLOTS * self.MAX_LOAD:
             self._grow(self.size + n)
         slots = self._place(keys)
-        flat = slots
-        self.keys.reshape(-1)[flat] = keys
-        self.checks.reshape(-1)[flat] = checks
+        self.keys.reshape(-1)[slots] = keys
+        self.checks.reshape(-1)[slots] = checks
         if self.values is not None and values is not None:
-            self.values.reshape(-1)[flat] = values
+            self.values.reshape(-1)[slots] = values
         self.size += n
         return slots
 
@@ -300,8 +300,10 @@ class KeyTable:
         if len(new):
             first = first_of_each(keys[new], checks[new])
             ins = new[first]
-            self.insert_new(keys[ins], checks[ins])
-            slots[new] = self.find(keys[new], checks[new])
+            slots[ins] = self.insert_new(keys[ins], checks[ins])
+            if len(first) < len(new):  # a pair repeated within keys: its later copies find the first
+                again = np.flatnonzero(slots < 0)
+                slots[again] = self.find(keys[again], checks[again])
         if self.values is not None and values is not None:
             self.values.reshape(-1)[slots] = values
         return slots
@@ -339,10 +341,11 @@ class KeyTable:
         flags = self.flags[occ] if self.flags is not None else None
         self._alloc(max(self.bits + 1, self._bits_for(need)))
         self.size = 0
-        if len(keys):
-            slots = self.insert_new(keys, checks, values)
+        for s in range(0, len(keys), CHUNK):  # in chunks: a sort of 64k keys stays in the cache
+            e = s + CHUNK
+            slots = self.insert_new(keys[s:e], checks[s:e], None if values is None else values[s:e])
             if flags is not None:
-                self.flags.reshape(-1)[slots] = flags
+                self.flags.reshape(-1)[slots] = flags[s:e]
 
     # -- per slot --------------------------------------------------------------------------------
     def value_at(self, slots: np.ndarray) -> np.ndarray:
@@ -360,6 +363,9 @@ def first_of_each(keys: np.ndarray, checks: np.ndarray) -> np.ndarray:
     """Indices of the first occurrence of each distinct (key, check) pair, in ascending order."""
     n = len(keys)
     if n < 2:
+        return np.arange(n)
+    k = np.sort(keys)
+    if not (k[1:] == k[:-1]).any():  # the usual case: no key twice
         return np.arange(n)
     order = np.lexsort((np.arange(n), checks, keys))
     k, c = keys[order], checks[order]

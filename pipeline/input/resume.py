@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
-from typing import Optional
+from typing import Iterable, Iterator, Optional
 
 import numpy as np
 import pyarrow as pa
@@ -33,6 +33,36 @@ from overnight.pipeline.tally import Tally
 log = logging.getLogger("overnight")
 
 MET = 1  # flag of a done id: this pass has met it in the input
+GROUP_ROWS = 16384  # input rows filtered at a time by filter_batches
+
+
+class _Group:
+    """Consecutive source batches filtered as one: row r of the group is row r - offsets[j] of batch j."""
+
+    def __init__(self, batches: list[SourceBatch], offsets: np.ndarray):
+        self.batches = batches
+        self.offsets = offsets
+        self.num_rows = int(offsets[-1])
+        self._columns: dict = {}
+
+    def column(self, name: str) -> pa.Array:
+        if name not in self._columns:
+            cols = [sb.batch.column(name) for sb in self.batches]
+            self._columns[name] = cols[0] if len(cols) == 1 else pa.concat_arrays(cols)
+        return self._columns[name]
+
+    def locate(self, r: int) -> tuple[SourceBatch, int]:
+        j = int(np.searchsorted(self.offsets, r, side="right")) - 1
+        return self.batches[j], r - int(self.offsets[j])
+
+    def origin(self, r: int) -> str:
+        sb, i = self.locate(r)
+        return f"{sb.file.name}#{sb.row_number(i)}"
+
+    def split(self, rows: np.ndarray) -> list[tuple[SourceBatch, np.ndarray]]:
+        """Group rows (ascending) as (batch, its row indices), batch by batch."""
+        j = np.searchsorted(self.offsets, rows, side="right") - 1
+        return [(self.batches[b], rows[j == b] - self.offsets[b]) for b in np.unique(j)]
 
 
 class ResumeFilter:
@@ -49,14 +79,37 @@ class ResumeFilter:
         """The rows of ``sb`` still to answer (``sb`` itself when that is all of them), or None when none is.
 
         cfg: the InputConfig (id, prompt and messages columns)."""
-        batch = sb.batch
-        n = batch.num_rows
+        return self._filter_group([sb], cfg)[0]
+
+    def filter_batches(self, batches: Iterable[SourceBatch], cfg) -> Iterator[SourceBatch]:
+        """``filter`` over a stream of batches, in order, leaving out those with no row left.
+
+        Batch by batch while rows are kept, so nothing is read ahead of need (a source that hands out work as
+        it is asked, as Ray workers' does, is asked no sooner); while whole batches are done, in growing groups
+        up to some 16k rows, so a rerun over rows already done pays the array work's fixed cost once a group."""
+        group: list[SourceBatch] = []
+        rows, target = 0, 0
+        for sb in batches:
+            group.append(sb)
+            rows += sb.batch.num_rows
+            if rows >= target:
+                kept = [k for k in self._filter_group(group, cfg) if k is not None]
+                target = 0 if kept else min(GROUP_ROWS, 2 * rows)
+                group, rows = [], 0
+                yield from kept
+        if group:
+            yield from (k for k in self._filter_group(group, cfg) if k is not None)
+
+    def _filter_group(self, group: list[SourceBatch], cfg) -> list[Optional[SourceBatch]]:
+        rows_in = [sb.batch.num_rows for sb in group]
+        g = _Group(group, np.cumsum([0] + rows_in))
+        n = g.num_rows
         if n == 0:
-            return None
-        if cfg.id_column in batch.schema.names:
-            ids = batch.column(cfg.id_column)
+            return [None] * len(group)
+        if cfg.id_column in group[0].batch.schema.names:
+            ids = g.column(cfg.id_column)
         else:
-            ids = self._origins(sb, np.arange(n))
+            ids = pa.concat_arrays([self._origins(sb, np.arange(sb.batch.num_rows)) for sb in group])
         keys, checks, valid = keys_of(ids)
         keep = np.zeros(n, bool)
 
@@ -65,7 +118,7 @@ class ResumeFilter:
         if len(rows):
             first = rows[first_of_each(keys[rows], checks[rows])]
             dup[rows] = True
-            dup[first] = False  # a later row of the batch with the same id is a duplicate
+            dup[first] = False  # a later row with the same id is a duplicate
             slots = self.done.find(keys[first], checks[first])
             done = slots >= 0
             met = np.zeros(len(first), bool)
@@ -76,7 +129,7 @@ class ResumeFilter:
             if resumed.any():
                 self.done.set_flags(slots[resumed], MET)
                 self.tally.num_resumed += int(resumed.sum())
-                self._check_prompts(sb, cfg, first[resumed], self.done.value_at(slots[resumed]))
+                self._check_prompts(g, cfg, first[resumed], self.done.value_at(slots[resumed]))
             fresh = first[~done]
             if len(fresh):
                 seen = self.seen.contains(keys[fresh], checks[fresh])
@@ -88,29 +141,33 @@ class ResumeFilter:
             # A null id becomes an error row, matched by its origin: kept unless a part holds that error.
             null = np.flatnonzero(~valid)
             if len(self.scan.null_origins):
-                ok, oc, _ = keys_of(self._origins(sb, null))
+                origins = pa.concat_arrays([self._origins(sb, i) for sb, i in g.split(null)])
+                ok, oc, _ = keys_of(origins)
                 keep[null[~self.scan.null_origins.contains(ok, oc)]] = True
             else:
                 keep[null] = True
         if dup.any():
-            self._warn_duplicates(sb, ids, np.flatnonzero(dup))
-        if keep.all():
-            return sb
-        idx = np.flatnonzero(keep)
-        if not len(idx):
-            return None
-        return SourceBatch(sb.file, sb.start, batch.take(pa.array(idx)),
-                           [sb.row_number(int(i)) for i in idx])
+            self._warn_duplicates(g, ids, np.flatnonzero(dup))
+        out: list[Optional[SourceBatch]] = []
+        for j, sb in enumerate(group):
+            k = keep[g.offsets[j]:g.offsets[j + 1]]
+            if k.all():
+                out.append(sb)
+                continue
+            idx = np.flatnonzero(k)
+            out.append(None if not len(idx) else SourceBatch(
+                sb.file, sb.start, sb.batch.take(pa.array(idx)), [sb.row_number(int(i)) for i in idx]))
+        return out
 
     # -- reports ---------------------------------------------------------------------------------
-    def _warn_duplicates(self, sb: SourceBatch, ids, rows: np.ndarray) -> None:
+    def _warn_duplicates(self, g: "_Group", ids, rows: np.ndarray) -> None:
         before = self.tally.num_duplicates
         self.tally.num_duplicates += len(rows)
-        for i in rows[:max(0, 5 - before)]:
+        for r in rows[:max(0, 5 - before)]:
             log.warning("duplicate id %r at %s: the first row with this id is kept, this one is skipped",
-                        ids[int(i)].as_py(), f"{sb.file.name}#{sb.row_number(int(i))}")
+                        ids[int(r)].as_py(), g.origin(int(r)))
 
-    def _check_prompts(self, sb: SourceBatch, cfg, rows: np.ndarray, old: np.ndarray) -> None:
+    def _check_prompts(self, g: "_Group", cfg, rows: np.ndarray, old: np.ndarray) -> None:
         """Count (and warn about the first 5) resumed rows whose prompt changed since their result was written.
 
         A plain prompt's hash is BLAKE2b of its UTF-8 bytes, computed here from the column's bytes; a row with a
@@ -119,14 +176,13 @@ class ResumeFilter:
         if not has.any():
             return
         rows, old = rows[has], old[has]
-        batch = sb.batch
-        names = batch.schema.names
+        names = g.batches[0].batch.schema.names
         plain = np.ones(len(rows), bool)
         if cfg.messages_column in names:
-            msgs = batch.column(cfg.messages_column)
+            msgs = g.column(cfg.messages_column)
             if msgs.null_count < len(msgs):
                 plain &= np.asarray(msgs.is_null(), dtype=bool)[rows]
-        prompts = batch.column(cfg.prompt_column) if cfg.prompt_column in names else None
+        prompts = g.column(cfg.prompt_column) if cfg.prompt_column in names else None
         if prompts is None:
             plain[:] = False
         elif prompts.null_count:
@@ -146,18 +202,19 @@ class ResumeFilter:
             same[plain] = np.frombuffer(digests, dtype=">u8").astype(U64) == old[plain]
         unsure = np.flatnonzero(~same)
         if len(unsure):
-            self._check_parsed(sb, cfg, rows[unsure], old[unsure])
+            self._check_parsed(g, cfg, rows[unsure], old[unsure])
 
-    def _check_parsed(self, sb: SourceBatch, cfg, rows: np.ndarray, old: np.ndarray) -> None:
+    def _check_parsed(self, g: "_Group", cfg, rows: np.ndarray, old: np.ndarray) -> None:
         from overnight.pipeline.input.validate import parse_batch
 
-        sub = SourceBatch(sb.file, sb.start, sb.batch.take(pa.array(rows)), [sb.row_number(int(i)) for i in rows])
-        parsed, errors = parse_batch(sub, cfg, {}, [])
-        now = {p.origin: (p.id, p.prompt_hash) for p in parsed}
-        for e in errors:
-            now[e.error.split(": ", 1)[0]] = (e.id, e.prompt_hash)
-        for i, was in zip(rows.tolist(), old.tolist()):
-            origin = f"{sb.file.name}#{sb.row_number(i)}"
+        now = {}
+        for sb, idx in g.split(rows):
+            sub = SourceBatch(sb.file, sb.start, sb.batch.take(pa.array(idx)), [sb.row_number(int(i)) for i in idx])
+            parsed, errors = parse_batch(sub, cfg, {}, [])
+            now.update((p.origin, (p.id, p.prompt_hash)) for p in parsed)
+            now.update((e.error.split(": ", 1)[0], (e.id, e.prompt_hash)) for e in errors)
+        for r, was in zip(rows.tolist(), old.tolist()):
+            origin = g.origin(r)
             row_id, new = now.get(origin, (None, None))
             was_hex = u64_to_hex16(was)
             if not new or new == was_hex:

@@ -95,14 +95,18 @@ def prepare(cfg: JobConfig, source: ParquetSource, model: OpenModel, annotator=N
     leaves out rows already done and duplicate ids; tally: counts rows read and predicted tokens."""
     builder = PromptBuilder(model.tokenizer, model.chat, cfg.prompt.system_prompt, model.max_model_len)
     defaults = sampling_defaults(cfg.sampling)
-    for sb in source.batches():
-        if tally is not None:
-            tally.num_read += sb.batch.num_rows
-        if resume is not None:
-            # Whole batches at once, before the per-row parse: a rerun over rows already done parses none.
-            sb = resume.filter(sb, cfg.input)
-            if sb is None:
-                continue
+    def read():
+        for sb in source.batches():
+            if tally is not None:
+                tally.num_read += sb.batch.num_rows
+            yield sb
+
+    batches = read()
+    if resume is not None:
+        # Whole batches at once (some 16k rows), before the per-row parse: a rerun over rows already done parses
+        # none of them in Python.
+        batches = resume.filter_batches(batches, cfg.input)
+    for sb in batches:
         parsed, errors = parse_batch(sb, cfg.input, defaults, passthrough)
         rows, texts, bad = builder.build(parsed)
         if annotator is not None:

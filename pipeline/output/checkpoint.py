@@ -152,6 +152,28 @@ class Scan:
         return found
 
 
+def _footer_says(meta, names: list[str], id_column: str) -> tuple[bool, bool]:
+    """(every row's status is "ok", no id is null), as far as a part's footer statistics tell; False where
+    they do not."""
+    try:
+        index = _COLUMN_INDEX.get(tuple(names))
+        if index is None:
+            index = _COLUMN_INDEX[tuple(names)] = {meta.schema.column(i).path: i for i in range(meta.num_columns)}
+        all_ok = no_nulls = True
+        for g in range(meta.num_row_groups):
+            rg = meta.row_group(g)
+            st = rg.column(index["status"]).statistics if "status" in index else None
+            all_ok = all_ok and st is not None and st.has_min_max and st.null_count == 0 and st.min == st.max == "ok"
+            ids = rg.column(index[id_column]).statistics if id_column in index else None
+            no_nulls = no_nulls and ids is not None and ids.has_null_count and ids.null_count == 0
+        return all_ok, no_nulls
+    except Exception:  # statistics are an optimisation: without them both columns are read
+        return False, False
+
+
+_COLUMN_INDEX: dict = {}
+
+
 class OutputDir:
     def __init__(self, url: str):
         self.url = url.rstrip("/") or url
@@ -181,47 +203,65 @@ class OutputDir:
         """Read the id, status, token and prompt_hash columns of every completed part, adding them to ``into``
         when given (a job can scan several folders into one Scan), else to a new Scan.
 
-        Parts are read one at a time, and their ids are turned into keys some 64k rows at a time, so 10M rows in
-        10k parts take seconds and some 20 bytes an id (see ``pipeline/idkeys.py``)."""
+        Parts are read one at a time and their ids turned into keys some 64k rows at a time (10M rows in 10k
+        parts: seconds, and some 35 bytes an id; see ``pipeline/idkeys.py``). A part whose footer says every
+        row is "ok" and no id is null is read without its status and error columns."""
         import pyarrow.compute as pc
         import pyarrow.parquet as pq
 
         scan = into if into is not None else Scan()
         paths = self.part_paths()
-        chunk: list[pa.Table] = []
+        ids: list = []
+        hashes: list = []
+        tokens: list = []
+        statuses: list = []
         rows = 0
 
         def flush() -> None:
-            nonlocal chunk, rows
-            if not chunk:
+            nonlocal ids, hashes, tokens, statuses, rows
+            if not ids:
                 return
-            t = pa.concat_tables(chunk, promote_options="permissive") if len(chunk) > 1 else chunk[0]
-            chunk, rows = [], 0
-            ok = pc.sum(pc.equal(t.column("status"), "ok")).as_py() or 0
-            scan.num_ok += ok
-            scan.num_error += t.num_rows - ok
-            scan.num_output_tokens += int(pc.sum(t.column("output_tokens")).as_py() or 0)
-            hashes = t.column("prompt_hash") if "prompt_hash" in t.column_names else None
-            scan.add_rows(t.column(id_column), hashes, t.column("error"))
+            cat = (lambda xs: xs[0] if len(xs) == 1 else pa.concat_arrays(xs))
+            for st in statuses:
+                ok = pc.sum(pc.equal(st, "ok")).as_py() or 0
+                scan.num_ok += ok
+                scan.num_error += len(st) - ok
+            scan.num_output_tokens += int(pc.sum(cat(tokens)).as_py() or 0)
+            scan.add_rows(cat(ids), cat(hashes))
+            ids, hashes, tokens, statuses, rows = [], [], [], [], 0
 
         for p in paths:
             try:
                 with self.fs.open(p, "rb") as f:
                     pf = pq.ParquetFile(f, pre_buffer=False)
                     names = pf.schema_arrow.names
-                    cols = [id_column, "status", "output_tokens", "error"] + (
-                        ["prompt_hash"] if "prompt_hash" in names else [])
-                    missing = [c for c in cols if c not in names]
-                    if missing:
-                        raise KeyError(f"no column {missing[0]!r}")
+                    if id_column not in names or "output_tokens" not in names or "status" not in names:
+                        missing = next(c for c in (id_column, "output_tokens", "status") if c not in names)
+                        raise KeyError(f"no column {missing!r}")
+                    all_ok, no_null_ids = _footer_says(pf.metadata, names, id_column)
+                    cols = [id_column, "output_tokens"] + (["prompt_hash"] if "prompt_hash" in names else []) + (
+                        [] if all_ok else ["status"]) + ([] if no_null_ids or "error" not in names else ["error"])
                     t = pf.read(columns=cols, use_threads=False)
             except (pa.ArrowInvalid, OSError, KeyError) as e:
                 raise OutputError(f"Part {unstrip(self.fs, p)} cannot be read ({e}). Delete it and rerun: "
                                   f"its rows will be processed again.") from None
-            if chunk and (t.schema.field(id_column).type != chunk[0].schema.field(id_column).type
-                          or ("prompt_hash" in t.column_names) != ("prompt_hash" in chunk[0].column_names)):
+            id_col = t.column(id_column).combine_chunks()
+            if ids and id_col.type != ids[0].type:
                 flush()
-            chunk.append(t)
+            if not no_null_ids and id_col.null_count:
+                null = pc.is_null(id_col)
+                errors = t.column("error").filter(null).to_pylist() if "error" in t.column_names else []
+                origins = [e.split(": ", 1)[0] for e in errors if e]
+                if origins:
+                    scan.add_null_origins(origins)
+            ids.append(id_col)
+            hashes.append(t.column("prompt_hash").combine_chunks() if "prompt_hash" in t.column_names
+                          else pa.nulls(t.num_rows, pa.string()))
+            tokens.append(t.column("output_tokens").combine_chunks())
+            if "status" in t.column_names:
+                statuses.append(t.column("status").combine_chunks())
+            else:
+                scan.num_ok += t.num_rows
             rows += t.num_rows
             if rows >= SCAN_CHUNK_ROWS:
                 flush()
