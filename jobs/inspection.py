@@ -14,8 +14,10 @@ from overnight.jobs.options import user_errors
 @click.option("--sql", help="Query to run; the results are in a view named `results`.")
 @click.option("--format", "fmt", type=click.Choice(["table", "csv", "json"]), default="table",
               show_default=True, help="How to print query results.")
+@click.option("--price-per-hour", type=click.FloatRange(min=0),
+              help="What an engine-hour costs, for the cost line [default: the run's --price-per-hour].")
 @user_errors
-def inspect_cmd(out: str, sql: str, fmt: str) -> None:
+def inspect_cmd(out: str, sql: str, fmt: str, price_per_hour) -> None:
     """Summarise an output folder, or query it with SQL through DuckDB.
 
     The view `results` holds every completed part (one row per input id).
@@ -44,5 +46,5 @@ def inspect_cmd(out: str, sql: str, fmt: str) -> None:
         else:
             click.echo(render(columns, rows, csv=(fmt == "csv")))
         return
-    for line in summary_lines(con, m):
+    for line in summary_lines(con, m, price_per_hour):
         click.echo(line)

@@ -222,6 +222,9 @@ OUTPUT = [
         "Write Prometheus metrics here at every flush (for node_exporter's textfile collector)."),
     Opt("--metrics-port", "output.metrics_port", "Serve Prometheus metrics on this port while the job runs.",
         type=click.IntRange(min=1, max=65535)),
+    Opt("--price-per-hour", "output.price_per_hour", "What an engine-hour costs (e.g. a GPU's hourly price): "
+                                                     "the summary, status and inspect show the cost.",
+        type=click.FloatRange(min=0)),
 ]
 
 CLUSTER = [

@@ -233,6 +233,8 @@ class OutputConfig:
     metrics_file: Optional[str] = None
     # Serve the same metrics over HTTP on this port while the job runs.
     metrics_port: Optional[int] = None
+    # What an hour of the engine costs (a GPU's price): status, the summary and inspect show the job's cost.
+    price_per_hour: Optional[float] = None
 
     def __post_init__(self) -> None:
         _check(self.flush_rows >= 1, f"output.flush_rows is {self.flush_rows}; it must be at least 1.")

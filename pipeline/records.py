@@ -77,6 +77,8 @@ class Result:
     finished_at: Optional[float] = None
     error: Optional[str] = None
     prompt_hash: Optional[str] = None
+    # The row's share of the engine's time: each step it ran in, divided by the rows in that step.
+    engine_seconds: Optional[float] = None
 
     @classmethod
     def failed(cls, id: Any, passthrough: dict, error: str, at: Optional[float] = None) -> "Result":
@@ -90,7 +92,8 @@ class Result:
                                                    f"start", time.time())
 
     @classmethod
-    def from_engine(cls, row: Row, fin: Finished, queued_at: float) -> "Result":
+    def from_engine(cls, row: Row, fin: Finished, queued_at: float,
+                    engine_seconds: Optional[float] = None) -> "Result":
         return cls(
             id=row.id,
             passthrough=row.passthrough,
@@ -105,11 +108,13 @@ class Result:
             first_token_at=fin.first_token_at,
             finished_at=fin.finished_at,
             prompt_hash=row.prompt_hash,
+            engine_seconds=engine_seconds,
         )
 
 
 RESULT_FIELDS = (
     "text", "finish_reason", "prompt_tokens", "output_tokens", "predicted_tokens", "bucket",
-    "queued_at", "first_token_at", "finished_at", "status", "error", "prompt_hash", "run_id", "model",
+    "queued_at", "first_token_at", "finished_at", "status", "error", "prompt_hash", "engine_seconds", "run_id",
+    "model",
 )
 

@@ -47,9 +47,11 @@ class Summary:
         dup = f", {self.num_duplicates} duplicate ids skipped" if self.num_duplicates else ""
         tail = f"; {self.message}" if self.message and (self.state in ("partial", "interrupted") or
                                                        not self.num_rows) else ""
+        cost = self.extra.get("cost") or {}
+        price = f", cost {cost['cost']:.4f} ({cost['engine_hours']:.4f} engine-hours)" if "cost" in cost else ""
         return (f"overnight: {head}: {self.num_done}/{self.num_rows} rows ({self.num_ok} ok, {self.num_error} error"
                 f"{resumed}{dup}), {self.num_output_tokens} output tokens in {fmt_duration(self.elapsed_s)} "
-                f"({self.output_tokens_per_s:.0f} tok/s) -> {self.out}{tail}")
+                f"({self.output_tokens_per_s:.0f} tok/s){price} -> {self.out}{tail}")
 
 
 def iso(t: Optional[float]) -> Optional[str]:
@@ -71,6 +73,16 @@ def forecast_dict(f, deadline: Optional[float], mode: str) -> dict:
         "will_miss": f.will_miss,
         "rows_expected_left": f.rows_expected_left,
     }
+
+
+def cost_dict(engine_seconds: float, rows: int, price_per_hour: Optional[float]) -> dict:
+    """This attempt's engine time and, with a price, what it cost: the figure to set against a batch API's."""
+    hours = engine_seconds / 3600
+    out = {"engine_seconds": round(engine_seconds, 3), "engine_hours": round(hours, 6)}
+    if price_per_hour is not None:
+        out.update(price_per_hour=price_per_hour, cost=round(hours * price_per_hour, 6),
+                   cost_per_1000_rows=round(1000 * hours * price_per_hour / rows, 6) if rows else None)
+    return out
 
 
 def exit_code_for(state: mf.RunState, engine_failed: bool) -> int:
@@ -156,6 +168,7 @@ class Reporter:
             "output_tokens": self.tally.num_output_tokens,
             "elapsed_s": round(self.tally.elapsed(), 3),
             "output_tokens_per_s": self.tally.tokens_per_s(),
+            "cost": cost_dict(self.tally.engine_seconds, self.tally.num_done, self.job.cfg.output.price_per_hour),
             "eta_s": self.progress.eta_seconds(),
             "engine_started": self.supervisor.engine is not None,  # false: a resume found nothing left to do
             "engine_restarts": self.supervisor.num_restarts,
@@ -185,4 +198,5 @@ class Reporter:
         except Exception as e:
             log.error("could not write the manifest or status file: %s", e)
         return summary(self.tally, self.job.run_id, self.job.out.shown(), state, exit_code, message,
-                       {"scheduler": status["scheduler"], "forecast": status["forecast"], "rows": status["rows"]})
+                       {"scheduler": status["scheduler"], "forecast": status["forecast"], "rows": status["rows"],
+                        "cost": status["cost"]})

@@ -65,6 +65,9 @@ class Runner:
         self.resume = ResumeFilter(scan, self.tally, job.out.url)
         self.reader: Optional[Prefetcher] = None
         self.queued_at: dict[str, float] = {}
+        # Engine time per row: each step adds (step time / rows in it) to `share`; a row's engine_seconds is
+        # the growth of `share` from its admission to its finish, so the cost is O(1) per step.
+        self.share, self.share_at = 0.0, {}
         self.generated_estimate = 0  # output tokens generated in this attempt, counted by step (see _collect)
         self.signals = StopRequests()
         self.stopping: Optional[str] = None  # why admission stopped early, once it has
@@ -166,6 +169,7 @@ class Runner:
         self._record([Result.expired(r) for r in self.scheduler.take_expired(self.clock())])
         for a in self.scheduler.schedule(self.clock()):
             self.queued_at[a.request_id] = time.time()
+            self.share_at[a.request_id] = self.share
             try:
                 self.engine.add(a.request_id, a.row.prompt_token_ids, a.row.sampling,
                                 a.priority if self.engine.supports_priority else 0)
@@ -177,12 +181,17 @@ class Runner:
     def _collect(self) -> None:
         if not self.engine.has_unfinished():
             return
-        running = min(self.scheduler.num_running, self.engine.max_num_seqs)
+        admitted = self.scheduler.num_running  # the rows in the engine, running or waiting in its queue
+        running = min(admitted, self.engine.max_num_seqs)
+        t0 = time.perf_counter()
         try:
             finished = self.engine.step()
         except Exception as e:
             self._on_engine_failure(e)
             return
+        step_s = time.perf_counter() - t0
+        self.share += step_s / max(1, admitted)  # so the rows' engine_seconds add up to the steps' time
+        self.tally.engine_seconds += step_s
         # vLLM reports a row's tokens only when it finishes, so the first minutes of a job, before any long
         # row is done, would measure almost nothing. A step gives each running sequence one token: counting
         # those measures the rate from the first step on (it overcounts a little while prompts prefill).
@@ -191,8 +200,9 @@ class Runner:
             results, rows = [], []
             for f in finished:
                 queued = self.queued_at[f.request_id]
+                share = self.share - self.share_at.get(f.request_id, self.share)
                 rows.append(self._forget(f.request_id))
-                results.append(Result.from_engine(rows[-1], f, queued))
+                results.append(Result.from_engine(rows[-1], f, queued, round(share, 6)))
             self.annotator.observe(rows, [r.output_tokens for r in results], [r.finish_reason for r in results])
             self._record(results)
         self.writer.maybe_flush()
@@ -254,6 +264,7 @@ class Runner:
 
     def _forget(self, request_id: str) -> Row:
         self.queued_at.pop(request_id, None)
+        self.share_at.pop(request_id, None)
         return self.scheduler.finish(request_id)
 
     def _record(self, results: list[Result]) -> None:

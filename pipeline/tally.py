@@ -24,6 +24,7 @@ class Tally:
     num_aborted: int = 0          # rows stopped in flight (deadline, signal, engine death): not done
     num_predicted: int = 0        # rows read by this attempt that got a predicted length ...
     predicted_tokens: int = 0     # ... and the sum of those predictions (their mean stands in for unread rows)
+    engine_seconds: float = 0.0   # time in engine steps in this attempt (the rows' engine_seconds add up to it)
     started: float = field(default_factory=time.monotonic)
 
     @property

@@ -61,6 +61,7 @@ SAMPLES = {
     "--log-every": ("9", 9.0),
     "--metrics-file": ("m.prom", "m.prom"),
     "--metrics-port": ("9300", 9300),
+    "--price-per-hour": ("2.5", 2.5),
     "--shard": ("1/4", "1/4"),
     "--shards": ("4", 4),
     "--workers": ("3", 3),

@@ -228,3 +228,19 @@ def test_per_row_deadline_that_passed_becomes_an_error_row(write_parquet, tmp_pa
     rows = {r["id"]: r for r in output(tmp_path / "out").to_pylist()}
     assert rows["b"]["status"] == "ok"
     assert rows["a"]["error"] == "in.parquet#0: its deadline 2020-01-01T00:00:00+00:00 passed before the row could start"
+
+
+def test_each_row_gets_its_share_of_engine_time_and_the_job_its_cost(tmp_path, cfg, write_parquet):
+    import duckdb
+
+    inp = write_parquet({"id": list(range(30)), "prompt": [f"question {i} " + "word " * (i % 7) for i in range(30)]})
+    out = tmp_path / "out"
+    s = run_job(cfg(inp, out, output={"price_per_hour": 3.6}), engine_factory=given(FakeEngine(step_sleep=0.002)),
+                is_tty=False)
+    cost = s.extra["cost"]
+    assert cost["engine_seconds"] > 0 and cost["cost"] == pytest.approx(cost["engine_seconds"] / 1000, rel=1e-3)
+    shares = [r[0] for r in duckdb.sql(f"select engine_seconds from read_parquet('{out}/parts/*.parquet')").fetchall()]
+    assert len(shares) == 30 and all(x > 0 for x in shares)
+    # every step's time is split among the rows in it: the rows' shares add up to the engine's time
+    assert sum(shares) == pytest.approx(cost["engine_seconds"], rel=0.02)
+    assert "cost 0.0" in s.line() and "engine-hours" in s.line()

@@ -366,6 +366,7 @@ class OutputSchema:
                 pa.field("status", pa.string()),
                 pa.field("error", pa.string()),
                 pa.field("prompt_hash", pa.string()),
+                pa.field("engine_seconds", pa.float64()),
                 pa.field("run_id", pa.string()),
                 pa.field("model", pa.string()),
             ]
@@ -377,7 +378,7 @@ class OutputSchema:
         for src, dst in self.renames.items():
             cols[dst] = [r.passthrough.get(src) for r in results]
         for name in ("text", "finish_reason", "prompt_tokens", "output_tokens", "predicted_tokens", "bucket",
-                     "status", "error", "prompt_hash"):
+                     "status", "error", "prompt_hash", "engine_seconds"):
             cols[name] = [getattr(r, name) for r in results]
         for name in ("queued_at", "first_token_at", "finished_at"):
             cols[name] = [None if getattr(r, name) is None else int(getattr(r, name) * 1000) for r in results]

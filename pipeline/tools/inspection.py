@@ -44,7 +44,7 @@ def open_results(url: str):
     return con, manifest
 
 
-def summary_lines(con, manifest: Optional[dict]) -> list[str]:
+def summary_lines(con, manifest: Optional[dict], price_per_hour: Optional[float] = None) -> list[str]:
     lines = []
     if manifest:
         c = manifest.get("counts", {})
@@ -75,12 +75,29 @@ def summary_lines(con, manifest: Optional[dict]) -> list[str]:
         if first is not None and last is not None:
             span = (last - first).total_seconds()
             lines.append(f"wall time from the first row queued to the last finished: {fmt_duration(span)}")
+    lines += cost_lines(con, manifest, price_per_hour, n)
     if err:
         lines.append("most common errors:")
         for msg, k in con.execute("select regexp_replace(error, '^[^:]*#[0-9]+: ', ''), count(*) from results "
                               "where status = 'error' group by 1 order by 2 desc limit 5").fetchall():
             lines.append(f"  {k} x {msg}")
     return lines
+
+
+def cost_lines(con, manifest: Optional[dict], price_per_hour: Optional[float], rows: int) -> list[str]:
+    """Engine-hours of the rows in the output (their engine_seconds), and with a price their cost."""
+    columns = {r[0] for r in con.execute("describe results").fetchall()}
+    if "engine_seconds" not in columns:
+        return []
+    seconds = con.execute("select coalesce(sum(engine_seconds), 0) from results").fetchone()[0]
+    if price_per_hour is None:
+        price_per_hour = ((manifest or {}).get("config", {}).get("output") or {}).get("price_per_hour")
+    line = f"engine time: {seconds / 3600:.4f} engine-hours ({seconds:.1f} s)"
+    if price_per_hour is not None:
+        cost = seconds / 3600 * price_per_hour
+        per = f", {1000 * cost / rows:.4f} per 1,000 rows" if rows else ""
+        line += f"; at {price_per_hour:g} per hour: {cost:.4f}{per}"
+    return [line]
 
 
 def render(columns: list[str], rows: list[tuple], csv: bool = False, max_width: int = 60) -> str:
