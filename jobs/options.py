@@ -155,6 +155,18 @@ SAMPLING = [
     Opt("--seed", "sampling.seed", "Per-row sampling seed, for reproducible outputs.", preset=True),
     Opt("--stop", "sampling.stop", "Stop string (repeatable).", type=str, convert=string_list, preset=True,
         click_kwargs={"multiple": True}),
+    Opt("--stop-token-id", "sampling.stop_token_ids", "Stop at this token id (repeatable).", type=int,
+        convert=lambda v: list(v) or None, click_kwargs={"multiple": True}),
+    Opt("--presence-penalty", "sampling.presence_penalty", "Penalise tokens already present (-2 to 2; 0 is off)."),
+    Opt("--frequency-penalty", "sampling.frequency_penalty", "Penalise tokens by their count so far (-2 to 2)."),
+    Opt("--min-tokens", "sampling.min_tokens", "Generate at least this many tokens before stopping.",
+        type=click.IntRange(min=0)),
+    Opt("--json-schema", "sampling.json_schema", "Structured output: every row's text is JSON valid against this "
+                                                 "schema (a file, or the schema as JSON). A json_schema or "
+                                                 "response_format column sets it per row."),
+    Opt("--regex", "sampling.regex", "Structured output: every row's text matches this regular expression."),
+    Opt("--choice", "sampling.choice", "Structured output: every row's text is one of these (a,b,c).", type=str,
+        convert=lambda v: [c.strip() for c in v.split(",") if c.strip()]),
 ]
 
 ENGINE = [

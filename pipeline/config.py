@@ -75,8 +75,25 @@ class SamplingConfig:
     seed: Optional[int] = None
     # Stop strings.
     stop: list[str] = field(default_factory=list)
+    # Stop at any of these token ids.
+    stop_token_ids: list[int] = field(default_factory=list)
+    # Penalties on tokens already generated (OpenAI's): by presence, and by count; 0 is off.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    # Generate at least this many tokens before a stop is honoured.
+    min_tokens: int = 0
+    # Structured output, through vLLM's structured outputs: a JSON schema (a file, or the schema itself as
+    # JSON), a regular expression, or a choice among strings. At most one.
+    json_schema: Optional[str] = None
+    regex: Optional[str] = None
+    choice: Optional[list[str]] = None
 
     def __post_init__(self) -> None:
+        _check(sum(x is not None for x in (self.json_schema, self.regex, self.choice)) <= 1,
+               "Give at most one of sampling.json_schema (--json-schema), regex (--regex) and choice (--choice).")
+        _check(-2 <= self.presence_penalty <= 2 and -2 <= self.frequency_penalty <= 2,
+               "sampling.presence_penalty and frequency_penalty must be between -2 and 2.")
+        _check(self.min_tokens >= 0, f"sampling.min_tokens is {self.min_tokens}; it must be 0 or more.")
         _check(self.max_tokens >= 1, f"sampling.max_tokens is {self.max_tokens}; it must be at least 1.")
         _check(self.temperature >= 0, f"sampling.temperature is {self.temperature}; it must be 0 (greedy) or more.")
         _check(0 < self.top_p <= 1, f"sampling.top_p is {self.top_p}; it must be in (0, 1].")

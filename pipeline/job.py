@@ -58,6 +58,8 @@ def open_job(cfg: JobConfig, fresh: bool = False, now: Optional[float] = None) -
     if not cfg.output.path:
         raise OutputError("No output folder given. Pass --out OUT (or output.path in the config).")
     deadline_at, margin_s = resolve_deadline(cfg.scheduler, time.time() if now is None else now)
+    from overnight.pipeline.input.validate import job_structured
+    job_structured(cfg.sampling)  # a bad --json-schema / --regex fails now, not after the engine started
     if cfg.buckets.predictor not in ("heuristic", "online"):
         from overnight.buckets.trained import TrainedPredictor
         TrainedPredictor.load(cfg.buckets.predictor)  # fail now, not after the engine started

@@ -28,7 +28,7 @@ def test_run_writes_every_row_once_with_result_columns(data, tmp_path, cfg, tiny
     assert sorted(t.column("id").to_pylist()) == [f"q{i}" for i in range(10)]
     assert t.column_names == ["id", "prompt", "category", "text", "finish_reason", "prompt_tokens",
                               "output_tokens", "predicted_tokens", "bucket", "queued_at", "first_token_at",
-                              "finished_at", "status", "error", "prompt_hash", "run_id", "model"]
+                              "finished_at", "status", "error", "prompt_hash", "engine_seconds", "run_id", "model"]
     row = t.to_pylist()[0]
     assert row["status"] == "ok" and row["model"] == tiny_model and row["run_id"] == s.run_id
     assert row["prompt_tokens"] == 3 + TINY_TEMPLATE_TOKENS  # "question N?" is 3 tokens, then the chat template

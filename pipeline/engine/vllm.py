@@ -139,6 +139,11 @@ class VllmEngine:
         return cls(llm_engine, time.monotonic() - started)
 
     def sampling_params(self, sampling: dict):
+        structured = sampling.get("structured") or None
+        if structured:
+            from vllm.sampling_params import StructuredOutputsParams
+
+            structured = StructuredOutputsParams(**structured)
         return self._SamplingParams(
             max_tokens=sampling["max_tokens"],
             temperature=sampling["temperature"],
@@ -147,6 +152,11 @@ class VllmEngine:
             repetition_penalty=sampling["repetition_penalty"],
             seed=sampling["seed"],
             stop=sampling["stop"] or None,
+            stop_token_ids=sampling.get("stop_token_ids") or None,
+            presence_penalty=sampling.get("presence_penalty", 0.0),
+            frequency_penalty=sampling.get("frequency_penalty", 0.0),
+            min_tokens=sampling.get("min_tokens", 0),
+            structured_outputs=structured,
             output_kind=self._final_only,
         )
 

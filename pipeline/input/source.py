@@ -24,7 +24,8 @@ from overnight.pipeline.output.faults import failpoint
 from overnight.pipeline.output.storage import unstrip, url_to_fs
 
 # Per-row columns that override the job's sampling defaults when present.
-OVERRIDE_COLUMNS = ("max_tokens", "temperature", "top_p", "seed", "stop")
+OVERRIDE_COLUMNS = ("max_tokens", "temperature", "top_p", "seed", "stop", "stop_token_ids", "presence_penalty",
+                    "frequency_penalty", "min_tokens", "json_schema", "response_format", "regex", "choice")
 # Per-row columns the scheduler honours.
 SCHEDULING_COLUMNS = ("priority", "value", "deadline")
 

@@ -15,7 +15,7 @@ from typing import Any, Optional
 
 import pyarrow as pa
 
-from overnight.pipeline.config import InputConfig, SamplingConfig
+from overnight.pipeline.config import ConfigError, InputConfig, SamplingConfig
 from overnight.pipeline.records import Result
 from overnight.pipeline.input.source import OVERRIDE_COLUMNS, SCHEDULING_COLUMNS, SourceBatch
 
@@ -60,6 +60,11 @@ def sampling_defaults(cfg: SamplingConfig) -> dict:
         "repetition_penalty": cfg.repetition_penalty,
         "seed": cfg.seed,
         "stop": list(cfg.stop),
+        "stop_token_ids": list(cfg.stop_token_ids),
+        "presence_penalty": cfg.presence_penalty,
+        "frequency_penalty": cfg.frequency_penalty,
+        "min_tokens": cfg.min_tokens,
+        "structured": job_structured(cfg),
     }
 
 
@@ -89,7 +94,8 @@ def parse_batch(sb: SourceBatch, cfg: InputConfig, defaults: dict,
             sampling = dict(defaults)
             for col, values in overrides.items():
                 if values[i] is not None:
-                    sampling[col] = _OVERRIDE_CHECKS[col](values[i])
+                    key, value = _OVERRIDE_CHECKS[col](values[i])
+                    sampling[key] = value
             sched = {}
             for col, values in scheduling.items():
                 if values[i] is not None:
@@ -223,12 +229,126 @@ def _stop(value) -> list:
     raise RowError(f"stop is {_short(value)}; it must be a string or a list of strings")
 
 
+def _stop_token_ids(value) -> list:
+    if isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value):
+        return value
+    raise RowError(f"stop_token_ids is {_short(value)}; it must be a list of token ids (non-negative integers)")
+
+
+def _penalty(name: str):
+    def check(value) -> float:
+        v = _number(value, name)
+        if not -2 <= v <= 2:
+            raise RowError(f"{name} is {v}; it must be between -2 and 2")
+        return v
+    return check
+
+
+def _min_tokens(value) -> int:
+    v = _integer(value, "min_tokens")
+    if v < 0:
+        raise RowError(f"min_tokens is {v}; it must be 0 or more")
+    return v
+
+
+def _schema(value, what: str = "json_schema") -> dict:
+    """A JSON schema given as a JSON string or a struct, checked to be a valid schema."""
+    import jsonschema
+
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError as e:
+            raise RowError(f"{what} is not valid JSON ({e}); give the schema as a JSON object") from None
+    if not isinstance(value, dict):
+        raise RowError(f"{what} is {_short(value)}; it must be a JSON schema object")
+    try:
+        jsonschema.validators.validator_for(value).check_schema(value)
+    except jsonschema.exceptions.SchemaError as e:
+        raise RowError(f"{what} is not a valid JSON schema: {e.message}") from None
+    return value
+
+
+def _response_format(value) -> dict:
+    """OpenAI's response_format: {"type": "json_schema", "json_schema": {"schema": {...}}} or {"type": "json_object"}."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError as e:
+            raise RowError(f"response_format is not valid JSON ({e})") from None
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind == "json_schema" and isinstance(value.get("json_schema"), dict) and "schema" in value["json_schema"]:
+        return {"json": _schema(value["json_schema"]["schema"], "response_format.json_schema.schema")}
+    if kind == "json_object":
+        return {"json_object": True}
+    if kind == "text":
+        return {}
+    raise RowError(f"response_format is {_short(value)}; use OpenAI's shape: {{\"type\": \"json_schema\", "
+                   f"\"json_schema\": {{\"schema\": {{...}}}}}}, {{\"type\": \"json_object\"}} or {{\"type\": \"text\"}}")
+
+
+def _regex(value) -> dict:
+    import re
+
+    if not isinstance(value, str) or not value:
+        raise RowError(f"regex is {_short(value)}; it must be a regular expression")
+    try:
+        re.compile(value)
+    except re.error as e:
+        raise RowError(f"regex {value!r} is not a valid regular expression: {e}") from None
+    return {"regex": value}
+
+
+def _choice(value) -> dict:
+    if isinstance(value, list) and value and all(isinstance(c, str) for c in value):
+        return {"choice": value}
+    raise RowError(f"choice is {_short(value)}; it must be a non-empty list of strings")
+
+
+def job_structured(cfg: SamplingConfig) -> Optional[dict]:
+    """The job's structured output (--json-schema FILE or JSON, --regex, --choice) as vLLM's parameters."""
+    if cfg.json_schema is not None:
+        text = cfg.json_schema
+        if not text.lstrip().startswith("{"):
+            try:
+                with open(text) as f:
+                    text = f.read()
+            except OSError as e:
+                raise ConfigError(f"--json-schema {cfg.json_schema}: cannot read it ({e.strerror}). Give a JSON "
+                                  f"schema file, or the schema itself as JSON.") from None
+        try:
+            return {"json": _schema(text)}
+        except RowError as e:
+            raise ConfigError(f"--json-schema {cfg.json_schema}: {e}") from None
+    if cfg.regex is not None:
+        try:
+            return _regex(cfg.regex)
+        except RowError as e:
+            raise ConfigError(f"--regex: {e}") from None
+    if cfg.choice is not None:
+        return {"choice": list(cfg.choice)}
+    return None
+
+
+def _named(key: str, check):
+    return lambda value: (key, check(value))
+
+
 _OVERRIDE_CHECKS = {
-    "max_tokens": _max_tokens,
-    "temperature": _temperature,
-    "top_p": _top_p,
-    "seed": _seed,
-    "stop": _stop,
+    "max_tokens": _named("max_tokens", _max_tokens),
+    "temperature": _named("temperature", _temperature),
+    "top_p": _named("top_p", _top_p),
+    "seed": _named("seed", _seed),
+    "stop": _named("stop", _stop),
+    "stop_token_ids": _named("stop_token_ids", _stop_token_ids),
+    "presence_penalty": _named("presence_penalty", _penalty("presence_penalty")),
+    "frequency_penalty": _named("frequency_penalty", _penalty("frequency_penalty")),
+    "min_tokens": _named("min_tokens", _min_tokens),
+    # a row's structured output replaces the job's
+    "json_schema": _named("structured", lambda v: {"json": _schema(v)}),
+    "response_format": _named("structured", _response_format),
+    "regex": _named("structured", _regex),
+    "choice": _named("structured", _choice),
 }
 
 

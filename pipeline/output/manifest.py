@@ -35,7 +35,21 @@ def now_iso() -> str:
     return dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
 
 
+# Sampling settings added later: in the fingerprint only when set, so that an OUT written before keeps its own.
+LATER_SAMPLING = {"stop_token_ids": [], "presence_penalty": 0.0, "frequency_penalty": 0.0, "min_tokens": 0,
+                  "json_schema": None, "regex": None, "choice": None}
+
+
 def fingerprint_fields(cfg, model: str, chat: bool) -> dict:
+    fields = _fields(cfg, model, chat)
+    for k, default in LATER_SAMPLING.items():
+        value = getattr(cfg.sampling, k)
+        if value != default:
+            fields["sampling"][k] = value
+    return fields
+
+
+def _fields(cfg, model: str, chat: bool) -> dict:
     return {
         "model": model,
         "prompt_column": cfg.input.prompt_column,

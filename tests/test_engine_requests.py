@@ -1,0 +1,66 @@
+"""What a request can ask for, through the real engine with the embedded model: structured output (the job's
+JSON schema, and per row a JSON schema, OpenAI's response_format, a regex or a choice; a bad schema is an
+error row that names the problem), min_tokens, penalties and stop token ids passed through to vLLM."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from overnight.pipeline.api import run_job
+from overnight.pipeline.configio import resolve
+from overnight.pipeline.tools.inspection import open_results
+
+pytestmark = pytest.mark.engine
+
+JOB_SCHEMA = {"type": "object", "properties": {"answer": {"type": "integer"},
+                                               "unit": {"type": "string", "enum": ["apples", "dollars"]}},
+              "required": ["answer", "unit"], "additionalProperties": False}
+ROW_SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+
+
+def test_structured_output_and_sampling_columns(tmp_path, model_path):
+    schema_file = tmp_path / "schema.json"
+    schema_file.write_text(json.dumps(JOB_SCHEMA))
+    n = 8
+    rows = {
+        "id": list(range(n)),
+        "prompt": ["How many apples are 3 plus 4 apples? Answer in JSON.", "What is 12 times 3 dollars? In JSON.",
+                   "Is 7 a prime number?", "Give a three digit number.", "This row has a bad schema.",
+                   "Is the sky blue? Answer in JSON.", "Tell me about the sea.", "Count to five."],
+        "choice": [None, None, ["yes", "no"], None, None, None, None, None],
+        "regex": [None, None, None, "[0-9]{3}", None, None, None, None],
+        "json_schema": [None, None, None, None, json.dumps({"type": "nonsense"}), None, None, None],
+        "response_format": [None] * 5 + [json.dumps({"type": "json_schema",
+                                                     "json_schema": {"name": "x", "schema": ROW_SCHEMA}})] + [None] * 2,
+        # rows 6 and 7: free text again (response_format text), with min_tokens and penalties
+        "min_tokens": [None] * 6 + [24, None],
+        "presence_penalty": [None] * 7 + [1.5],
+        "frequency_penalty": [None] * 7 + [1.0],
+    }
+    rows["response_format"][6] = rows["response_format"][7] = json.dumps({"type": "text"})
+    inp = tmp_path / "in.parquet"
+    pq.write_table(pa.table(rows), inp)
+    out = tmp_path / "out"
+    cfg = resolve({"input": {"path": str(inp)}, "output": {"path": str(out)},
+                   "engine": {"kv_cache_space_gib": 1},
+                   "sampling": {"json_schema": str(schema_file), "max_tokens": 30, "temperature": 0}})
+    s = run_job(cfg, is_tty=False)
+    assert (s.num_ok, s.num_error) == (7, 1)
+    con, _ = open_results(str(out))
+    got = {r[0]: r[1:] for r in con.execute(
+        "select id, status, text, error, output_tokens from results order by id").fetchall()}
+    for i in (0, 1):   # the job's schema
+        jsonschema.validate(json.loads(got[i][1]), JOB_SCHEMA)
+    assert got[2][1] in ("yes", "no")
+    assert re.fullmatch(r"[0-9]{3}", got[3][1])
+    assert got[4][0] == "error" and "json_schema is not a valid JSON schema" in got[4][2]
+    jsonschema.validate(json.loads(got[5][1]), ROW_SCHEMA)     # OpenAI's response_format, per row
+    assert got[6][3] >= 24                                      # min_tokens held the stop back
+    for i in (6, 7):   # response_format text: free text, not the job's schema
+        assert got[i][0] == "ok" and got[i][1]
