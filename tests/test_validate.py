@@ -118,3 +118,53 @@ def test_passthrough_values_are_carried():
     parsed, errors = parse({"prompt": ["a", None], "category": ["x", "y"]}, passthrough=["category", "prompt"])
     assert parsed[0].passthrough == {"category": "x", "prompt": "a"}
     assert errors[0].passthrough == {"category": "y", "prompt": None}
+
+
+def test_structured_output_and_sampling_columns_per_row():
+    import json
+
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    parsed, errors = parse({
+        "id": [1, 2, 3, 4, 5, 6],
+        "prompt": ["p"] * 6,
+        "json_schema": [json.dumps(schema), None, None, None, None, None],
+        "response_format": [None, json.dumps({"type": "json_schema", "json_schema": {"schema": schema}}),
+                            json.dumps({"type": "json_object"}), json.dumps({"type": "text"}), None, None],
+        "regex": [None, None, None, None, "[a-z]+", None],
+        "choice": [None, None, None, None, None, ["x", "y"]],
+        "min_tokens": [None, 5, None, None, None, None],
+        "presence_penalty": [0.5, None, None, None, None, None],
+        "stop_token_ids": [[2, 3], None, None, None, None, None],
+    })
+    assert errors == []
+    by = {p.id: p.sampling for p in parsed}
+    assert by[1]["structured"] == {"json": schema} and by[1]["presence_penalty"] == 0.5
+    assert by[1]["stop_token_ids"] == [2, 3]
+    assert by[2]["structured"] == {"json": schema} and by[2]["min_tokens"] == 5
+    assert by[3]["structured"] == {"json_object": True} and by[4]["structured"] == {}
+    assert by[5]["structured"] == {"regex": "[a-z]+"} and by[6]["structured"] == {"choice": ["x", "y"]}
+
+
+@pytest.mark.parametrize("column,value,message", [
+    ("json_schema", '{"type": "nonsense"}', "json_schema is not a valid JSON schema"),
+    ("json_schema", "{not json", "json_schema is not valid JSON"),
+    ("response_format", '{"type": "xml"}', "use OpenAI's shape"),
+    ("regex", "([a-z", "is not a valid regular expression"),
+    ("presence_penalty", 3.0, "between -2 and 2"),
+    ("min_tokens", -1, "min_tokens is -1"),
+])
+def test_bad_request_columns_become_error_rows(column, value, message):
+    parsed, errors = parse({"id": ["r"], "prompt": ["p"], column: [value]})
+    assert parsed == [] and len(errors) == 1
+    assert errors[0].error.startswith("in.parquet#0: ") and message in errors[0].error
+
+
+def test_a_bad_job_schema_fails_the_job_before_it_starts(tmp_path):
+    from overnight.pipeline.config import ConfigError
+    from overnight.pipeline.input.validate import job_structured
+
+    with pytest.raises(ConfigError, match="--json-schema .*cannot read it"):
+        job_structured(SamplingConfig(json_schema=str(tmp_path / "missing.json")))
+    with pytest.raises(ConfigError, match="not a valid JSON schema"):
+        job_structured(SamplingConfig(json_schema='{"type": 7}'))
+    assert job_structured(SamplingConfig(choice=["a", "b"])) == {"choice": ["a", "b"]}
