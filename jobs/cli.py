@@ -8,6 +8,7 @@ import sys
 
 import click
 
+from overnight.jobs.export import export
 from overnight.jobs.inspection import inspect_cmd
 from overnight.jobs.models import models
 from overnight.jobs.plan import plan
@@ -84,6 +85,7 @@ cli.add_command(run)
 cli.add_command(plan)
 cli.add_command(status)
 cli.add_command(report)
+cli.add_command(export)
 cli.add_command(inspect_cmd)
 cli.add_command(predictor)
 cli.add_command(tune)

@@ -44,6 +44,15 @@ def test_json_stdout_and_quiet_stderr_with_the_real_engine(tmp_path, model_path)
     costed = subprocess.run([*overnight_cmd(), "inspect", str(tmp_path / "a"), "--price-per-hour", "2"],
                             capture_output=True, text=True, timeout=300)
     assert "engine time:" in costed.stdout and "at 2 per hour:" in costed.stdout
+    # OpenAI Batch output lines of the real run, read with OpenAI's own types
+    from openai.types.chat import ChatCompletion
+
+    exported = subprocess.run([*overnight_cmd(), "export", str(tmp_path / "a"), "--format", "openai", "--output",
+                               str(tmp_path / "openai.jsonl")], capture_output=True, text=True, timeout=300)
+    assert exported.returncode == 0, exported.stderr
+    lines = [json.loads(x) for x in (tmp_path / "openai.jsonl").read_text().splitlines()]
+    assert len(lines) == 6
+    assert all(ChatCompletion.model_validate(x["response"]["body"]).choices[0].message.content for x in lines)
 
     loud = subprocess.run([*overnight_cmd(), "-v", *args, "--out", str(tmp_path / "b")], capture_output=True,
                           text=True, timeout=600)

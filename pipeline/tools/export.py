@@ -1,0 +1,125 @@
+"""`overnight export OUT`: the job's results as one file, in input order.
+
+    parquet | jsonl | csv   every row of every part (all shards and workers), one file, in the input's order
+    openai                  the OpenAI Batch API's output lines: a chat.completion body per ok row; error rows
+                            and the rows never done (as ``batch_expired``, like OpenAI at its 24-hour limit) go to
+                            the --errors file, or into the output when none is given
+
+Input order comes from the input itself (its ids, or its file and row for derived ids), read with DuckDB from
+the path the manifest records; rows whose id is no longer in the input come last.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import uuid
+from typing import Optional
+
+from overnight.pipeline.output.checkpoint import OutputError
+from overnight.pipeline.tools.inspection import open_results
+
+FORMATS = ("parquet", "jsonl", "csv", "openai")
+EXPIRED = "This request could not be executed before the completion window expired."
+
+
+def _q(text: str) -> str:
+    return "'" + text.replace("'", "''") + "'"
+
+
+def _ordered(con, manifest: dict) -> tuple[str, bool]:
+    """A view of results in input order, and whether the input could be read for it."""
+    fields = manifest.get("fingerprint_fields", {})
+    id_col = fields.get("id_column", "id")
+    url = (manifest.get("input") or {}).get("url")
+    cols = {r[0] for r in con.execute("describe results").fetchall()}
+    if not url or id_col not in cols:
+        return "select * from results", False
+    path = url if not os.path.isdir(url) else os.path.join(url, "**", "*.parquet")
+    try:
+        names = {r[0] for r in con.execute(f"describe select * from read_parquet({_q(path)}, union_by_name = true)"
+                                           ).fetchall()}
+    except Exception:  # the input moved or is not reachable from here: finish order
+        return "select * from results", False
+    if id_col in names:
+        src = f"select \"{id_col}\" as _id, row_number() over () as _pos from read_parquet({_q(path)}, " \
+              f"union_by_name = true)"
+    else:
+        src = f"select parse_filename(filename) || '#' || (file_row_number) as _id, " \
+              f"row_number() over (order by filename, file_row_number) as _pos from read_parquet({_q(path)}, " \
+              f"filename = true, file_row_number = true, union_by_name = true)"
+    con.sql(f"create or replace temp view _input as {src}")
+    return (f"select r.* from results r left join (select _id, min(_pos) _pos from _input group by 1) i "
+            f"on r.\"{id_col}\"::varchar = i._id::varchar order by i._pos nulls last"), True
+
+
+def export(url: str, fmt: str, output: str, errors: Optional[str] = None) -> dict:
+    if fmt not in FORMATS:
+        raise OutputError(f"--format {fmt}: use one of {', '.join(FORMATS)}.")
+    con, manifest = open_results(url)
+    query, in_order = _ordered(con, manifest or {})
+    if fmt in ("parquet", "csv"):
+        opts = "(format parquet, compression zstd)" if fmt == "parquet" else "(header, format csv)"
+        con.sql(f"copy ({query}) to {_q(output)} {opts}")
+        n = con.execute(f"select count(*) from ({query})").fetchone()[0]
+        return {"rows": n, "in_input_order": in_order, "output": output}
+    if fmt == "jsonl":
+        cur = con.execute(query)
+        names = [d[0] for d in cur.description]
+        n = 0
+        with open(output, "w", encoding="utf-8") as f:
+            while batch := cur.fetchmany(10_000):
+                for row in batch:
+                    f.write(json.dumps(dict(zip(names, row)), default=str) + "\n")
+                    n += 1
+        return {"rows": n, "in_input_order": in_order, "output": output}
+    return _openai(con, manifest or {}, query, in_order, output, errors)
+
+
+def _openai(con, manifest: dict, query: str, in_order: bool, output: str, errors: Optional[str]) -> dict:
+    id_col = manifest.get("fingerprint_fields", {}).get("id_column", "id")
+    model = manifest.get("fingerprint_fields", {}).get("model", "")
+    cur = con.execute(f"select \"{id_col}\", status, text, finish_reason, prompt_tokens, output_tokens, error, "
+                      f"epoch(finished_at) from ({query})")
+    ok = bad = expired = 0
+    out = open(output, "w", encoding="utf-8")
+    err = open(errors, "w", encoding="utf-8") if errors else out
+    try:
+        while batch := cur.fetchmany(10_000):
+            for rid, status, text, finish, ptok, otok, error, finished in batch:
+                if status == "ok":
+                    out.write(json.dumps(_ok_line(rid, text, finish, ptok, otok, finished, model)) + "\n")
+                    ok += 1
+                else:
+                    err.write(json.dumps(_error_line(rid, "invalid_request", error or "failed")) + "\n")
+                    bad += 1
+        if in_order:  # rows of the input that no part holds: not done when the job stopped
+            done_ids = f"select \"{id_col}\"::varchar from results where \"{id_col}\" is not null"
+            left = con.execute(f"select _id from _input where _id::varchar not in ({done_ids}) order by _pos")
+            while batch := left.fetchmany(10_000):
+                for (rid,) in batch:
+                    err.write(json.dumps(_error_line(rid, "batch_expired", EXPIRED)) + "\n")
+                    expired += 1
+    finally:
+        out.close()
+        if err is not out:
+            err.close()
+    return {"rows": ok + bad + expired, "ok": ok, "errors": bad, "expired": expired, "output": output,
+            "errors_output": errors or output, "in_input_order": in_order}
+
+
+def _ok_line(rid, text, finish, ptok, otok, finished, model) -> dict:
+    request = f"req_{uuid.uuid4().hex}"
+    return {"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": str(rid), "error": None,
+            "response": {"status_code": 200, "request_id": request, "body": {
+                "id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(finished or 0),
+                "model": model,
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": text, "refusal": None},
+                             "logprobs": None, "finish_reason": finish or "stop"}],
+                "usage": {"prompt_tokens": ptok or 0, "completion_tokens": otok or 0,
+                          "total_tokens": (ptok or 0) + (otok or 0)}}}}
+
+
+def _error_line(rid, code: str, message: str) -> dict:
+    return {"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": None if rid is None else str(rid),
+            "response": None, "error": {"code": code, "message": message}}
