@@ -83,6 +83,7 @@ def test_report_of_a_sharded_job_with_every_plot(tmp_path, tiny_model):
         assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 2000
     assert "http" not in text.replace("http-equiv", "")      # nothing to fetch: it opens offline
     assert "Kendall&#x27;s tau" in text or "Kendall's tau" in text
+    assert "<th>cost</th><td>" in text and "engine-hours" in text
     assert "empty prompt" in text or "error" in text
     for lane in ("0/3", "1/3", "2/3"):   # one lane per shard in the progress plot's legend is drawn from these
         assert (out / "shards" / f"0000{lane[0]}-of-00003" / "timeline.json").exists()

@@ -8,7 +8,7 @@ plots are PNG images embedded in the HTML as data URIs, so the file opens anywhe
     the ETA forecast as it evolved (the forecast finish against the actual finish and the deadline);
     predicted against actual output length (log-log), with Kendall's tau;
     rows per length bucket; the latency from queued to finished; errors by message;
-    the engine settings of the run.
+    the engine settings of the run, and its engine-hours and cost where the rows carry engine_seconds.
 """
 
 from __future__ import annotations
@@ -80,6 +80,8 @@ def build(url: str) -> Report:
     report = Report(url, [("output", url), ("state", str((manifest or {}).get("state", "?"))),
                           ("rows", f"{n} done of {total if total is not None else '?'} ({ok} ok, {err} error)"),
                           ("output tokens", f"{otok:,}"), ("job folders", str(len(dirs)))])
+    from overnight.pipeline.tools.inspection import cost_lines
+    report.summary += [("cost", line.split(": ", 1)[1]) for line in cost_lines(con, manifest, None, n)]
     deadline = _deadline(lanes)
     if any(t for _, t, _ in lanes):
         report.figures.append(_progress(lanes, deadline))
