@@ -19,7 +19,7 @@ from overnight.pipeline.config import JobConfig
 from overnight.pipeline.engine import EngineFactory, factory_for
 from overnight.pipeline.engine.supervisor import EngineSupervisor
 from overnight.pipeline.job import open_job
-from overnight.pipeline.report import Summary, nothing_to_do
+from overnight.pipeline.report import Summary, already_done, nothing_to_do
 from overnight.pipeline.runner import Runner
 
 log = logging.getLogger("overnight")
@@ -35,6 +35,8 @@ def run_job(cfg: JobConfig, fresh: bool = False, engine_factory: Optional[Engine
     try:
         if job.source.num_rows == 0:
             return nothing_to_do(job)
+        if job.unchanged:
+            return already_done(job)
         if job.scan.num_done:
             log.info("resuming %s: %d rows already done in %d parts", job.run_id, job.scan.num_done,
                      job.scan.num_parts)

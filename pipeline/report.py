@@ -113,6 +113,22 @@ def nothing_to_do(job) -> Summary:
     return summary(Tally(0), job.run_id, job.out.shown(), mf.RunState.COMPLETED, 0, message, {})
 
 
+def already_done(job) -> Summary:
+    """A completed job whose input is unchanged (same files, sizes and times): nothing to read, no engine."""
+    c = job.manifest.get("counts", {})
+    message = (f"nothing to do: the job completed and {job.source.url} is unchanged since; {c.get('num_done', 0)} "
+               f"rows are done (--fresh answers them again)")
+    log.info(message)
+    mf.end_attempt(job.manifest, mf.RunState.COMPLETED, message)
+    job.out.write_manifest(job.manifest)
+    t = Tally(c.get("num_rows", 0), c.get("num_ok", 0), c.get("num_error", 0), c.get("num_output_tokens", 0))
+    t.num_resumed = t.num_done
+    status = {"state": "completed", "exit_code": 0, "message": message, "run_id": job.run_id,
+              "rows": t.rows(0), "engine_started": False, "updated_at": mf.now_iso()}
+    job.out.write_status(status)
+    return summary(t, job.run_id, job.out.shown(), mf.RunState.COMPLETED, 0, message, {})
+
+
 class Reporter:
     """Reads the running job's parts (it changes none of them) and writes what they say."""
 

@@ -244,3 +244,30 @@ def test_each_row_gets_its_share_of_engine_time_and_the_job_its_cost(tmp_path, c
     # every step's time is split among the rows in it: the rows' shares add up to the engine's time
     assert sum(shares) == pytest.approx(cost["engine_seconds"], rel=0.02)
     assert "cost 0.0" in s.line() and "engine-hours" in s.line()
+
+
+def test_a_completed_job_over_an_unchanged_input_knows_at_once(tmp_path, cfg, write_parquet, monkeypatch):
+    import os
+
+    from overnight.pipeline.output.checkpoint import OutputDir
+
+    inp = write_parquet({"id": list(range(12)), "prompt": [f"q {i}" for i in range(12)]})
+    out = tmp_path / "out"
+    starts = []
+
+    def factory(job):
+        starts.append(1)
+        return FakeEngine()
+
+    assert run_job(cfg(inp, out), engine_factory=factory, is_tty=False).num_ok == 12
+    scans = []
+    real = OutputDir.scan
+    monkeypatch.setattr(OutputDir, "scan", lambda self, *a, **k: scans.append(1) or real(self, *a, **k))
+    s = run_job(cfg(inp, out), engine_factory=factory, is_tty=False)
+    assert (s.exit_code, s.num_done, s.num_resumed) == (0, 12, 12) and "unchanged" in s.message
+    assert scans == [] and starts == [1]            # neither the parts nor the input were read; no engine
+    os.utime(inp, (1, 1))                          # the input file changed (its time): a real resume pass
+    s = run_job(cfg(inp, out), engine_factory=factory, is_tty=False)
+    assert s.num_resumed == 12 and scans and starts == [1]
+    s = run_job(cfg(inp, out, input={"limit": 5}), engine_factory=factory, is_tty=False)   # another --limit
+    assert "unchanged" not in (s.message or "")

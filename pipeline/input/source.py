@@ -43,6 +43,7 @@ class InputFile:
     num_rows: int
     schema: pa.Schema
     row_groups: tuple[int, ...] = ()  # rows in each row group
+    version: str = ""  # size and modification time (or ETag): tells a rewritten file from the same one
 
 
 @dataclass(frozen=True)
@@ -123,7 +124,13 @@ class ParquetSource:
                              f"Re-export it as Parquet, or remove it from the input.") from None
         name = posixpath.relpath(path, base) if base else path
         groups = tuple(meta.row_group(g).num_rows for g in range(meta.num_row_groups))
-        return InputFile(path=path, name=name, num_rows=meta.num_rows, schema=schema, row_groups=groups)
+        try:
+            info = self.fs.info(path)
+            version = f"{info.get('size')}:{info.get('mtime') or info.get('LastModified') or info.get('ETag') or ''}"
+        except OSError:
+            version = ""
+        return InputFile(path=path, name=name, num_rows=meta.num_rows, schema=schema, row_groups=groups,
+                         version=version)
 
     # -- schema ------------------------------------------------------------------------------
     def _unify(self) -> pa.Schema:
@@ -174,6 +181,14 @@ class ParquetSource:
                                  f"(columns: {', '.join(schema.names)}). Fix --passthrough.")
 
     # -- properties --------------------------------------------------------------------------
+    def input_stamp(self) -> str:
+        """This job's input as it is now: the files (names, row groups, sizes, modification times), --limit and
+        the shard. A rerun of a completed job whose stamp is unchanged has nothing to do, and knows it at once."""
+        import hashlib
+        parts = [f"{f.name}:{','.join(map(str, f.row_groups))}:{f.version}" for f in self.files]
+        parts.append(f"limit={self.cfg.limit} shard={self.shard} id={self.cfg.id_column}")
+        return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
+
     def listing_digest(self) -> str:
         """The input listing a split is computed from (names, row groups): a shard refuses a changed one."""
         import hashlib
