@@ -127,6 +127,7 @@ class Runner:
     def _start_engine(self):
         self.engine = self.supervisor.start()
         self.scheduler.resize(self.engine.max_num_seqs)
+        self.tally.started = time.monotonic()  # the attempt's elapsed time and tok/s count from a running engine
         return self.engine
 
     def _has_work(self) -> bool:
