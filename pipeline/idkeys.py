@@ -57,7 +57,7 @@ def _splitmix(v: np.ndarray) -> np.ndarray:
     return z
 
 
-def _string_parts(arr: pa.Array) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def string_parts(arr: pa.Array) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(starts, lengths, padded bytes) of a string or binary array: row i is bytes[starts[i]:starts[i]+lengths[i]],
     and bytes has 8 zero bytes past the last row's end."""
     is_view = getattr(pa.types, "is_string_view", None)
@@ -128,7 +128,7 @@ def keys_of(arr) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     else:
         if pa.types.is_dictionary(t):
             arr = arr.cast(t.value_type)
-        ka, kb = _string_hash(*_string_parts(arr))
+        ka, kb = _string_hash(*string_parts(arr))
         keys, checks = ka, (kb >> U64(32)).astype(np.uint32)
     if not valid.all():
         keys[~valid] = 0
@@ -156,7 +156,7 @@ def hex16_to_u64(arr) -> np.ndarray:
         if int(offsets[-1]) - base == 16 * n and (np.diff(offsets) == 16).all():  # the usual case
             raw = np.frombuffer(arr.buffers()[2], dtype=np.uint8)[base:base + 16 * n].reshape(n, 16)
             return _hex_rows(raw, np.arange(n), out)
-    starts, lengths, data = _string_parts(arr)
+    starts, lengths, data = string_parts(arr)
     ok = lengths == 16
     if arr.null_count:
         ok &= ~np.asarray(arr.is_null(), dtype=bool)

@@ -204,7 +204,7 @@ class OutputDir:
         when given (a job can scan several folders into one Scan), else to a new Scan.
 
         Parts are read one at a time and their ids turned into keys some 64k rows at a time (10M rows in 10k
-        parts: seconds, and some 35 bytes an id; see ``pipeline/idkeys.py``). A part whose footer says every
+        parts: 7 s on 2 cores, and 21 bytes a table slot, 28 to 56 bytes an id; see ``pipeline/idkeys.py``). A part whose footer says every
         row is "ok" and no id is null is read without its status and error columns."""
         import pyarrow.compute as pc
         import pyarrow.parquet as pq
