@@ -226,7 +226,10 @@ class Worker:
         out = ReportingOutputDir(worker_out(cfg.output.path, self.index).url, self.coordinator, self.index)
         model = open_model(cfg)
         fields = mf.fingerprint_fields(cfg, model.requested, model.chat)
-        deadline_at, margin = jobmod.resolve_deadline(cfg.scheduler, time.time())
+        # The job's deadline as the driver fixed it; one that passed while this worker started stops it at once.
+        sc = cfg.scheduler
+        deadline_at = jobmod_deadline(sc) if sc.deadline else None
+        margin = sc.safety_margin_s or 0.0
         job = jobmod._open_locked(cfg, False, source, out, model, fields, RunLock(out), deadline_at, margin)
         job.lazy_engine = True  # a worker may get no unit, or only rows already done
         own = job.scan
