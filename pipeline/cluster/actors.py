@@ -1,0 +1,229 @@
+"""The actors of a job on Ray: the coordinator (the queue of units, the stop request, the workers' statuses)
+and the worker (one engine; overnight's own loop over the units it pulls). The driver is in ray_job."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import time
+from typing import Optional
+
+from overnight.pipeline.cluster.units import Unit, UnitSource
+from overnight.pipeline.config import JobConfig
+from overnight.pipeline.output.checkpoint import OutputDir, OutputError
+from overnight.pipeline.output.layout import job_dirs, worker_out
+from overnight.pipeline.output.lock import RunLock
+from overnight.pipeline.report import EXIT_PARTIAL
+
+log = logging.getLogger("overnight")
+
+NAMESPACE = "overnight"
+
+
+def _ray():
+    try:
+        import ray
+    except ImportError:
+        raise OutputError("--workers runs on Ray, which is not installed. Install it with "
+                          "`pip install 'overnight[ray]'`, or run without --workers.") from None
+    return ray
+
+
+class Coordinator:
+    """The queue of units (a Ray actor): what each worker holds, the stop request, each worker's last status."""
+
+    def __init__(self, units: list[Unit]):
+        self.pending = list(units)
+        self.held: dict[int, list[Unit]] = {}
+        self.stop_reason: Optional[str] = None
+        self.stop_count = 0
+        self.statuses: dict[int, dict] = {}
+        self.deaths = 0
+        self.started: set[int] = set()  # worker actors the cluster found room for
+        self.incarnations: dict[int, str] = {}
+
+    def hello(self, worker: int, incarnation: str, folder: str) -> None:
+        """A worker actor was placed and constructed. A new incarnation of a worker (Ray restarted it) means the
+        old one died: what it held goes back to the queue."""
+        self.started.add(worker)
+        if self.incarnations.get(worker, incarnation) != incarnation:
+            self.release(worker, folder)
+        self.incarnations[worker] = incarnation
+
+    def next(self, worker: int) -> Optional[Unit]:
+        if self.stop_reason or not self.pending:
+            return None
+        unit = self.pending.pop(0)
+        self.held.setdefault(worker, []).append(unit)
+        return unit
+
+    def release(self, worker: int, folder: str) -> int:
+        """A worker died: its units go back to the front of the queue, to be read without what it wrote
+        (``folder#n``: the n-th death, so that a worker reading the folder again sees what was written since)."""
+        units = self.held.pop(worker, [])
+        self.deaths += 1
+        mark = f"{folder}#{self.deaths}"
+        self.pending[:0] = [dataclasses.replace(u, recheck=u.recheck + (mark,)) for u in units]
+        return len(units)
+
+    def finished(self, worker: int) -> None:
+        """A worker returned after a full pass: what it held is written."""
+        self.held.pop(worker, None)
+
+    def stop(self, reason: str) -> None:
+        self.stop_reason = self.stop_reason or reason
+        self.stop_count += 1
+
+    def stop_state(self) -> tuple[Optional[str], int]:
+        return self.stop_reason, self.stop_count
+
+    def report(self, worker: int, status: dict) -> None:
+        self.statuses[worker] = status
+
+    def snapshot(self) -> tuple[int, dict]:
+        return len(self.pending), dict(self.statuses)
+
+    def idle(self) -> tuple[int, int, set]:
+        """(units pending, units held by workers, workers placed)."""
+        return len(self.pending), sum(len(u) for u in self.held.values()), self.started
+
+
+class RemoteStop:
+    """A worker's stop requests: the driver's (through the coordinator), polled at most once a second. It stands
+    in for the runner's signal handlers, which only the main thread of a process may install."""
+
+    def __init__(self, coordinator):
+        self.coordinator = coordinator
+        self._first: Optional[str] = None
+        self._count = 0
+        self._last = 0.0
+
+    def _poll(self) -> None:
+        now = time.monotonic()
+        if now - self._last >= 1.0:
+            self._last = now
+            reason, self._count = _ray().get(self.coordinator.stop_state.remote())
+            self._first = self._first or reason
+
+    @property
+    def first(self) -> Optional[str]:
+        self._poll()
+        return self._first
+
+    @property
+    def is_urgent(self) -> bool:
+        self._poll()
+        return self._count >= 2
+
+    def install(self) -> "RemoteStop":
+        return self
+
+    def restore(self) -> None:
+        pass
+
+
+class ReportingOutputDir(OutputDir):
+    """A worker's folder: each status it writes also goes to the coordinator, for the job's one status."""
+
+    def __init__(self, url: str, coordinator, index: int):
+        super().__init__(url)
+        self.coordinator, self.index = coordinator, index
+
+    def write_status(self, status: dict) -> None:
+        super().write_status(status)
+        self.coordinator.report.remote(self.index, status)
+
+
+def jobmod_deadline(sc) -> float:
+    """The job's absolute deadline (the driver made it one), as seconds since the epoch."""
+    from overnight.pipeline.scheduling.deadline import parse_deadline
+    return parse_deadline(sc.deadline, 0.0)
+
+
+class Worker:
+    """One engine (a Ray actor). Each ``run`` is an attempt of overnight's own loop over the units it pulls."""
+
+    def __init__(self, cfg: JobConfig, index: int, num_workers: int, coordinator: str, files: list):
+        if cfg.engine.kind == "vllm" and cfg.engine.cpu_threads_bind is None and not _ray().get_gpu_ids():
+            # vLLM on CPUs: each worker binds its own cores, so that workers on one machine do not contend.
+            cores = os.cpu_count() or 1
+            per = max(1, cores // num_workers)
+            first = (index * per) % cores
+            bind = str(first) if per == 1 else f"{first}-{min(cores, first + per) - 1}"
+            cfg = dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, cpu_threads_bind=bind))
+        self.cfg, self.index = cfg, index
+        self.files = files  # the driver's listing: units name its files by index
+        import uuid
+
+        self.coordinator = _ray().get_actor(coordinator, namespace=NAMESPACE)
+        self.coordinator.hello.remote(index, uuid.uuid4().hex, worker_out(cfg.output.path, index).url)
+        # What the engine and its libraries print goes to stderr, which Ray forwards to the driver's stderr:
+        # the driver's stdout carries only its summary (or --json's one document).
+        os.dup2(2, 1)
+        self._seen: dict = {}
+        logging.getLogger("overnight").setLevel(logging.WARNING)  # the driver speaks for the job
+
+    def run(self) -> dict:
+        from overnight.pipeline.engine import factory_for
+        from overnight.pipeline.engine.supervisor import EngineSupervisor
+        from overnight.pipeline.runner import Runner
+
+        ray = _ray()
+        sc = self.cfg.scheduler
+        if sc.deadline and jobmod_deadline(sc) <= time.time():  # it started after the job's deadline
+            return {"state": "partial", "exit_code": EXIT_PARTIAL, "message": "deadline reached", "num_ok": 0,
+                    "num_error": 0, "num_resumed": 0, "num_duplicates": 0, "num_output_tokens": 0,
+                    "output_tokens_per_s": 0.0, "elapsed_s": 0.0}
+        job = self._open(lambda: ray.get(self.coordinator.next.remote(self.index)))
+        runner = Runner(job, EngineSupervisor(factory_for(self.cfg), job), is_tty=False)
+        runner.signals = RemoteStop(self.coordinator)
+
+        def taken(n: int) -> None:
+            runner.tally.num_rows += n
+        job.source.on_unit = taken
+        summary = runner.run()
+        if summary.state == "completed":
+            self.coordinator.finished.remote(self.index)
+        return dataclasses.asdict(summary)
+
+    def ping(self) -> bool:
+        return True
+
+    def _done_in(self, mark: str):
+        """What a dead worker's folder holds (``folder#n``: read once per death), as a Scan of compact keys."""
+        if mark not in self._seen:
+            from overnight.pipeline.output.checkpoint import Scan
+            self._seen = {mark: OutputDir(mark.rsplit("#", 1)[0]).scan(self.cfg.input.id_column, into=Scan())}
+        return self._seen[mark]
+
+    def _open(self, next_unit):
+        """The worker's job: units as its input, its own folder, resuming against every worker folder's ids."""
+        from overnight.pipeline import job as jobmod
+        from overnight.pipeline.input.stage import open_model
+        from overnight.pipeline.output import manifest as mf
+        from overnight.pipeline.output.checkpoint import Scan
+
+        cfg = self.cfg
+        source = UnitSource(cfg.input, next_unit, self._done_in)
+        source.files = self.files
+        out = ReportingOutputDir(worker_out(cfg.output.path, self.index).url, self.coordinator, self.index)
+        model = open_model(cfg)
+        fields = mf.fingerprint_fields(cfg, model.requested, model.chat)
+        # The job's deadline as the driver fixed it; one that passed while this worker started stops it at once.
+        sc = cfg.scheduler
+        deadline_at = jobmod_deadline(sc) if sc.deadline else None
+        margin = sc.safety_margin_s or 0.0
+        job = jobmod._open_locked(cfg, False, source, out, model, fields, RunLock(out), deadline_at, margin)
+        job.lazy_engine = True  # a worker may get no unit, or only rows already done
+        own = job.scan
+        merged = Scan()
+        for d in job_dirs(cfg.output.path):
+            if d.worker is not None and d.out.root != out.root:
+                d.out.scan(cfg.input.id_column, into=merged)
+        if merged.num_parts:
+            out.scan(cfg.input.id_column, into=merged)  # the ids of every folder; the counts stay this folder's
+            for name in ("num_ok", "num_error", "num_output_tokens", "num_parts", "next_index"):
+                setattr(merged, name, getattr(own, name))
+            job.scan = merged
+        return job
