@@ -28,12 +28,23 @@ OVERRIDE_COLUMNS = ("max_tokens", "temperature", "top_p", "seed", "stop", "stop_
                     "frequency_penalty", "min_tokens", "json_schema", "response_format", "regex", "choice")
 # Per-row columns the scheduler honours.
 SCHEDULING_COLUMNS = ("priority", "value", "deadline")
+# A row that could not be read from the input (a malformed JSONL line): its message, naming the fix. ``validate``
+# makes the row an error row; it is never passed through.
+INPUT_ERROR_COLUMN = "_input_error"
 
 _GLOB_CHARS = "*?["
 
 
 class InputError(Exception):
     "The input cannot be read as a job; the message names the file or column and the fix."
+
+
+def open_source(cfg: InputConfig, shard: Optional[Shard] = None) -> "ParquetSource":
+    """The input as a source: OpenAI Batch request lines (``*.jsonl``, ``*.jsonl.gz``, or a folder of them; see
+    ``input.openai_batch``), else Parquet."""
+    from overnight.pipeline.input.openai_batch import OpenAIBatchSource, is_jsonl_input
+
+    return (OpenAIBatchSource if is_jsonl_input(cfg.path) else ParquetSource)(cfg, shard)
 
 
 @dataclass(frozen=True)
@@ -73,6 +84,10 @@ def _is_id_type(t: pa.DataType) -> bool:
 class ParquetSource:
     """The input, or one shard's part of it (``shard``: see ``input.shards``)."""
 
+    # What a folder's data files end with, and how to name them in messages.
+    SUFFIXES = (".parquet", ".parq", ".pq")
+    FILES = "Parquet files (*.parquet)"
+
     def __init__(self, cfg: InputConfig, shard: Optional[Shard] = None):
         if not cfg.path:
             raise InputError("No input given. Pass a Parquet file, folder or glob as INPUT (or input.path in the config).")
@@ -99,9 +114,9 @@ class ParquetSource:
             base = root[: min(root.index(c) for c in _GLOB_CHARS if c in root)]
             base = base.rsplit("/", 1)[0] if "/" in base else ""
         elif fs.isdir(root):
-            paths = sorted(p for p in fs.find(root) if _is_data_file(p))
+            paths = sorted(p for p in fs.find(root) if _is_data_file(p, self.SUFFIXES))
             if not paths:
-                raise InputError(f"Folder {self.url} has no Parquet files (*.parquet). "
+                raise InputError(f"Folder {self.url} has no {self.FILES}. "
                                  f"Point INPUT at the folder that holds them, or at a file or glob.")
             base = root
         elif fs.exists(root):
@@ -318,7 +333,7 @@ class ParquetSource:
             return None
         if len(keep) == n:
             return sb
-        return SourceBatch(sb.file, sb.start, batch.take(pa.array(keep)), [sb.start + i for i in keep])
+        return SourceBatch(sb.file, sb.start, batch.take(pa.array(keep)), [sb.row_number(i) for i in keep])
 
 
 def _head(sb: SourceBatch, n: int) -> SourceBatch:
@@ -336,9 +351,9 @@ def _conform(batch: pa.RecordBatch, schema: pa.Schema) -> pa.RecordBatch:
     return pa.RecordBatch.from_arrays(arrays, schema=schema)
 
 
-def _is_data_file(path: str) -> bool:
+def _is_data_file(path: str, suffixes: tuple[str, ...] = ParquetSource.SUFFIXES) -> bool:
     name = posixpath.basename(path)
-    return name.endswith((".parquet", ".parq", ".pq")) and not name.startswith((".", "_"))
+    return name.endswith(suffixes) and not name.startswith((".", "_"))
 
 
 def _compatible(a: pa.DataType, b: pa.DataType) -> bool:

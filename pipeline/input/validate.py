@@ -17,7 +17,7 @@ import pyarrow as pa
 
 from overnight.pipeline.config import ConfigError, InputConfig, SamplingConfig
 from overnight.pipeline.records import Result
-from overnight.pipeline.input.source import OVERRIDE_COLUMNS, SCHEDULING_COLUMNS, SourceBatch
+from overnight.pipeline.input.source import INPUT_ERROR_COLUMN, OVERRIDE_COLUMNS, SCHEDULING_COLUMNS, SourceBatch
 
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 
@@ -76,6 +76,8 @@ def parse_batch(sb: SourceBatch, cfg: InputConfig, defaults: dict,
     ids = _column(batch, cfg.id_column) if cfg.id_column in names else None
     prompts = _texts(batch.column(cfg.prompt_column)) if cfg.prompt_column in names else [None] * n
     messages = _column(batch, cfg.messages_column) if cfg.messages_column in names else None
+    # A row the source could not read (a malformed JSONL line) carries its problem here.
+    unreadable = _column(batch, INPUT_ERROR_COLUMN) if INPUT_ERROR_COLUMN in names else [None] * n
     overrides = {c: _column(batch, c) for c in OVERRIDE_COLUMNS if c in names}
     scheduling = {c: _column(batch, c) for c in SCHEDULING_COLUMNS if c in names}
     kept = [c for c in passthrough if c in names]
@@ -88,6 +90,8 @@ def parse_batch(sb: SourceBatch, cfg: InputConfig, defaults: dict,
         origin = f"{sb.file.name}#{row_no}"
         row_id = ids[i] if ids is not None else origin
         try:
+            if unreadable[i] is not None:
+                raise RowError(unreadable[i])
             if row_id is None:
                 raise RowError(f"column {cfg.id_column!r} is null; give every row an id, or drop the column "
                                f"so ids are derived from file and row")

@@ -1,0 +1,398 @@
+"""OpenAI Batch input: `overnight run requests.jsonl` reads the Batch API's request lines directly.
+
+Each line is one request::
+
+    {"custom_id": "r1", "method": "POST", "url": "/v1/chat/completions",
+     "body": {"model": "...", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 64}}
+
+A line becomes one row with the columns a Parquet input would have: the id column (``custom_id``), ``messages``
+(``/v1/chat/completions``; text content parts are joined) or ``prompt`` (``/v1/completions``), and the per-row
+columns ``max_tokens`` (or ``max_completion_tokens``), ``temperature``, ``top_p``, ``seed``, ``stop``,
+``presence_penalty``, ``frequency_penalty``, ``min_tokens``, ``stop_token_ids``, ``response_format`` (as JSON
+text), ``n`` and ``logprobs`` (the number of top alternatives: ``logprobs: true`` with ``top_logprobs: K`` is
+K, without it 0; a completions request's integer ``logprobs`` is K itself). ``validate`` checks their values as
+for any input.
+
+A line that cannot be a request (not JSON, no ``custom_id``, a ``method`` other than POST, an unsupported
+``url``, a body without ``messages`` / ``prompt``, a value of the wrong type) becomes a row whose
+INPUT_ERROR_COLUMN holds the problem and the fix; ``validate`` turns it into an error row, and the job goes on.
+Body keys overnight does not honour are ignored, with one warning per key (``model``, ``user``, ``metadata``,
+``store``, ``stream``, ``service_tier`` silently: the job's model answers every line).
+
+Rows are numbered by their 1-based line number, so an error's origin ``requests.jsonl#7`` is line 7; blank
+lines are skipped. Opening the source counts each file's lines once, in one streaming pass (~1 GB/s locally,
+the store's read speed remotely), and notes the byte offset of every CHUNK_LINES-th line: the chunks are the
+file's "row groups", so ``--shard`` splits by files, else chunks (a ``.gz`` file is one chunk), else the hash of
+the id, as for Parquet. Reading streams lines, never loading a file whole, local or through fsspec.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import posixpath
+from dataclasses import dataclass
+from typing import Any, Iterator, Optional
+
+import pyarrow as pa
+
+from overnight.pipeline.input.source import (INPUT_ERROR_COLUMN, InputError, InputFile, ParquetSource,
+                                             SourceBatch, _first_line)
+from overnight.pipeline.output.faults import failpoint
+from overnight.pipeline.output.storage import unstrip, url_to_fs
+
+log = logging.getLogger("overnight")
+
+SUFFIXES = (".jsonl", ".jsonl.gz")
+# Lines per chunk: a file's chunks are what --shard and Ray units split, like a Parquet file's row groups.
+CHUNK_LINES = 8192
+ENDPOINTS = {"/v1/chat/completions": "messages", "/v1/completions": "prompt"}
+# Body keys read into columns, besides messages / prompt.
+HONOURED = ("max_tokens", "max_completion_tokens", "temperature", "top_p", "seed", "stop", "presence_penalty",
+            "frequency_penalty", "min_tokens", "stop_token_ids", "response_format", "n", "logprobs",
+            "top_logprobs")
+# Body keys that change nothing here: the job's model answers every line, and results are written, not streamed.
+SILENT = ("model", "user", "metadata", "store", "stream", "stream_options", "service_tier")
+ROLE_ALIASES = {"developer": "system"}  # OpenAI's newer name for the system message
+
+MESSAGES_TYPE = pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))
+# Per-row columns and their types; each is read from the body key of the same name (see _row for the others).
+_COLUMNS = (("max_tokens", pa.int64()), ("temperature", pa.float64()), ("top_p", pa.float64()),
+            ("seed", pa.int64()), ("stop", pa.list_(pa.string())), ("presence_penalty", pa.float64()),
+            ("frequency_penalty", pa.float64()), ("min_tokens", pa.int64()),
+            ("stop_token_ids", pa.list_(pa.int64())), ("response_format", pa.string()), ("n", pa.int64()),
+            ("logprobs", pa.int64()))
+_INT64 = (-2 ** 63, 2 ** 63 - 1)
+
+
+def is_jsonl_input(path: Optional[str]) -> bool:
+    """INPUT names JSONL: a file or glob ending in .jsonl / .jsonl.gz, or a folder that holds such files and no
+    Parquet files."""
+    if not path:
+        return False
+    if path.rstrip("/").endswith(SUFFIXES):
+        return True
+    try:
+        fs, root = url_to_fs(path)
+        if any(c in root for c in "*?[") or not fs.isdir(root):
+            return False
+        names = [posixpath.basename(p) for p in fs.find(root)]
+    except (OSError, ValueError):
+        return False  # the Parquet source says what is wrong with the path
+    visible = [n for n in names if not n.startswith((".", "_"))]
+    jsonl = any(n.endswith(SUFFIXES) for n in visible)
+    parquet = any(n.endswith(ParquetSource.SUFFIXES) for n in visible)
+    if jsonl and parquet:
+        raise InputError(f"Folder {path} holds both Parquet and JSONL files. Point INPUT at one kind, with a glob "
+                         f"such as {path.rstrip('/')}/*.jsonl or {path.rstrip('/')}/*.parquet.")
+    return jsonl
+
+
+def request_schema(cfg) -> pa.Schema:
+    """The columns a request line becomes, named as the job's config names them."""
+    return pa.schema([(cfg.id_column, pa.string()), (cfg.messages_column, MESSAGES_TYPE),
+                      (cfg.prompt_column, pa.string()), *_COLUMNS, (INPUT_ERROR_COLUMN, pa.string())])
+
+
+@dataclass(frozen=True)
+class JsonlFile(InputFile):
+    # Byte offset of each chunk's first line; () for a compressed file (one chunk, read from its start).
+    offsets: tuple[int, ...] = ()
+
+
+class LineError(ValueError):
+    "One line is not a request overnight can run; the message says what and how to fix it."
+
+
+class OpenAIBatchSource(ParquetSource):
+    """OpenAI Batch request lines (a .jsonl or .jsonl.gz file, a folder or a glob of them) as a source."""
+
+    SUFFIXES = SUFFIXES
+    FILES = "JSONL files (*.jsonl, *.jsonl.gz)"
+
+    def __init__(self, cfg, shard=None):
+        self._warned: set[str] = set()
+        super().__init__(cfg, shard)
+
+    # -- discovery ---------------------------------------------------------------------------
+    def _inspect(self, path: str, base: str) -> JsonlFile:
+        """Count the file's rows (non-blank lines) per chunk, in one streaming pass."""
+        shown = unstrip(self.fs, path)
+        compressed = path.endswith(".gz")
+        rows, offsets = [], []
+        try:
+            with self._open(path) as f:
+                pos, line_no = 0, 0
+                for line in f:
+                    if line_no % CHUNK_LINES == 0:
+                        rows.append(0)
+                        offsets.append(pos)
+                    line_no += 1
+                    pos += len(line)
+                    if not line.isspace():
+                        rows[-1] += 1
+        except (OSError, EOFError, ValueError) as e:
+            raise InputError(f"{shown} cannot be read as JSONL ({_first_line(e)}). Check the file (a .gz file must "
+                             f"be gzip), or remove it from the input.") from None
+        if compressed and rows:
+            rows, offsets = [sum(rows)], []
+        name = posixpath.relpath(path, base) if base else path
+        try:
+            info = self.fs.info(path)
+            version = f"{info.get('size')}:{info.get('mtime') or info.get('LastModified') or info.get('ETag') or ''}"
+        except OSError:
+            version = ""
+        return JsonlFile(path=path, name=name, num_rows=sum(rows), schema=request_schema(self.cfg),
+                         row_groups=tuple(rows), version=version, offsets=tuple(offsets))
+
+    def _open(self, path: str):
+        return self.fs.open(path, "rb", compression="gzip" if path.endswith(".gz") else None)
+
+    # -- columns -----------------------------------------------------------------------------
+    def read_columns(self) -> list[str]:
+        return [*super().read_columns(), INPUT_ERROR_COLUMN]
+
+    def passthrough_columns(self) -> list[str]:
+        return [c for c in super().passthrough_columns() if c != INPUT_ERROR_COLUMN]
+
+    # -- reading -----------------------------------------------------------------------------
+    def _read(self, fragments, columns: list[str]) -> Iterator[SourceBatch]:
+        """Batches of the given fragments (a file, one chunk, or rows [a, b) of a chunk), line by line."""
+        hashed = self.selection.hash_of if self.selection is not None else None
+        schema = pa.schema([self.schema.field(n) for n in columns])
+        for frag in fragments:
+            file = self.files[frag.file_index]
+            for lines in self._chunks(file, frag):
+                failpoint("source.batch")
+                sb = self._batch(file, lines, schema)
+                if hashed is not None:
+                    sb = self._hash_filter(sb, hashed)
+                    if sb is None:
+                        continue
+                yield sb
+
+    def _chunks(self, file: JsonlFile, frag) -> Iterator[list[tuple[int, bytes]]]:
+        """(line number, line) of the fragment's rows, batch_rows at a time."""
+        if frag.row_group is None:
+            first, offset, num_rows = 0, 0, file.num_rows
+        else:
+            first = frag.row_group * CHUNK_LINES
+            offset = file.offsets[frag.row_group] if file.offsets else 0
+            num_rows = file.row_groups[frag.row_group]
+        lo, hi = frag.rows if frag.rows else (0, num_rows)
+        buf: list[tuple[int, bytes]] = []
+        with self._open(file.path) as f:
+            if offset:
+                f.seek(offset)
+            line_no, row = first, 0
+            for line in f:
+                line_no += 1
+                if line.isspace():
+                    continue
+                if row >= hi:  # the rows counted when the source opened; lines added since wait for a new job
+                    break
+                if row >= lo:
+                    buf.append((line_no, line))
+                    if len(buf) == self.cfg.batch_rows:
+                        yield buf
+                        buf = []
+                row += 1
+        if buf:
+            yield buf
+
+    def _batch(self, file: JsonlFile, lines: list[tuple[int, bytes]], schema: pa.Schema) -> SourceBatch:
+        rows = [self._row(raw, file, line_no) for line_no, raw in lines]
+        try:
+            batch = _to_batch(rows, schema)
+        except (pa.ArrowException, OverflowError, UnicodeError, TypeError, ValueError):
+            # One row's value has no Arrow form (text with a lone surrogate, say): find it, make it an error row.
+            for r, (line_no, _) in zip(rows, lines):
+                try:
+                    _to_batch([r], schema)
+                except (pa.ArrowException, OverflowError, UnicodeError, TypeError, ValueError) as e:
+                    custom_id = r.get(self.cfg.id_column)
+                    r.clear()
+                    if _is_text(custom_id):
+                        r[self.cfg.id_column] = custom_id
+                    r[INPUT_ERROR_COLUMN] = (f"line {line_no} holds a value that cannot be stored "
+                                             f"({_first_line(e)}); fix the line's text (e.g. a lone \\ud800 escape)")
+            batch = _to_batch(rows, schema)
+        numbers = [n for n, _ in lines]
+        consecutive = numbers[-1] - numbers[0] == len(numbers) - 1
+        return SourceBatch(file, numbers[0], batch, None if consecutive else numbers)
+
+    def _row(self, raw: bytes, file: JsonlFile, line_no: int) -> dict:
+        """A line as column values; a bad line as its id (when it has one) and INPUT_ERROR_COLUMN."""
+        cfg = self.cfg
+        custom_id = None
+        try:
+            try:
+                req = json.loads(raw)
+            except UnicodeDecodeError as e:
+                raise LineError(f"line {line_no} is not valid UTF-8 (byte {e.start}); re-encode the file as "
+                                f"UTF-8") from None
+            except json.JSONDecodeError as e:
+                raise LineError(f"line {line_no} is not valid JSON ({e.msg} at column {e.colno}); write each "
+                                f"request as one JSON object on one line") from None
+            if not isinstance(req, dict):
+                raise LineError(f"line {line_no} is a JSON {type(req).__name__}, not an object; write each "
+                                f"request as {{\"custom_id\", \"method\", \"url\", \"body\"}}")
+            custom_id = req.get("custom_id")
+            if not isinstance(custom_id, str) or not custom_id:
+                custom_id = None
+                raise LineError(f"line {line_no} has no custom_id string; give every request a unique custom_id")
+            if req.get("method") != "POST":
+                raise LineError(f"line {line_no}: method is {_short(req.get('method'))}; OpenAI Batch requests "
+                                f"are \"method\": \"POST\"")
+            url = req.get("url")
+            if url not in ENDPOINTS:
+                raise LineError(f"line {line_no}: url {_short(url)} is not supported; use /v1/chat/completions "
+                                f"(body.messages) or /v1/completions (body.prompt)")
+            body = req.get("body")
+            if not isinstance(body, dict):
+                raise LineError(f"line {line_no}: body is {_short(body)}; give the request's parameters as a "
+                                f"JSON object")
+            row = {cfg.id_column: custom_id}
+            if ENDPOINTS[url] == "messages":
+                if body.get("messages") is None:
+                    raise LineError(f"line {line_no}: body has no messages; {url} needs body.messages, a list "
+                                    f"of {{role, content}}")
+                row[cfg.messages_column] = _messages(body["messages"], line_no)
+            else:
+                if body.get("prompt") is None:
+                    raise LineError(f"line {line_no}: body has no prompt; {url} needs body.prompt, a string")
+                row[cfg.prompt_column] = _prompt(body["prompt"], line_no)
+            row.update(_parameters(body, line_no))
+            self._warn_unknown(body, url, file, line_no)
+            return row
+        except LineError as e:
+            return {cfg.id_column: custom_id, INPUT_ERROR_COLUMN: str(e)}
+
+    def _warn_unknown(self, body: dict, url: str, file: JsonlFile, line_no: int) -> None:
+        own = ENDPOINTS[url]
+        for key in body:
+            if key == own or key in HONOURED or key in SILENT or key in self._warned:
+                continue
+            self._warned.add(key)
+            log.warning(f"{file.name} line {line_no}: body.{key} is not supported and is ignored (in every line; "
+                        f"said once per key)")
+
+
+# -- one line's values ---------------------------------------------------------------------------
+
+def _messages(value, line_no: int) -> list:
+    """OpenAI's messages as [{role, content}]: text content parts are joined with newlines."""
+    if not isinstance(value, list):
+        raise LineError(f"line {line_no}: body.messages is {_short(value)}; give a list of {{role, content}}")
+    out = []
+    for j, m in enumerate(value):
+        where = f"line {line_no}: body.messages[{j}]"
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise LineError(f"{where} is {_short(m)}; give {{\"role\": ..., \"content\": ...}}")
+        content = m.get("content")
+        if isinstance(content, list):
+            texts = []
+            for k, part in enumerate(content):
+                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    kind = part.get("type") if isinstance(part, dict) else None
+                    raise LineError(f"{where}.content[{k}] is {_short(kind or part)}; only text parts "
+                                    f"({{\"type\": \"text\", \"text\": ...}}) are supported")
+                texts.append(part["text"])
+            content = "\n".join(texts)
+        elif not isinstance(content, str):
+            raise LineError(f"{where}.content is {_short(content)}; give a string or a list of text parts "
+                            f"(tool calls are not supported)")
+        out.append({"role": ROLE_ALIASES.get(m["role"], m["role"]), "content": content})
+    return out
+
+
+def _prompt(value, line_no: int) -> str:
+    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], str):
+        return value[0]
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list) and all(isinstance(p, str) for p in value):
+        raise LineError(f"line {line_no}: body.prompt is a list of {len(value)} prompts; give one prompt per "
+                        f"line, each with its own custom_id")
+    raise LineError(f"line {line_no}: body.prompt is {_short(value)}; give the prompt as text (token ids are "
+                    f"not supported)")
+
+
+def _parameters(body: dict, line_no: int) -> dict:
+    """The per-row columns, type-checked; ranges are validate's to check."""
+    out: dict[str, Any] = {}
+    for name, t in _COLUMNS:
+        value = body.get(name)
+        if name == "max_tokens" and body.get("max_completion_tokens") is not None:
+            name, value = "max_completion_tokens", body["max_completion_tokens"]
+        if name == "logprobs":
+            value = _logprobs(body, line_no)
+        if value is None:
+            continue
+        where = f"line {line_no}: body.{name}"
+        column = "max_tokens" if name == "max_completion_tokens" else name
+        if name == "response_format":
+            out[column] = json.dumps(value)
+        elif name == "stop":
+            if isinstance(value, str):
+                value = [value]
+            if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
+                raise LineError(f"{where} is {_short(value)}; give a string or a list of strings")
+            out[column] = value
+        elif name == "stop_token_ids":
+            if not isinstance(value, list) or not all(_is_int(v) for v in value):
+                raise LineError(f"{where} is {_short(value)}; give a list of token ids (integers)")
+            out[column] = [int(v) for v in value]
+        elif pa.types.is_integer(t):
+            if not _is_int(value):
+                raise LineError(f"{where} is {_short(value)} ({type(value).__name__}); it must be an integer")
+            out[column] = int(value)
+        else:
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(float(value)):
+                raise LineError(f"{where} is {_short(value)} ({type(value).__name__}); it must be a number")
+            out[column] = float(value)
+    return out
+
+
+def _logprobs(body: dict, line_no: int) -> Optional[int]:
+    """Top alternatives per token: chat's logprobs=true with top_logprobs=K (0 without), or completions' K."""
+    value, top = body.get("logprobs"), body.get("top_logprobs")
+    if value is None or value is False:
+        if top is not None:
+            raise LineError(f"line {line_no}: body.top_logprobs is set but body.logprobs is not true; add "
+                            f"\"logprobs\": true")
+        return None
+    if value is True:
+        if top is None:
+            return 0
+        if not _is_int(top):
+            raise LineError(f"line {line_no}: body.top_logprobs is {_short(top)}; it must be an integer")
+        return int(top)
+    if _is_int(value):
+        return int(value)
+    raise LineError(f"line {line_no}: body.logprobs is {_short(value)}; give true (with top_logprobs: K) or, "
+                    f"for /v1/completions, an integer")
+
+
+def _is_int(value) -> bool:
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    return isinstance(value, int) and not isinstance(value, bool) and _INT64[0] <= value <= _INT64[1]
+
+
+def _is_text(value) -> bool:
+    try:
+        return isinstance(value, str) and bool(value.encode("utf-8"))
+    except UnicodeError:
+        return False
+
+
+def _to_batch(rows: list[dict], schema: pa.Schema) -> pa.RecordBatch:
+    return pa.RecordBatch.from_arrays([pa.array([r.get(f.name) for r in rows], f.type) for f in schema],
+                                      schema=schema)
+
+
+def _short(value, limit: int = 60) -> str:
+    text = json.dumps(value) if not isinstance(value, (bytes, set)) else repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
