@@ -14,7 +14,7 @@ from typing import Optional
 
 from overnight.pipeline.config import JobConfig
 from overnight.pipeline.input.shards import parse_shard
-from overnight.pipeline.input.source import ParquetSource
+from overnight.pipeline.input.source import ParquetSource, open_source
 from overnight.pipeline.input.stage import OpenModel, open_model
 from overnight.pipeline.output import manifest as mf
 from overnight.pipeline.output.checkpoint import OutputDir, OutputError, OutputSchema, Scan
@@ -66,7 +66,7 @@ def open_job(cfg: JobConfig, fresh: bool = False, now: Optional[float] = None) -
         from overnight.buckets.trained import TrainedPredictor
         TrainedPredictor.load(cfg.buckets.predictor)  # fail now, not after the engine started
     shard = parse_shard(cfg.cluster.shard, cfg.cluster.shards)
-    source = ParquetSource(cfg.input, shard)
+    source = open_source(cfg.input, shard)
     check_layout(cfg.output.path, shard)
     if shard is not None:
         sel = source.selection

@@ -9,7 +9,7 @@ import os
 import time
 from typing import Optional
 
-from overnight.pipeline.cluster.units import Unit, UnitSource
+from overnight.pipeline.cluster.units import Unit, unit_source
 from overnight.pipeline.config import JobConfig
 from overnight.pipeline.output.checkpoint import OutputDir, OutputError
 from overnight.pipeline.output.layout import job_dirs, worker_out
@@ -205,7 +205,7 @@ class Worker:
         from overnight.pipeline.output.checkpoint import Scan
 
         cfg = self.cfg
-        source = UnitSource(cfg.input, next_unit, self._done_in)
+        source = unit_source(cfg.input, next_unit, self._done_in)
         source.files = self.files
         out = ReportingOutputDir(worker_out(cfg.output.path, self.index).url, self.coordinator, self.index)
         model = open_model(cfg)

@@ -40,7 +40,7 @@ MAX_ACTOR_RESTARTS = 3
 def run_on_ray(cfg: JobConfig, fresh: bool, workers: int, address: Optional[str] = None,
                is_tty: Optional[bool] = None, on_started=None) -> Summary:
     """Run the job over ``workers`` Ray actors; returns the job's summary (exit codes as for one engine)."""
-    from overnight.pipeline.input.source import ParquetSource
+    from overnight.pipeline.input.source import open_source
     from overnight.pipeline.job import resolve_deadline
     from overnight.pipeline.input.stage import open_model
 
@@ -49,7 +49,7 @@ def run_on_ray(cfg: JobConfig, fresh: bool, workers: int, address: Optional[str]
         raise OutputError("No output folder given. Pass --out OUT (or output.path in the config).")
     started = time.time()
     deadline_at, margin = resolve_deadline(cfg.scheduler, started)
-    source = ParquetSource(cfg.input)
+    source = open_source(cfg.input)
     open_model(cfg)  # a bad model fails here, not in every worker
     check_layout(cfg.output.path, None, ray=True)
     root = OutputDir(cfg.output.path)

@@ -16,6 +16,7 @@ import math
 from dataclasses import dataclass
 from typing import Callable, Iterator, Optional
 
+from overnight.pipeline.input.openai_batch import OpenAIBatchSource, is_jsonl_input
 from overnight.pipeline.input.shards import Fragment, fragments_of
 from overnight.pipeline.input.source import ParquetSource, SourceBatch
 
@@ -90,6 +91,16 @@ class UnitSource(ParquetSource):
                         break
                 if sb is not None:
                     yield sb
+
+
+class JsonlUnitSource(UnitSource, OpenAIBatchSource):
+    """A worker's units of OpenAI Batch request lines (units are chunks of lines, or slices of them)."""
+
+
+def unit_source(cfg, next_unit: Callable[[], Optional[Unit]], id_column_of: Callable[[str], object]) -> UnitSource:
+    """A worker's source, over Parquet or OpenAI Batch lines as the input is."""
+    cls = JsonlUnitSource if is_jsonl_input(cfg.path) else UnitSource
+    return cls(cfg, next_unit, id_column_of)
 
 
 def _without(sb: SourceBatch, scan, id_column: Optional[str]) -> Optional[SourceBatch]:

@@ -230,7 +230,7 @@ class OpenAIBatchSource(ParquetSource):
             try:
                 req = json.loads(raw)
             except UnicodeDecodeError as e:
-                raise LineError(f"line {line_no} is not valid UTF-8 (byte {e.start}); re-encode the file as "
+                raise LineError(f"line {line_no} is not valid UTF-8 (at byte {e.start + 1}); re-encode the file as "
                                 f"UTF-8") from None
             except json.JSONDecodeError as e:
                 raise LineError(f"line {line_no} is not valid JSON ({e.msg} at column {e.colno}); write each "

@@ -15,7 +15,7 @@ from overnight.pipeline.output.checkpoint import Scan
 from overnight.pipeline.output.layout import job_dirs
 from overnight.pipeline.config import JobConfig
 from overnight.pipeline.input.resume import ResumeFilter
-from overnight.pipeline.input.source import ParquetSource
+from overnight.pipeline.input.source import open_source
 from overnight.pipeline.input.stage import open_model, prepare
 from overnight.pipeline.job import resolve_deadline
 from overnight.pipeline.tally import Tally
@@ -61,7 +61,7 @@ def make_plan(cfg: JobConfig, out: Optional[str] = None, throughput: Optional[fl
               now: Optional[float] = None) -> Plan:
     now = time.time() if now is None else now
     deadline_at, margin = resolve_deadline(cfg.scheduler, now)
-    source = ParquetSource(cfg.input)
+    source = open_source(cfg.input)
     annotator = LengthAnnotator(make_predictor(cfg.buckets.predictor), cfg.sampling.max_tokens, "log",
                                 cfg.buckets.num_buckets)
     done = Scan()

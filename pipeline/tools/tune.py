@@ -18,7 +18,7 @@ from typing import Callable, Optional
 
 from overnight.pipeline.config import JobConfig
 from overnight.pipeline.engine.vllm import VllmEngine, shutdown_engines
-from overnight.pipeline.input.source import ParquetSource
+from overnight.pipeline.input.source import open_source
 from overnight.pipeline.input.stage import open_model, prepare
 
 log = logging.getLogger("overnight")
@@ -50,7 +50,7 @@ class TuneReport:
 
 def sample_rows(cfg: JobConfig, n: int):
     """The model and the first n input rows, prepared as `overnight run` prepares them (bad rows left out)."""
-    source = ParquetSource(dataclasses.replace(cfg.input, limit=n))
+    source = open_source(dataclasses.replace(cfg.input, limit=n))
     model = open_model(cfg)
     return model, [row for batch in prepare(cfg, source, model) for row in batch.rows]
 
