@@ -51,6 +51,20 @@ def string_list(values: tuple) -> Optional[list[str]]:
     return list(values) or None
 
 
+def lora_adapters(values: tuple) -> Optional[dict[str, str]]:
+    """--lora NAME=PATH, repeated -> {name: path}."""
+    adapters = {}
+    for v in values:
+        name, sep, path = v.partition("=")
+        if not sep or not name.strip() or not path.strip():
+            raise ConfigError(f"--lora {v}: give the adapter as NAME=PATH, e.g. --lora sql=adapters/sql-lora.")
+        if name.strip() in adapters:
+            raise ConfigError(f"--lora {v}: the name {name.strip()!r} is registered twice; give each adapter its "
+                              f"own name.")
+        adapters[name.strip()] = path.strip()
+    return adapters or None
+
+
 @dataclass(frozen=True)
 class Opt:
     """One command-line option and the config key it sets."""
@@ -167,6 +181,11 @@ SAMPLING = [
     Opt("--regex", "sampling.regex", "Structured output: every row's text matches this regular expression."),
     Opt("--choice", "sampling.choice", "Structured output: every row's text is one of these (a,b,c).", type=str,
         convert=lambda v: [c.strip() for c in v.split(",") if c.strip()]),
+    Opt("--n", "sampling.n", "Completions per row, each an output row numbered by sample_index (needs a "
+                             "temperature above 0). An n column sets it per row.", type=click.IntRange(min=1)),
+    Opt("--logprobs", "sampling.logprobs", "Store the chosen tokens' logprobs and this many top alternatives per "
+                                           "token (0-20) in a logprobs column. A logprobs column sets it per row.",
+        type=click.IntRange(min=0), default_text="none"),
 ]
 
 ENGINE = [
@@ -194,6 +213,13 @@ ENGINE = [
         "Restart the engine in-process this many times if it dies mid-run.", type=click.IntRange(min=0)),
     Opt("--trust-remote-code", "engine.trust_remote_code", "Allow a hub model's own Python code to run.",
         click_kwargs={"is_flag": True}),
+    Opt("--lora", "engine.lora", "Register a LoRA adapter, NAME=PATH (a PEFT folder; repeatable); a row's lora "
+                                 "column picks one by name, rows without one use the base model.", type=str,
+        convert=lora_adapters, default_text="none", click_kwargs={"multiple": True}),
+    Opt("--max-loras", "engine.max_loras", "LoRA adapters held on the device at once.", type=click.IntRange(min=1),
+        default_text="all registered"),
+    Opt("--max-lora-rank", "engine.max_lora_rank", "Largest LoRA rank (1, 8, 16, 32, 64, ...).",
+        default_text="what the adapters need"),
 ]
 
 SCHEDULE = [

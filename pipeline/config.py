@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import re
 from dataclasses import dataclass, field
 from typing import Optional, Union
 
@@ -61,6 +62,11 @@ class PromptConfig:
     system_prompt: Optional[str] = None
 
 
+# Most completions per row (OpenAI's limit for n), and most top alternatives per token (vLLM's default max_logprobs).
+MAX_N = 128
+MAX_LOGPROBS = 20
+
+
 @dataclass
 class SamplingConfig:
     # Defaults for every row; per-row columns of the same name override them.
@@ -87,8 +93,20 @@ class SamplingConfig:
     json_schema: Optional[str] = None
     regex: Optional[str] = None
     choice: Optional[list[str]] = None
+    # Completions per row (vLLM's SamplingParams.n): one output row each, numbered by sample_index. Above 1 needs a
+    # temperature above 0.
+    n: int = 1
+    # Logprobs of the chosen tokens, with this many top alternatives per token (0 to 20; 0: the chosen token's
+    # only). None: no logprobs.
+    logprobs: Optional[int] = None
 
     def __post_init__(self) -> None:
+        _check(1 <= self.n <= MAX_N, f"sampling.n is {self.n}; it must be 1 to {MAX_N}.")
+        _check(self.n == 1 or self.temperature > 0,
+               f"sampling.n is {self.n} but the temperature is 0 (greedy), which gives the same completion each "
+               f"time. Set a temperature above 0 (--temperature 0.7), or n to 1.")
+        _check(self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
+               f"sampling.logprobs is {self.logprobs}; it must be 0 to {MAX_LOGPROBS} (top alternatives per token).")
         _check(sum(x is not None for x in (self.json_schema, self.regex, self.choice)) <= 1,
                "Give at most one of sampling.json_schema (--json-schema), regex (--regex) and choice (--choice).")
         _check(-2 <= self.presence_penalty <= 2 and -2 <= self.frequency_penalty <= 2,
@@ -103,6 +121,9 @@ class SamplingConfig:
 
 
 ENGINE_KINDS = ("vllm", "echo")
+# vLLM's allowed max_lora_rank values, and what an adapter name may be.
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+LORA_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
 
 
 @dataclass
@@ -146,6 +167,14 @@ class EngineConfig:
     seed: int = 0
     # Restart the engine in-process this many times if it dies mid-run (rows in flight are redone).
     max_restarts: int = 0
+    # LoRA adapters a row can pick with its `lora` column: name -> local PEFT adapter folder. Rows without one use
+    # the base model.
+    lora: dict[str, str] = field(default_factory=dict)
+    # Adapters held on the device at once (vLLM's max_loras). None: all of them.
+    max_loras: Optional[int] = None
+    # Largest adapter rank (vLLM's max_lora_rank: 1, 8, 16, 32, 64, 128, 256, 320, 512). None: the smallest of
+    # those that fits every adapter, read from its adapter_config.json.
+    max_lora_rank: Optional[int] = None
 
     def __post_init__(self) -> None:
         _check(self.kind in ENGINE_KINDS, f"engine.kind is {self.kind!r}; use one of {', '.join(ENGINE_KINDS)}.")
@@ -167,6 +196,14 @@ class EngineConfig:
         _check(self.max_restarts >= 0, f"engine.max_restarts is {self.max_restarts}; it must be 0 or more.")
         _check(self.dtype in ("auto", "bfloat16", "float16", "float32", "half", "float"),
                f"engine.dtype is {self.dtype!r}; use auto, bfloat16, float16 or float32.")
+        for name, path in self.lora.items():
+            _check(bool(LORA_NAME.fullmatch(name)), f"engine.lora has the adapter name {name!r}; use letters, "
+                                                    f"digits, '-', '_' and '.' (--lora NAME=PATH).")
+            _check(bool(path), f"engine.lora.{name} has no path; give the adapter's folder (--lora {name}=PATH).")
+        _check(self.max_loras is None or self.max_loras >= 1,
+               f"engine.max_loras is {self.max_loras}; it must be at least 1.")
+        _check(self.max_lora_rank is None or self.max_lora_rank in LORA_RANKS,
+               f"engine.max_lora_rank is {self.max_lora_rank}; use one of {', '.join(map(str, LORA_RANKS))}.")
 
 
 class Policy(str, enum.Enum):

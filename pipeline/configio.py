@@ -91,6 +91,10 @@ def _coerce(tp, value: Any, source: str, key: str):
             except ConfigError as e:
                 errors.append(e)
         raise errors[-1]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{source}: {key} must be a mapping, got {value!r}.")
+        return {_coerce(args[0], k, source, key): _coerce(args[1], v, source, f"{key}.{k}") for k, v in value.items()}
     if origin is list:
         if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)):
             raise ConfigError(f"{source}: {key} must be a list, got {value!r}.")
