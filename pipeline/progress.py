@@ -58,6 +58,7 @@ class Progress:
         self.is_tty = sys.stderr.isatty() if is_tty is None else is_tty
         self.bar = None
         self.forecast_eta: Optional[float] = None
+        self.eta_range: Optional[tuple[float, float]] = None
         self.deadline_left: Optional[float] = None
         self.deadline_at_risk = False
         # The job's story over time, for `overnight report`: a sample at each forecast (every 2 s), thinned to
@@ -83,27 +84,33 @@ class Progress:
             self.last_log = now
             log.info(self.line(), extra={"counters": self.counters()})
 
-    def set_forecast(self, eta_s: Optional[float], deadline_left_s: Optional[float], at_risk: bool) -> None:
-        """The deadline tracker's ETA (from predicted tokens) replaces the row-rate estimate."""
+    def set_forecast(self, eta_s: Optional[float], deadline_left_s: Optional[float], at_risk: bool,
+                     detail: Optional[dict] = None) -> None:
+        """The deadline tracker's ETA (from predicted tokens) replaces the row-rate estimate. ``detail``: what
+        the forecast rests on (remaining tokens, rate, rows expected left), kept in the timeline."""
         self.forecast_eta = eta_s
+        self.eta_range = None if not detail or detail.get("eta_low_s") is None else (detail["eta_low_s"],
+                                                                                     detail["eta_high_s"])
         self.deadline_left = deadline_left_s
         self.deadline_at_risk = at_risk
-        self.sample()
+        self.sample(detail)
 
-    def sample(self) -> None:
+    def sample(self, detail: Optional[dict] = None) -> None:
         now = time.time()
         if self.samples and now - self.samples[-1]["t"] < self.sample_every:
             return
         self.samples.append({"t": round(now, 3), "rows_done": self.done, "output_tokens": self.tokens,
                              "output_tokens_per_s": round(self.token_rate.per_second(), 2),
                              "eta_s": self.eta_seconds(), "deadline_left_s": self.deadline_left,
-                             "at_risk": self.deadline_at_risk})
+                             "at_risk": self.deadline_at_risk, **(detail or {})})
         if len(self.samples) >= MAX_SAMPLES:
             self.samples = self.samples[::2]
             self.sample_every = 2 * max(self.sample_every, 1.0)
 
     def postfix(self) -> str:
         text = f"{self.token_rate.per_second():.0f} tok/s, ETA {fmt_duration(self.eta_seconds())}"
+        if self.eta_range is not None and self.forecast_eta is not None:
+            text += f" ({fmt_duration(self.eta_range[0])}-{fmt_duration(self.eta_range[1])})"
         if self.deadline_left is not None:
             text += f", deadline in {fmt_duration(self.deadline_left)}{' AT RISK' if self.deadline_at_risk else ''}"
         return text
@@ -125,6 +132,7 @@ class Progress:
         """What a progress line says, as numbers (the JSON log lines carry them)."""
         return {"rows_done": self.done, "rows_total": self.total,
                 "output_tokens_per_s": round(self.token_rate.per_second(), 2), "eta_s": self.eta_seconds(),
+                "eta_range_s": None if self.eta_range is None else [round(x, 1) for x in self.eta_range],
                 "deadline_left_s": self.deadline_left, "deadline_at_risk": self.deadline_at_risk}
 
     def close(self) -> None:

@@ -69,6 +69,12 @@ def forecast_dict(f, deadline: Optional[float], mode: str) -> dict:
         "tokens_per_s": round(f.tokens_per_s, 2),
         "remaining_tokens_predicted": round(f.remaining_tokens),
         "eta_s": None if f.eta_s is None else round(f.eta_s, 1),
+        "eta_range_s": None if f.eta_low_s is None else [round(f.eta_low_s, 1), round(f.eta_high_s, 1)],
+        # what the forecast learned: actual / predicted output tokens, and seconds per step (fixed, per
+        # sequence, per prompt token prefilled)
+        "calibration": None if f.calibration is None else round(f.calibration, 3),
+        "step_cost_s": None if f.step_cost is None else [round(x, 6) for x in f.step_cost],
+        "rows_in_flight_cap": f.cap,
         "time_left_s": None if f.time_left_s == float("inf") else round(f.time_left_s, 1),
         "will_miss": f.will_miss,
         "rows_expected_left": f.rows_expected_left,

@@ -51,7 +51,8 @@ class Runner:
                                    sc.max_wait_s, has_values="value" in job.source.schema.names)
         self.annotator = LengthAnnotator(make_predictor(cfg.buckets.predictor), cfg.sampling.max_tokens,
                                          cfg.buckets.kind, cfg.buckets.num_buckets, background=True)
-        self.tracker = DeadlineTracker(job.deadline_at, job.margin_s, clock, sc.tokens_per_second)
+        self.tracker = DeadlineTracker(job.deadline_at, job.margin_s, clock, sc.tokens_per_second,
+                                       max_tokens=cfg.sampling.max_tokens)
         self.tracker.start(self.scheduler)
         scan = job.scan
         self.tally = Tally(job.source.num_rows, scan.num_ok, scan.num_error, scan.num_output_tokens)
@@ -74,6 +75,7 @@ class Runner:
         self.hard_stop_at: Optional[float] = None  # when rows still in flight are aborted
         self.engine_failed = False
         self._last_tick = self._last_forecast = -1e18
+        self._last_step_end: Optional[float] = None  # for the loop's cycle per engine step
 
     def run(self) -> Summary:
         state, message = RunState.FAILED, None
@@ -127,6 +129,7 @@ class Runner:
     def _start_engine(self):
         self.engine = self.supervisor.start()
         self.scheduler.resize(self.engine.max_num_seqs)
+        self.tracker.engine_started(self.engine.max_num_seqs)
         self.tally.started = time.monotonic()  # the attempt's elapsed time and tok/s count from a running engine
         return self.engine
 
@@ -168,12 +171,15 @@ class Runner:
 
     def _admit(self) -> None:
         self._record([Result.expired(r) for r in self.scheduler.take_expired(self.clock())])
+        if not self.tracker.probe_done:  # the first steps of a run with a deadline measure the step cost
+            self.scheduler.cap = self.tracker.probe_cap(self.engine.max_num_seqs)
         for a in self.scheduler.schedule(self.clock()):
             self.queued_at[a.request_id] = time.time()
             self.share_at[a.request_id] = self.share
             try:
                 self.engine.add(a.request_id, a.row.prompt_token_ids, a.row.sampling,
                                 a.priority if self.engine.supports_priority else 0)
+                self.tracker.admitted(a.request_id, a.row.predicted_tokens, a.row.num_prompt_tokens)
             except ValueError as e:  # vLLM's own validation of a request
                 self._forget(a.request_id)
                 self._record([Result.failed(a.row.id, a.row.passthrough,
@@ -181,16 +187,24 @@ class Runner:
 
     def _collect(self) -> None:
         if not self.engine.has_unfinished():
+            self._last_step_end = None
             return
         admitted = self.scheduler.num_running  # the rows in the engine, running or waiting in its queue
         running = min(admitted, self.engine.max_num_seqs)
+        self.tracker.before_step()
         t0 = time.perf_counter()
         try:
             finished = self.engine.step()
         except Exception as e:
+            self._last_step_end = None
             self._on_engine_failure(e)
             return
         step_s = time.perf_counter() - t0
+        # The forecast learns from the loop's whole cycle per step: the engine's time and the loop's own.
+        end = self.clock()
+        cycle = None if self._last_step_end is None else end - self._last_step_end
+        self._last_step_end = end
+        self.tracker.after_step(cycle, [f.request_id for f in finished])
         self.share += step_s / max(1, admitted)  # so the rows' engine_seconds add up to the steps' time
         self.tally.engine_seconds += step_s
         # vLLM reports a row's tokens only when it finishes, so the first minutes of a job, before any long
@@ -205,6 +219,8 @@ class Runner:
                 rows.append(self._forget(f.request_id))
                 results.append(Result.from_engine(rows[-1], f, queued, round(share, 6)))
             self.annotator.observe(rows, [r.output_tokens for r in results], [r.finish_reason for r in results])
+            self.tracker.finished([r.predicted_tokens for r in rows], [r.output_tokens for r in results],
+                                  [r.finish_reason for r in results])
             self._record(results)
         self.writer.maybe_flush()
 
@@ -230,7 +246,10 @@ class Runner:
 
     def _forecast(self) -> None:
         f = self.tracker.forecast_job(self.scheduler, self.tally, self.job.scan.num_done, self.engine.max_num_seqs)
-        self.progress.set_forecast(f.eta_s, f.time_left_s if self.tracker.deadline else None, f.will_miss)
+        self.progress.set_forecast(f.eta_s, f.time_left_s if self.tracker.deadline else None, f.will_miss,
+                                   {"remaining_tokens": round(f.remaining_tokens), "forecast_tokens_per_s":
+                                    round(f.tokens_per_s, 2), "rows_expected_left": f.rows_expected_left,
+                                    "eta_low_s": f.eta_low_s, "eta_high_s": f.eta_high_s, "cap": f.cap})
         if not self.stopping:
             self.tracker.steer(f, self.scheduler)
 
@@ -244,6 +263,7 @@ class Runner:
 
     def _abort_in_flight(self, engine_alive: bool = True) -> None:
         ids = self.scheduler.drain_running()
+        self.tracker.dropped(ids)
         self.tally.num_aborted += len(ids)
         if ids:
             log.warning(f"aborting {len(ids)} rows in flight; they are not done and a rerun will redo them")
@@ -260,6 +280,7 @@ class Runner:
                 self._begin_stop(f"interrupted by {self.signals.first}", self.clock())
             return
         self.engine = self.supervisor.restart(e, self.scheduler.num_running)
+        self.tracker.engine_started(self.engine.max_num_seqs)
         self.scheduler.requeue_running(self.clock())
         self.queued_at.clear()
 

@@ -1,9 +1,15 @@
-"""Forecast the finish from measured throughput and predicted remaining tokens, against a deadline.
+"""Forecast the finish against a deadline, and steer auto's order and rows in flight by it.
 
-A pure object with an injected clock: the runner feeds it the cumulative
-output tokens and the predicted lengths of what is left, in the order the
-scheduler would run it; it answers with an ETA, whether the deadline will be
-missed, and how many rows would be left. With no deadline it still gives the
+A pure object with an injected clock. The runner tells it what each engine
+step cost and which rows it admitted and finished; from those it learns
+(scheduling.forecast) what a step costs for how many sequences, how the
+predicted lengths compare with the actual ones (rows still running count as
+"at least this long"), and simulates the drain of what is left in the order
+the scheduler runs it. It answers with an ETA and its range, whether the
+deadline will be missed, and how many rows would be left; under auto it sets
+the cap on rows in flight that finishes the most rows by the deadline. Until
+the engine has run a few steps it falls back to a token rate (the configured
+tokens_per_second, then the measured one). With no deadline it still gives the
 ETA for the progress bar and the status file.
 """
 
@@ -19,8 +25,9 @@ from typing import Callable, Optional
 
 import numpy as np
 
-from overnight.pipeline.config import ConfigError
+from overnight.pipeline.config import ConfigError, Policy
 from overnight.pipeline.progress import Rate, fmt_duration
+from overnight.pipeline.scheduling.forecast import InFlight, LengthModel, StepCost, best_cap, drain
 from overnight.pipeline.scheduling.scheduler import Mode
 
 
@@ -36,6 +43,14 @@ class Forecast:
     time_left_s: float
     will_miss: bool
     rows_expected_left: int
+    # The ETA's range (80%: the calibration's uncertainty and the rows' own spread), once rows have finished.
+    eta_low_s: Optional[float] = None
+    eta_high_s: Optional[float] = None
+    # What the model learned: actual / predicted output tokens on average, and the step cost.
+    calibration: Optional[float] = None
+    step_cost: Optional[tuple] = None
+    # Rows in flight allowed (auto near a deadline), None for the engine's capacity.
+    cap: Optional[int] = None
 
 
 def parse_budget(text: str) -> float:
@@ -74,11 +89,19 @@ MODE_MESSAGES = {Mode.DEADLINE: "auto: deadline at risk, now running the most ro
 # auto goes back to throughput-first only when the ETA is under this fraction of the time left: without the
 # gap, a forecast hovering at the deadline would switch the order back and forth.
 SAFE_ETA_FRACTION = 0.8
+# The step-cost probe at the start of a run: the first rows go in at a quarter, then half of the engine's
+# sequences, for this many steps each, so that the fixed and per-sequence costs of a step can be told apart (a
+# full engine runs one size of step only). It costs a few steps' worth of throughput.
+PROBE_STEPS = 12
+# The model's forecast needs this many steps measured; before, a token rate stands in.
+MIN_STEPS = 8
+Z80 = 1.2816  # the normal quantile of a two-sided 80% range
 
 
 class DeadlineTracker:
     def __init__(self, deadline: Optional[float], margin_s: float = 0.0, clock: Callable[[], float] = time.time,
-                 initial_tokens_per_s: Optional[float] = None, window_s: float = 30.0, warmup_s: float = 10.0):
+                 initial_tokens_per_s: Optional[float] = None, window_s: float = 30.0, warmup_s: float = 10.0,
+                 max_tokens: Optional[int] = None):
         # warmup_s: the first seconds of a run measure prefill and start-up more than generation; a rate
         # measured over less than this is not trusted (a configured tokens_per_second is used meanwhile).
         self.deadline = deadline
@@ -90,6 +113,49 @@ class DeadlineTracker:
         self._first: Optional[float] = None
         self.last: Optional[Forecast] = None  # the latest forecast, for the status file
         self.is_warned = False  # the at-risk warning was given (and the deadline is not back on track)
+        self.steps = StepCost()
+        self.inflight = InFlight(1)
+        self.lengths = LengthModel(max_tokens or 256)
+        self.probe_done = False
+        self._step_n = self._step_prefill = 0
+
+    # -- what the runner reports -----------------------------------------------------------------
+    def engine_started(self, max_num_seqs: int) -> None:
+        self.inflight.resize(max_num_seqs)
+        self.inflight.clear()
+
+    def admitted(self, request_id: str, predicted: Optional[int], prompt_tokens: int) -> None:
+        self.inflight.admit(request_id, predicted, prompt_tokens)
+
+    def before_step(self) -> None:
+        self._step_n, self._step_prefill = self.inflight.before_step()
+
+    def after_step(self, seconds: Optional[float], finished_ids) -> None:
+        """One engine step ended; ``seconds``: the loop's whole cycle for it (None when the loop had idled)."""
+        if seconds is not None:
+            self.steps.observe(self._step_n, self._step_prefill, seconds)
+        self.inflight.after_step(finished_ids)
+
+    def finished(self, predicted, actual, finish_reasons) -> None:
+        self.lengths.observe(predicted, actual, [r == "length" for r in finish_reasons])
+
+    def dropped(self, request_ids) -> None:
+        """Rows that left the engine without finishing (refused, aborted)."""
+        for rid in request_ids:
+            self.inflight.forget(rid)
+
+    def probe_cap(self, max_num_seqs: int) -> Optional[int]:
+        """The cap while the step cost is probed at the start of the run, else None."""
+        if self.probe_done or max_num_seqs < 8:
+            self.probe_done = True
+            return None
+        step = self.inflight.step
+        if step < PROBE_STEPS:
+            return max_num_seqs // 4
+        if step < 2 * PROBE_STEPS:
+            return max_num_seqs // 2
+        self.probe_done = True
+        return None
 
     def observe(self, total_output_tokens: int) -> None:
         now = self.clock()
@@ -149,16 +215,87 @@ class DeadlineTracker:
         return Forecast(tps, remaining, rows, eta, left, eta > left, max(0, rows - done))
 
     def forecast_job(self, scheduler, tally, num_done_before: int, max_num_seqs: int) -> Forecast:
-        """The forecast from the job's state: rows in flight (assumed half done), the pending pool in the
-        order the policy runs it, and the rows not read yet at the mean prediction so far."""
+        """The forecast from the job's state. With a few engine steps measured: the learned model (below).
+        Before: the token rate, rows in flight assumed half done, the pending pool in the order the policy runs
+        it, and the rows not read yet at the mean prediction so far."""
         # Rows not read yet, less those an earlier attempt finished (not met yet in this pass).
         unread = max(0, tally.num_rows - tally.num_read - (num_done_before - tally.num_resumed))
         lengths, counts = scheduler.pending_in_run_order()
-        f = self.forecast(scheduler.running_predicted / 2, scheduler.num_running, lengths, unread,
-                          tally.mean_predicted, counts)
+        if self.steps.num_steps >= MIN_STEPS and self.inflight.max_num_seqs > 0:
+            f = self._model_forecast(scheduler, lengths, counts, unread, tally.mean_predicted, max_num_seqs)
+            self.last = f
+        else:
+            f = self.forecast(scheduler.running_predicted / 2, scheduler.num_running, lengths, unread,
+                              tally.mean_predicted, counts)
         if f.tokens_per_s and scheduler.num_running:
             scheduler.per_seq_tokens_per_s = f.tokens_per_s / min(scheduler.num_running, max_num_seqs)
         return f
+
+    def _model_forecast(self, scheduler, lengths, counts, unread: int, mean_predicted: float,
+                        max_num_seqs: int) -> Forecast:
+        a, b, c = self.steps.fit()
+        run_p, run_g = self.inflight.running()
+        model = self.lengths
+        model.fit(run_p, run_g)
+        queued_p = self.inflight.queued()
+        # auto near a deadline runs at most `cap` rows at once; every other case keeps the engine full
+        slots = max_num_seqs
+        cap = None
+        left = self.time_left()
+        pend_p = np.asarray(lengths, dtype=np.float64)
+        pend_n = np.asarray(counts, dtype=np.float64)
+        if scheduler.policy == Policy.AUTO and self.stop_at is not None and scheduler.mode == Mode.DEADLINE:
+            cap = self._cap(a, b, c, left, model, queued_p, pend_p, pend_n, max_num_seqs)
+            slots = cap
+        fill = np.concatenate([queued_p, pend_p])
+        fill_n = np.concatenate([np.ones(len(queued_p)), pend_n])
+        if unread:
+            mean_p = float(fill @ fill_n / fill_n.sum()) if fill_n.sum() else (mean_predicted or 1.0)
+            fill, fill_n = np.append(fill, mean_p), np.append(fill_n, unread)
+        rows = int(len(run_p) + fill_n.sum())
+        prefill = float(fill_n.sum()) * self.inflight.mean_prompt_tokens
+        step_full = a + b * slots
+        within = left / step_full if step_full > 0 and left < math.inf else math.inf
+
+        def eta(shift: float, tail: bool):
+            run_e = model.expected(run_p, run_g, shift)
+            fill_e = model.expected(fill, None, shift)
+            d = drain(slots, run_e, fill_e, fill_n, within,
+                      (model, run_p, run_g, fill, shift) if tail else None)
+            return a * (d.steps + d.tail_steps) + b * d.tokens + c * prefill, d
+
+        eta_s, d = eta(0.0, True)
+        spread = Z80 * model.mu_stderr
+        low, _ = eta(-spread, False)
+        high, _ = eta(spread, False)
+        # the rows' own spread: the sum of many rows' lengths varies less than each
+        var = (math.exp(model.sigma ** 2) - 1.0)
+        rel = Z80 * math.sqrt(var * float(np.sum(model.expected(fill, None) ** 2 * fill_n)) +
+                              var * float(np.sum(model.expected(run_p, run_g) ** 2))) / max(d.tokens, 1.0)
+        tail = eta_s - (a * d.steps + b * d.tokens + c * prefill)
+        low = max(0.0, low * (1 - rel))
+        high = high * (1 + rel) + tail
+        tokens_per_s = slots / step_full if step_full > 0 else 0.0
+        will_miss = self.stop_at is not None and eta_s > left
+        left_rows = max(0, rows - d.rows_by) if self.stop_at is not None else 0
+        calibration = math.exp(model.mu + model.sigma ** 2 / 2)  # before max_tokens cuts the longest
+        return Forecast(float(tokens_per_s), float(d.tokens), rows, float(eta_s), left, bool(will_miss),
+                        int(left_rows) if will_miss else 0, float(min(low, eta_s)), float(max(high, eta_s)),
+                        calibration, (a, b, c), cap)
+
+    def _cap(self, a, b, c, left, model, queued_p, pend_p, pend_n, max_num_seqs) -> int:
+        """The rows in flight that finish the most rows by the stop (forecast.best_cap), from the next rows in
+        run order. Until the step cost is known to grow with the sequences, the engine stays full but for the
+        last stretch (as on a GPU, where it barely grows)."""
+        nxt = np.concatenate([queued_p, np.repeat(pend_p[:max_num_seqs], pend_n[:max_num_seqs].astype(int))])
+        nxt = nxt[:2 * max_num_seqs]
+        if not len(nxt):
+            return max_num_seqs
+        mean = float(model.expected(nxt).mean())
+        per_seq = b if self.steps.knows_per_seq else 0.0
+        fixed = a if self.steps.knows_per_seq else a + b * max_num_seqs
+        prefill_per_row = c * self.inflight.mean_prompt_tokens
+        return best_cap(max_num_seqs, fixed, per_seq, left, mean, prefill_per_row)
 
     def start(self, scheduler) -> None:
         """Throughput-first needs evidence that the deadline is safe: until a forecast shows it, auto runs the
@@ -172,6 +309,11 @@ class DeadlineTracker:
         mode = self.choose_mode(f)
         if mode is not None and scheduler.set_mode(mode):
             log.info(MODE_MESSAGES[mode])
+        if self.probe_done:
+            cap = f.cap if scheduler.mode == Mode.DEADLINE else None
+            if cap != scheduler.cap:
+                log.debug("rows in flight: %s", "the engine's capacity" if cap is None else f"at most {cap}")
+            scheduler.cap = cap
         if f.will_miss and not self.is_warned:
             self.is_warned = True
             log.warning(self.at_risk_message(f))

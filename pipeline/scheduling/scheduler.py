@@ -90,6 +90,9 @@ class Scheduler:
         self._epoch = 0  # bumps at each mode switch, so newly admitted rows outrank ones already waiting in vLLM
         self.per_seq_tokens_per_s: Optional[float] = None
         self.is_admitting = True
+        # Rows in the engine at most, below capacity: the deadline tracker's shrinking cap, or its probe of the
+        # step cost at the start; None: capacity alone.
+        self.cap: Optional[int] = None
 
     def resize(self, max_running: int) -> None:
         """Fit the engine that started: what it runs at once (max_num_seqs)."""
@@ -168,7 +171,8 @@ class Scheduler:
     def schedule(self, now: float) -> list[Admission]:
         """Rows to admit now, each with its engine request id."""
         out: list[Admission] = []
-        while self.is_admitting and self._num_pending and len(self.running) < self.capacity:
+        limit = self.capacity if self.cap is None else min(self.capacity, self.cap)
+        while self.is_admitting and self._num_pending and len(self.running) < limit:
             entry, reason = self._pick(now)
             self._take(entry)
             request_id = str(self._next_request)
@@ -271,10 +275,10 @@ class Scheduler:
     def pending_in_run_order(self) -> tuple[list[float], list[int]]:
         """Predicted lengths of the pending rows and how many rows have each, in the order this policy runs
         them (what the deadline forecast needs). Input and priority order are blind to length: every row is
-        expected to have the pending mean. auto is forecast in the order it uses once the deadline is at
-        risk: shortest first."""
+        expected to have the pending mean. auto runs longest first while the deadline is safe (or there is none),
+        shortest first once it is at risk."""
         lengths, counts = self.pending_lengths()
-        if self.policy == Policy.LONGEST_FIRST:
+        if self.policy == Policy.LONGEST_FIRST or (self.policy == Policy.AUTO and self.mode == Mode.THROUGHPUT):
             return lengths[::-1], counts[::-1]
         if self.policy in (Policy.FIFO, Policy.PRIORITY) and counts:
             n = sum(counts)

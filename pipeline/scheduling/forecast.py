@@ -1,0 +1,391 @@
+"""What the forecast learns during a run: what an engine step costs, how long rows really run, how the job drains.
+
+Pure objects, no engine, clock or I/O; the runner feeds them every step.
+
+    StepCost     a step's seconds ~ fixed + per_seq * sequences + per_token * prompt tokens prefilled, fitted by
+                 least squares over the steps seen (decayed, so the fit follows the run)
+    InFlight     which admitted rows the engine runs and for how many steps: vLLM runs up to max_num_seqs in the
+                 order they came and queues the rest, and does not say which; this emulates it
+    LengthModel  log(actual / predicted) ~ Normal(mu, sigma), fitted on finished rows and on rows still running,
+                 which count as "at least this long" (censored), so the long rows still running early in a job
+                 are not missed; a row that hit max_tokens is censored at it too
+    drain()      the remaining time: the rows in run order over the engine's slots, step by step in blocks
+                 (a * steps + b * tokens + c * prompt tokens), with the spread of the last rows' lengths at the end
+    best_cap()   the rows in flight that finish the most rows by the deadline: fewer sequences run faster per
+                 sequence where a step's cost grows with them (a CPU), and a row still running at the stop is lost
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+
+_SQRT2 = math.sqrt(2.0)
+
+
+def norm_cdf(x):
+    """The standard normal CDF, vectorised (Abramowitz and Stegun 7.1.26, error under 1.5e-7)."""
+    x = np.asarray(x, dtype=np.float64)
+    z = np.abs(x) / _SQRT2
+    t = 1.0 / (1.0 + 0.3275911 * z)
+    poly = t * (0.254829592 + t * (-0.284496736 + t * (1.421413741 + t * (-1.453152027 + t * 1.061405429))))
+    erf = 1.0 - poly * np.exp(-z * z)
+    return 0.5 * (1.0 + np.sign(x) * erf)
+
+
+def norm_pdf(x):
+    x = np.asarray(x, dtype=np.float64)
+    return np.exp(-0.5 * x * x) / math.sqrt(2 * math.pi)
+
+
+# -- step cost -----------------------------------------------------------------------------------
+class StepCost:
+    """Seconds per engine step against the sequences in it and the prompt tokens it prefilled.
+
+    Steps are kept by their number of sequences, each size as a decayed sum (the last ~half_life steps of that
+    size count most), so the few small steps of the start-up probe still inform the fit hours later while the
+    full engine's cost follows the run."""
+
+    def __init__(self, half_life_steps: float = 500.0, ridge: float = 1e-9):
+        self.decay = 0.5 ** (1.0 / half_life_steps)
+        self.sizes: dict[int, list] = {}  # sequences -> [xtx (3x3), xty (3)] of the steps of that size
+        self.ridge = ridge
+        self.num_steps = 0
+        self._fit: Optional[tuple[float, float, float]] = None
+
+    def observe(self, num_seqs: int, prefill_tokens: int, seconds: float) -> None:
+        if num_seqs <= 0 or seconds <= 0:
+            return
+        stats = self.sizes.get(num_seqs)
+        if stats is None:
+            stats = self.sizes[num_seqs] = [np.zeros((3, 3)), np.zeros(3)]
+        x = (1.0, float(num_seqs), prefill_tokens / 1000.0)
+        d = self.decay
+        xtx, xty = stats
+        for i in range(3):
+            xty[i] = xty[i] * d + x[i] * seconds
+            for j in range(3):
+                xtx[i, j] = xtx[i, j] * d + x[i] * x[j]
+        self.num_steps += 1
+        self._fit = None
+
+    @property
+    def knows_per_seq(self) -> bool:
+        """Whether steps of clearly different sizes were seen, so the fixed and per-sequence costs can be told
+        apart."""
+        seen = [n for n, (xtx, _) in self.sizes.items() if xtx[0, 0] >= 4.0]
+        return len(seen) >= 2 and min(seen) <= 0.75 * max(seen)
+
+    def _totals(self):
+        xtx = sum((st[0] for st in self.sizes.values()), np.zeros((3, 3)))
+        xty = sum((st[1] for st in self.sizes.values()), np.zeros(3))
+        return xtx, xty
+
+    def fit(self) -> Optional[tuple[float, float, float]]:
+        """(fixed s, s per sequence, s per prompt token prefilled), or None before any step."""
+        if self._fit is not None or self.num_steps == 0:
+            return self._fit
+        xtx, xty = self._totals()
+        w = xtx[0, 0]
+        mean_n = xtx[0, 1] / w
+        mean_t = xty[0] / w
+        if not self.knows_per_seq:
+            # One size of step seen: its cost is known, not how it splits. Half fixed, half per sequence, so the
+            # forecast of a full engine is right and the drain is neither a GPU's nor a CPU's extreme.
+            a, b, c = mean_t / 2, mean_t / 2 / max(mean_n, 1.0), 0.0
+        else:
+            reg = np.eye(3) * self.ridge * w  # keeps the system solvable when no step prefilled
+            try:
+                a, b, c = np.linalg.solve(xtx + reg, xty)
+            except np.linalg.LinAlgError:
+                a, b, c = mean_t / 2, mean_t / 2 / max(mean_n, 1.0), 0.0
+            c = max(0.0, c) / 1000.0
+            if a < 0 or b < 0:  # noise: keep the cost of the mean step, split at the boundary
+                b = max(0.0, b)
+                a = max(0.0, mean_t - b * mean_n)
+                if a == 0.0:
+                    b = mean_t / max(mean_n, 1.0)
+        self._fit = (float(a), float(b), float(c))
+        return self._fit
+
+    def step_seconds(self, num_seqs: float) -> Optional[float]:
+        f = self.fit()
+        return None if f is None else f[0] + f[1] * num_seqs
+
+
+# -- rows in the engine ----------------------------------------------------------------------------
+class InFlight:
+    """The engine's running set as vLLM keeps it: up to max_num_seqs rows in admission order, the rest queued."""
+
+    def __init__(self, max_num_seqs: int):
+        self.max_num_seqs = max_num_seqs
+        self.step = 0
+        self.start: dict[str, int] = {}  # running request -> the step it started at
+        self.waiting: deque[str] = deque()
+        self.info: dict[str, tuple[float, int]] = {}  # request -> (predicted tokens, prompt tokens)
+        self.prompt_total = 0
+        self.num_admitted = 0
+
+    def resize(self, max_num_seqs: int) -> None:
+        self.max_num_seqs = max_num_seqs
+
+    def admit(self, request_id: str, predicted: Optional[int], prompt_tokens: int) -> None:
+        self.info[request_id] = (float(predicted or 0), prompt_tokens)
+        self.waiting.append(request_id)
+        self.prompt_total += prompt_tokens
+        self.num_admitted += 1
+
+    def before_step(self) -> tuple[int, int]:
+        """Rows start as slots free; returns (sequences in this step, prompt tokens it prefills)."""
+        prefill = 0
+        while self.waiting and len(self.start) < self.max_num_seqs:
+            rid = self.waiting.popleft()
+            if rid in self.info:  # else finished or dropped while waiting
+                self.start[rid] = self.step
+                prefill += self.info[rid][1]
+        return len(self.start), prefill
+
+    def after_step(self, finished_ids) -> None:
+        self.step += 1
+        for rid in finished_ids:
+            self.forget(rid)
+
+    def forget(self, request_id: str) -> None:
+        self.start.pop(request_id, None)
+        self.info.pop(request_id, None)
+
+    def clear(self) -> None:
+        self.start.clear()
+        self.waiting.clear()
+        self.info.clear()
+
+    @property
+    def mean_prompt_tokens(self) -> float:
+        return self.prompt_total / self.num_admitted if self.num_admitted else 0.0
+
+    def running(self) -> tuple[np.ndarray, np.ndarray]:
+        """(predicted tokens, tokens generated so far) of the rows running."""
+        if not self.start:
+            return np.zeros(0), np.zeros(0)
+        p = np.fromiter((self.info[r][0] for r in self.start), np.float64, len(self.start))
+        g = np.fromiter((self.step - s for s in self.start.values()), np.float64, len(self.start))
+        return p, g
+
+    def queued(self) -> np.ndarray:
+        """Predicted tokens of the rows admitted but not started, in the order they will start."""
+        return np.fromiter((self.info[r][0] for r in self.waiting if r in self.info), np.float64)
+
+
+# -- lengths -----------------------------------------------------------------------------------------
+class LengthModel:
+    """Actual output lengths against predicted ones: r = log(actual / predicted) ~ Normal(mu, sigma).
+
+    Finished rows give r exactly; rows that hit max_tokens and rows still running give "r is at least this"
+    (censored), which an EM fit of a censored normal uses. A prior (mu 0, sigma prior_sigma, worth
+    prior_weight rows) holds the fit until rows finish."""
+
+    BIN = 0.02  # censored points at the cap are kept as a histogram of r, in bins this wide
+
+    def __init__(self, max_tokens: int, prior_sigma: float = 0.8, prior_weight: float = 3.0):
+        self.cap = float(max_tokens)
+        self.prior_sigma, self.prior_weight = prior_sigma, prior_weight
+        self.n = 0
+        self.s1 = 0.0
+        self.s2 = 0.0
+        self.capped: dict[int, int] = {}
+        self.mu, self.sigma = 0.0, prior_sigma
+        self.num_events = 0.0  # rows whose r is known exactly, for the fit's standard error
+
+    def observe(self, predicted, actual, hit_cap) -> None:
+        for p, a, c in zip(predicted, actual, hit_cap):
+            if not p or a is None:
+                continue
+            r = math.log(max(a, 1) / p)
+            if c or a >= self.cap:
+                k = int(round(r / self.BIN))
+                self.capped[k] = self.capped.get(k, 0) + 1
+            else:
+                self.n += 1
+                self.s1 += r
+                self.s2 += r * r
+
+    def fit(self, running_p: np.ndarray, running_g: np.ndarray, iterations: int = 25) -> tuple[float, float]:
+        """Refit on the finished rows and the rows running now (predicted p, g tokens so far)."""
+        keep = (running_p > 0) & (running_g > 0)
+        thresholds = [np.log(running_g[keep] / running_p[keep])]
+        weights = [np.ones(int(keep.sum()))]
+        if self.capped:
+            ks = np.fromiter(self.capped.keys(), np.float64)
+            thresholds.append(ks * self.BIN)
+            weights.append(np.fromiter(self.capped.values(), np.float64))
+        c = np.concatenate(thresholds)
+        w = np.concatenate(weights)
+        w0 = self.prior_weight
+        mu, sigma = (self.mu, self.sigma) if self.n else (0.0, self.prior_sigma)
+        total = self.n + w.sum() + w0
+        for _ in range(iterations):
+            sigma = max(sigma, 0.05)
+            if len(c):
+                a = (c - mu) / sigma
+                tail = np.clip(1.0 - norm_cdf(a), 1e-12, None)
+                lam = norm_pdf(a) / tail
+                ex = mu + sigma * lam
+                ex2 = mu * mu + sigma * sigma + sigma * (c + mu) * lam
+                e1, e2 = float(w @ ex), float(w @ ex2)
+            else:
+                e1 = e2 = 0.0
+            new_mu = (self.s1 + e1 + w0 * 0.0) / total
+            new_var = (self.s2 + e2 + w0 * self.prior_sigma ** 2) / total - new_mu * new_mu
+            new_sigma = math.sqrt(max(new_var, 0.05 ** 2))
+            done = abs(new_mu - mu) < 1e-4 and abs(new_sigma - sigma) < 1e-4
+            mu, sigma = new_mu, new_sigma
+            if done:
+                break
+        self.mu, self.sigma = mu, sigma
+        # Censored rows inform the fit less than finished ones: count them by how much of their tail they cut.
+        informed = float(w @ norm_cdf((c - mu) / sigma)) if len(c) else 0.0
+        self.num_events = self.n + informed
+        return mu, sigma
+
+    @property
+    def mu_stderr(self) -> float:
+        return self.sigma / math.sqrt(self.num_events + self.prior_weight)
+
+    def expected(self, predicted, generated=None, shift: float = 0.0) -> np.ndarray:
+        """Expected tokens still to come for rows with these predictions that have generated ``generated`` so far
+        (0: not started): E[min(L, cap) - g | L > g]."""
+        p = np.maximum(np.asarray(predicted, dtype=np.float64), 1.0)
+        g = np.zeros_like(p) if generated is None else np.minimum(np.asarray(generated, dtype=np.float64),
+                                                                    self.cap - 1)
+        m = np.log(p) + self.mu + shift
+        s = self.sigma
+        lc = math.log(self.cap)
+        lg = np.log(np.maximum(g, 1e-9))
+        above_cap = 1.0 - norm_cdf((lc - m) / s)
+        # E[min(L, cap) * 1{L > g}]
+        part = np.exp(m + s * s / 2) * (norm_cdf((lc - m - s * s) / s) - norm_cdf((lg - m - s * s) / s))
+        part = np.maximum(part, 0.0) + self.cap * above_cap
+        survive = np.clip(1.0 - norm_cdf((lg - m) / s), 1e-12, None)
+        cond = np.where(g > 0, part / survive, part)
+        return np.clip(cond - g, 1.0, self.cap - g)
+
+    def quantile_cdf(self, x, predicted, generated, shift: float = 0.0) -> np.ndarray:
+        """P(remaining <= x) for rows (predicted, generated) at remaining lengths x (broadcast)."""
+        p = np.maximum(np.asarray(predicted, dtype=np.float64), 1.0)
+        g = np.asarray(generated, dtype=np.float64)
+        m = np.log(p) + self.mu + shift
+        s = self.sigma
+        f_g = np.where(g > 0, norm_cdf((np.log(np.maximum(g, 1e-9)) - m) / s), 0.0)
+        total = g + np.maximum(x, 0.0)
+        f_x = np.where(total >= self.cap, 1.0, norm_cdf((np.log(np.maximum(total, 1e-9)) - m) / s))
+        return np.clip((f_x - f_g) / np.clip(1.0 - f_g, 1e-12, None), 0.0, 1.0)
+
+
+# -- the drain -------------------------------------------------------------------------------------
+@dataclass
+class Drain:
+    steps: float  # engine steps to finish everything
+    tokens: float  # output tokens still to generate
+    prefill_tokens: float  # prompt tokens still to prefill
+    rows_by: int  # rows finished within `within_steps`
+    tail_steps: float  # steps the spread of the last rows' lengths adds beyond their expected ends
+
+
+def drain(slots: int, running: np.ndarray, lengths: np.ndarray, counts: np.ndarray, within_steps: float = math.inf,
+          tail: Optional[tuple] = None) -> Drain:
+    """Rows in run order over ``slots`` engine slots, each slot running one row at a time, a token per step.
+
+    running: expected remaining tokens of the rows running now (each holds a slot); lengths/counts: groups of rows
+    still to start, in the order they will start (expected tokens each, and how many). A group bigger than the
+    slots is laid out in whole rounds at once, so the cost is O(groups * slots), not O(rows).
+    tail: (model, predicted of running, generated of running, predicted of each group, shift) to add the spread
+    of the last rows' lengths beyond their expected ends; None to leave it out."""
+    k = max(1, int(slots))
+    load = np.zeros(k)
+    n = min(len(running), k)
+    load[:n] = np.sort(running)[::-1][:n]
+    # which row each slot runs last: its start, its prediction, tokens done at the start (for the tail)
+    last_start = np.zeros(k)
+    last_group = np.full(k, -1)
+    last_start[:n] = 0.0
+    tokens = float(np.sum(running))
+    rows_by = int(np.sum(running <= within_steps))
+    for gi, (length, count) in enumerate(zip(lengths, counts)):
+        count = int(count)
+        if count <= 0:
+            continue
+        tokens += length * count
+        rounds, rest = divmod(count, k)
+        if rounds:
+            if within_steps < math.inf:
+                # rows of slot j finish at load_j + length * i, i = 1..rounds
+                rows_by += int(np.clip(np.floor((within_steps - load) / max(length, 1e-9)), 0, rounds).sum())
+            last_start = load + length * (rounds - 1)
+            last_group[:] = gi
+            load = load + length * rounds
+        if rest:
+            order = np.argsort(load, kind="stable")[:rest]
+            last_start[order] = load[order]
+            last_group[order] = gi
+            load[order] += length
+            rows_by += int(np.sum(load[order] <= within_steps))
+    steps = float(load.max()) if len(load) else 0.0
+    tail_steps = 0.0
+    if tail is not None and steps > 0:
+        tail_steps = _tail_steps(tail, load, last_start, last_group, running, n, steps)
+    return Drain(steps, tokens, 0.0, rows_by, tail_steps)
+
+
+def _tail_steps(tail, load, last_start, last_group, running, n_running, steps) -> float:
+    """E[max over slots of (start of its last row + that row's actual remaining length)] minus the expected
+    makespan, on a grid: P(max <= x) is the product of each slot's last row's CDF."""
+    model, run_p, run_g, group_p, shift = tail
+    busy = load > 0
+    if not busy.any():
+        return 0.0
+    idx = np.flatnonzero(busy)
+    starts = last_start[idx]
+    groups = last_group[idx]
+    order = np.argsort(-running)[:n_running] if n_running else np.zeros(0, int)
+    p = np.empty(len(idx))
+    g = np.zeros(len(idx))
+    for j, (slot, grp) in enumerate(zip(idx, groups)):
+        if grp >= 0:
+            p[j] = group_p[grp]
+        else:  # the slot's last row is one running now
+            r = order[slot] if slot < len(order) else 0
+            p[j], g[j] = run_p[r], run_g[r]
+    near = load[idx] > steps - model.cap  # slots that may still be running at the end
+    idx, starts, p, g = idx[near], starts[near], p[near], g[near]
+    lo, hi = max(0.0, steps - model.cap), float(starts.max()) + model.cap
+    xs = np.linspace(lo, hi, 128)
+    cdf = model.quantile_cdf(xs[:, None] - starts[None, :], p[None, :], g[None, :], shift)
+    cdf = np.where(xs[:, None] >= starts[None, :], cdf, 0.0)
+    p_max = np.prod(cdf, axis=1)
+    area = 1.0 - p_max
+    expected_max = lo + float(np.sum((area[1:] + area[:-1]) / 2 * np.diff(xs)))
+    return max(0.0, expected_max - steps)
+
+
+def best_cap(max_seqs: int, fixed_s: float, per_seq_s: float, time_left_s: float, mean_tokens: float,
+             prefill_s_per_row: float = 0.0) -> int:
+    """Rows in flight that finish the most rows in ``time_left_s``: with c rows running, a step takes
+    fixed + per_seq * c (plus their share of prefill), each running row gains a token per step, and the c rows
+    still running at the stop are lost, half done on average:
+
+        rows(c) = (c * steps(c) - c * mean / 2) / mean,  steps(c) = time_left / step(c)
+
+    Where a step's cost barely grows with c (a GPU) this is the full engine until the last half row's worth of
+    steps; where it grows (a CPU), fewer rows near the stop finish more."""
+    m = max(1, int(max_seqs))
+    if mean_tokens <= 0 or time_left_s <= 0:
+        return m
+    c = np.arange(1, m + 1, dtype=np.float64)
+    step = fixed_s + per_seq_s * c + prefill_s_per_row * c / max(mean_tokens, 1.0)
+    rows = (c * time_left_s / np.maximum(step, 1e-9) - c * mean_tokens / 2) / mean_tokens
+    best = int(c[int(np.argmax(rows))])
+    return best if rows.max() > 0 else 1

@@ -1,0 +1,227 @@
+"""The forecast's models (scheduling.forecast) and the tracker that uses them, on a simulated engine with a fake
+clock: a step costs fixed + per_seq * sequences, rows' actual lengths are log-normal around predictions that
+are biased low and barely rank, as the embedded model's are."""
+
+import math
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from fakes import FakeClock
+from overnight.pipeline.config import Policy
+from overnight.pipeline.records import Row
+from overnight.pipeline.scheduling.deadline import DeadlineTracker
+from overnight.pipeline.scheduling.forecast import InFlight, LengthModel, StepCost, best_cap, drain, norm_cdf
+from overnight.pipeline.scheduling.scheduler import Mode, Scheduler
+
+CPU = (0.038, 0.0034)  # seconds per step: fixed, per sequence (docs/BENCHMARKS.md, "Engine step cost")
+GPU = (0.020, 0.00002)
+
+
+def test_norm_cdf():
+    assert norm_cdf(0.0) == pytest.approx(0.5)
+    assert norm_cdf(1.2816) == pytest.approx(0.9, abs=1e-4)
+    assert norm_cdf(-1.96) == pytest.approx(0.025, abs=1e-4)
+
+
+def test_step_cost_tells_fixed_from_per_sequence_only_when_sizes_vary():
+    rng = np.random.default_rng(0)
+    sc = StepCost()
+    for _ in range(200):
+        sc.observe(64, 0, 0.038 + 0.0034 * 64 + rng.normal(0, 0.005))
+    assert not sc.knows_per_seq
+    a, b, _ = sc.fit()
+    assert a + 64 * b == pytest.approx(0.2556, rel=0.02)  # a full step's cost is right, however it splits
+    for n in (16, 32) * 20:
+        p = int(rng.integers(0, 3000))
+        sc.observe(n, p, 0.038 + 0.0034 * n + 0.0015 * p + rng.normal(0, 0.005))
+    assert sc.knows_per_seq
+    a, b, c = sc.fit()
+    assert a == pytest.approx(0.038, abs=0.006) and b == pytest.approx(0.0034, rel=0.1)
+    assert c == pytest.approx(0.0015, rel=0.15)
+
+
+def lognormal_rows(n, mu, sigma, rng, cap=512):
+    """Predictions that rank a little (tau about 0.15) and are biased low; actual lengths capped at max_tokens."""
+    true_mean = rng.lognormal(np.log(200), 0.3, n)
+    actual = np.minimum(np.maximum(1, np.round(true_mean * rng.lognormal(mu, sigma, n))), cap)
+    predicted = np.maximum(1, np.round(true_mean * 0.68))
+    return predicted, actual
+
+
+def test_length_model_learns_from_rows_still_running():
+    """Early in a job only the short rows have finished: a fit on them alone is far too low; with the running
+    rows as "at least this long" it is close."""
+    rng = np.random.default_rng(1)
+    predicted, actual = lognormal_rows(400, 0.0, 0.5, rng)
+    t = np.quantile(actual, 0.25)  # every row started together; a quarter has finished
+    done = actual <= t
+    lm = LengthModel(512)
+    lm.observe(predicted[done], actual[done], [False] * int(done.sum()))
+    lm.fit(predicted[~done], np.full(int((~done).sum()), t))
+    expected = lm.expected(predicted).sum()
+    assert expected == pytest.approx(actual.sum(), rel=0.12)
+    naive = (actual[done] / predicted[done]).mean() * predicted.sum()
+    assert naive < 0.7 * actual.sum()  # what a ratio of finished rows alone says
+
+
+def test_length_model_counts_rows_cut_at_max_tokens():
+    rng = np.random.default_rng(2)
+    predicted, actual = lognormal_rows(2000, 0.6, 0.6, rng, cap=300)
+    lm = LengthModel(300)
+    lm.observe(predicted, actual, actual >= 300)
+    lm.fit(np.zeros(0), np.zeros(0))
+    assert lm.expected(predicted).sum() == pytest.approx(actual.sum(), rel=0.05)
+    assert lm.expected(predicted).max() <= 300
+
+
+def test_expected_remaining_of_a_running_row_grows_with_what_it_has_run():
+    lm = LengthModel(512)
+    lm.mu, lm.sigma = 0.0, 0.6
+    e = lm.expected(np.array([100.0, 100.0, 100.0]), np.array([0.0, 100.0, 300.0]))
+    assert 100 < e[0] < 140  # E[L] = 100 * exp(0.18)
+    assert e[1] > 50 and e[2] < 512 - 300
+
+
+def test_drain_of_equal_rows_is_whole_rounds():
+    d = drain(4, np.array([]), np.array([10.0]), np.array([10]), within_steps=25)
+    assert d.steps == 30 and d.tokens == 100  # rounds of 4, 4, 2
+    assert d.rows_by == 8
+    d = drain(4, np.array([5.0, 5.0]), np.array([10.0, 20.0]), np.array([2, 1]))
+    assert d.steps == 25 and d.tokens == 50  # the 20-token row starts when a 5 ends
+
+
+def test_drain_tail_adds_the_spread_of_the_last_rows():
+    lm = LengthModel(512)
+    lm.mu, lm.sigma = 0.0, 0.8
+    flat = drain(8, np.array([]), np.array([100.0]), np.array([8]))
+    d = drain(8, np.array([]), np.array([100.0]), np.array([8]), tail=(lm, np.zeros(0), np.zeros(0),
+                                                                        np.array([100.0]), 0.0))
+    assert flat.tail_steps == 0 and d.tail_steps > 50  # the longest of 8 runs well past the mean
+
+
+def test_cap_shrinks_near_the_deadline_on_a_cpu_and_stays_full_on_a_gpu():
+    assert best_cap(64, *CPU, time_left_s=3600, mean_tokens=270) == 64
+    near = best_cap(64, *CPU, time_left_s=120, mean_tokens=270)
+    nearer = best_cap(64, *CPU, time_left_s=40, mean_tokens=270)
+    assert 1 <= nearer < near < 64
+    assert best_cap(64, *GPU, time_left_s=60, mean_tokens=270) == 64
+    assert best_cap(64, *GPU, time_left_s=2, mean_tokens=270) == 1  # nothing admitted now can finish
+
+
+def test_in_flight_emulates_vllm_queue():
+    f = InFlight(2)
+    for i in range(3):
+        f.admit(str(i), 100, 10)
+    assert f.before_step() == (2, 20)
+    f.after_step([])
+    assert f.before_step() == (2, 0)
+    f.after_step(["0"])
+    assert f.before_step() == (2, 10)  # row 2 starts when row 0 is done
+    p, g = f.running()
+    assert sorted(g) == [0, 2]
+
+
+# -- a simulated run ---------------------------------------------------------------------------------
+def simulate(policy, cost, n_rows=600, m=64, deadline_share=None, makespan=None, seed=3, probe=True):
+    """Runs the real Scheduler and DeadlineTracker against a simulated engine; returns the story."""
+    rng = np.random.default_rng(seed)
+    predicted, actual = lognormal_rows(n_rows, 0.0, 0.55, rng)
+    clock = FakeClock(0.0)
+    deadline = None if deadline_share is None else deadline_share * makespan
+    tracker = DeadlineTracker(deadline, 0.0, clock, max_tokens=512)
+    if not probe:
+        tracker.probe_done = True
+    sched = Scheduler(m, 1.0, Policy(policy))
+    tracker.engine_started(m)
+    tracker.start(sched)
+    rows = [Row(id=i, prompt_token_ids=[1] * 50, sampling={"max_tokens": 512}, passthrough={}, origin=str(i),
+                predicted_tokens=int(p)) for i, p in enumerate(predicted)]
+    sched.add(rows, 0.0)
+    tally = SimpleNamespace(num_rows=n_rows, num_read=n_rows, num_resumed=0, mean_predicted=float(predicted.mean()))
+    waiting, running = [], {}
+    done, samples, caps = 0, [], []
+    next_forecast = 0.0
+    while not sched.is_done():
+        if deadline is not None and clock.t >= deadline:
+            break
+        if not tracker.probe_done:
+            sched.cap = tracker.probe_cap(m)
+        for adm in sched.schedule(clock.t):
+            waiting.append(adm.request_id)
+            tracker.admitted(adm.request_id, adm.row.predicted_tokens, 50)
+        tracker.before_step()
+        while waiting and len(running) < m:
+            rid = waiting.pop(0)
+            running[rid] = int(actual[sched.running[rid].id])
+        dt = cost[0] + cost[1] * len(running)
+        clock.t += dt
+        fin = []
+        for rid in list(running):
+            running[rid] -= 1
+            if running[rid] <= 0:
+                del running[rid]
+                fin.append(rid)
+        tracker.after_step(dt, fin)
+        if fin:
+            finished_rows = [sched.finish(r) for r in fin]
+            tracker.finished([r.predicted_tokens for r in finished_rows], [int(actual[r.id]) for r in finished_rows],
+                             ["length" if actual[r.id] >= 512 else "stop" for r in finished_rows])
+            done += len(fin)
+        if clock.t >= next_forecast:
+            next_forecast = clock.t + 2.0
+            f = tracker.forecast_job(sched, tally, 0, m)
+            samples.append((clock.t, done, f))
+            tracker.steer(f, sched)
+            caps.append(sched.cap)
+    return SimpleNamespace(end=clock.t, done=done, samples=samples, caps=caps, n=n_rows)
+
+
+def eta_error(story, share):
+    t, done, f = next(s for s in story.samples if s[1] >= share * story.n)
+    actual = story.end - t
+    return (f.eta_s - actual) / actual, f, actual
+
+
+@pytest.mark.parametrize("policy", ["fifo", "longest-first", "shortest-first", "auto"])
+@pytest.mark.parametrize("cost", [CPU, GPU], ids=["cpu", "gpu"])
+def test_eta_is_within_ten_percent_from_a_tenth_of_the_rows_on(policy, cost):
+    story = simulate(policy, cost)
+    for share in (0.10, 0.25, 0.50):
+        err, f, actual = eta_error(story, share)
+        assert abs(err) <= 0.10, (share, err, f.eta_s, actual)
+
+
+def test_eta_range_holds_the_actual_time():
+    held = []
+    for seed in range(4):
+        story = simulate("fifo", CPU, seed=seed)
+        for share in (0.10, 0.25, 0.50):
+            _, f, actual = eta_error(story, share)
+            held.append(f.eta_low_s <= actual <= f.eta_high_s)
+    assert sum(held) >= 0.75 * len(held)
+
+
+def test_deadline_at_risk_is_warned_by_five_percent_with_rows_left_within_twenty_percent():
+    full = simulate("fifo", CPU)
+    story = simulate("fifo", CPU, deadline_share=0.3, makespan=full.end)
+    t, done, f = next(s for s in story.samples if s[2].will_miss)
+    assert done <= 0.05 * story.n
+    left = story.n - story.done
+    assert f.rows_expected_left == pytest.approx(left, rel=0.2)
+
+
+def test_auto_with_the_shrinking_cap_does_more_rows_by_the_deadline_on_a_cpu():
+    full = simulate("fifo", CPU)
+    fifo = simulate("fifo", CPU, deadline_share=0.3, makespan=full.end)
+    auto = simulate("auto", CPU, deadline_share=0.3, makespan=full.end)
+    assert auto.done >= 1.3 * fifo.done
+    assert min(c for c in auto.caps if c is not None) < 64  # the cap shrank
+
+
+def test_on_a_gpu_the_cap_keeps_the_engine_full_until_the_end():
+    full = simulate("fifo", GPU)
+    auto = simulate("auto", GPU, deadline_share=0.3, makespan=full.end)
+    early = [c for t, _, f in auto.samples for c in [f.cap] if t < 0.8 * 0.3 * full.end and c is not None]
+    assert early and min(early) == 64
