@@ -1,0 +1,63 @@
+"""OpenAI Batch files in and out with the real engine: `overnight run requests.jsonl` on chat and completions
+lines with the embedded model, then `overnight export --format openai`, read with OpenAI's own types; a bad
+line is an error row naming its line, in the errors file."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+import pytest
+
+from conftest import overnight_cmd
+
+pytestmark = pytest.mark.engine
+
+LINES = [
+    {"custom_id": "chat-1", "method": "POST", "url": "/v1/chat/completions",
+     "body": {"model": "gpt-4o-mini", "messages": [{"role": "system", "content": "You answer in one sentence."},
+                                                   {"role": "user", "content": "What is the capital of France?"}],
+              "max_tokens": 12, "temperature": 0}},
+    {"custom_id": "chat-parts", "method": "POST", "url": "/v1/chat/completions",
+     "body": {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": [
+         {"type": "text", "text": "Name three colours."}, {"type": "text", "text": "Be brief."}]}],
+              "max_completion_tokens": 10, "seed": 7, "temperature": 0.8, "stop": ["\n\n"]}},
+    {"custom_id": "completion-1", "method": "POST", "url": "/v1/completions",
+     "body": {"model": "gpt-3.5-turbo-instruct", "prompt": "Write a haiku about the sea.", "max_tokens": 8,
+              "temperature": 0}},
+    {"custom_id": "embedding", "method": "POST", "url": "/v1/embeddings", "body": {"input": "not a completion"}},
+    {"custom_id": "completion-2", "method": "POST", "url": "/v1/completions",
+     "body": {"prompt": ["Count from one to five."], "max_tokens": 4, "top_p": 0.9}},
+]
+
+
+def test_openai_batch_file_in_and_out(tmp_path, model_path):
+    from openai.types import BatchError
+    from openai.types.chat import ChatCompletion
+
+    requests = tmp_path / "requests.jsonl"
+    requests.write_text("".join(json.dumps(x) + "\n" for x in LINES))
+    out = tmp_path / "out"
+    run = subprocess.run([*overnight_cmd(), "run", str(requests), "--out", str(out), "--kv-cache-space", "1",
+                          "--json"], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    summary = json.loads(run.stdout)
+    assert (summary["state"], summary["num_rows"], summary["num_ok"], summary["num_error"]) == ("completed", 5, 4, 1)
+
+    ok, errors = tmp_path / "results.jsonl", tmp_path / "errors.jsonl"
+    exported = subprocess.run([*overnight_cmd(), "export", str(out), "--format", "openai", "--output", str(ok),
+                               "--errors", str(errors)], capture_output=True, text=True, timeout=300)
+    assert exported.returncode == 0, exported.stderr
+    answers = {x["custom_id"]: x for x in map(json.loads, ok.read_text().splitlines())}
+    assert sorted(answers) == ["chat-1", "chat-parts", "completion-1", "completion-2"]
+    limits = {"chat-1": 12, "chat-parts": 10, "completion-1": 8, "completion-2": 4}
+    for cid, x in answers.items():
+        completion = ChatCompletion.model_validate(x["response"]["body"])   # a user's parser works unchanged
+        assert completion.choices[0].message.content
+        assert 0 < completion.usage.completion_tokens <= limits[cid]
+    assert "Paris" in answers["chat-1"]["response"]["body"]["choices"][0]["message"]["content"]
+    failed = [json.loads(x) for x in errors.read_text().splitlines()]
+    assert [e["custom_id"] for e in failed] == ["embedding"]
+    error = BatchError.model_validate(failed[0]["error"])
+    assert error.message == ('requests.jsonl#4: line 4: url "/v1/embeddings" is not supported; use '
+                             '/v1/chat/completions (body.messages) or /v1/completions (body.prompt)')
