@@ -62,6 +62,8 @@ def open_job(cfg: JobConfig, fresh: bool = False, now: Optional[float] = None) -
     deadline_at, margin_s = resolve_deadline(cfg.scheduler, time.time() if now is None else now)
     from overnight.pipeline.input.validate import job_structured
     job_structured(cfg.sampling)  # a bad --json-schema / --regex fails now, not after the engine started
+    from overnight.pipeline.engine.lora import check_adapters
+    check_adapters(cfg.engine)  # and so does a --lora folder that is not an adapter
     if cfg.buckets.predictor not in ("heuristic", "online"):
         from overnight.buckets.trained import TrainedPredictor
         TrainedPredictor.load(cfg.buckets.predictor)  # fail now, not after the engine started
@@ -109,7 +111,9 @@ def _open_locked(cfg, fresh, source, out, model, fields, lock, deadline_at, marg
     # A completed job over an unchanged input needs no scan of its parts (at 10M rows that takes seconds).
     scan = out.scan(id_name) if previous is not None and not unchanged else Scan()
     passthrough = [source.schema.field(c) for c in source.passthrough_columns()]
-    schema = OutputSchema(id_name, source.id_type, passthrough)
+    names = source.schema.names
+    schema = OutputSchema(id_name, source.id_type, passthrough, samples=cfg.sampling.n > 1 or "n" in names,
+                          logprobs=cfg.sampling.logprobs is not None or "logprobs" in names)
     input_info = {"url": redact(source.url), "num_files": len(source.files), "num_rows": source.num_rows,
                   "stamp": stamp}
     if source.shard is not None:

@@ -45,18 +45,36 @@ class Row:
 
 
 @dataclass(slots=True)
+class Sample:
+    """One of a request's completions (vLLM's CompletionOutput), kept when a row asks for n > 1 or logprobs."""
+
+    # 0 .. n-1: the output row's sample_index.
+    index: int
+    text: str
+    finish_reason: Optional[str]
+    num_output_tokens: int
+    # Per generated token, when logprobs were asked for: {"token_id", "token", "logprob", "top_logprobs": [{"token_id",
+    # "token", "logprob"}, ...]} (the K most likely, best first), the shape of the output's logprobs column.
+    logprobs: Optional[list] = None
+
+
+@dataclass(slots=True)
 class Finished:
     """What the engine reports for one finished request."""
 
     request_id: str
+    # The first completion's text and finish reason.
     text: str
     # "stop" (EOS or a stop string), "length" (max_tokens or the context) or "abort".
     finish_reason: Optional[str]
     num_prompt_tokens: int
+    # Tokens generated for the request: every completion's.
     num_output_tokens: int
     # Wall-clock seconds since the epoch; first_token_at is None when the engine does not report it.
     first_token_at: Optional[float]
     finished_at: float
+    # Every completion, when the row asked for n > 1 or logprobs; None otherwise (text above is all there is).
+    samples: Optional[list[Sample]] = None
 
 
 @dataclass(slots=True)
@@ -79,6 +97,8 @@ class Result:
     prompt_hash: Optional[str] = None
     # The row's share of the engine's time: each step it ran in, divided by the rows in that step.
     engine_seconds: Optional[float] = None
+    # The row's completions when it asked for n > 1 or logprobs: the writer makes one output row of each.
+    samples: Optional[list[Sample]] = None
 
     @classmethod
     def failed(cls, id: Any, passthrough: dict, error: str, at: Optional[float] = None) -> "Result":
@@ -109,6 +129,7 @@ class Result:
             finished_at=fin.finished_at,
             prompt_hash=row.prompt_hash,
             engine_seconds=engine_seconds,
+            samples=fin.samples,
         )
 
 
@@ -117,4 +138,6 @@ RESULT_FIELDS = (
     "queued_at", "first_token_at", "finished_at", "status", "error", "prompt_hash", "engine_seconds", "run_id",
     "model",
 )
+# Output columns of jobs that ask for n > 1 or logprobs (job option or input column); absent otherwise.
+SAMPLE_FIELDS = ("sample_index", "logprobs")
 

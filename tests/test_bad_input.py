@@ -135,8 +135,8 @@ CASES = [
          "cannot be read as one dataset: cast the column to one type in every file."),
     Case("yaml unknown key", lambda e: ["run", "--config", e.text("job.yaml", "sampling:\n  temprature: 0.5\n")], 1,
          "Error: {root}/job.yaml: unknown key sampling.temprature in sampling. Valid keys: choice, "
-         "frequency_penalty, json_schema, max_tokens, min_tokens, presence_penalty, regex, repetition_penalty, "
-         "seed, stop, stop_token_ids, temperature, top_k, top_p."),
+         "frequency_penalty, json_schema, logprobs, max_tokens, min_tokens, n, presence_penalty, regex, "
+         "repetition_penalty, seed, stop, stop_token_ids, temperature, top_k, top_p."),
     Case("yaml wrong type", lambda e: ["run", "--config", e.text("job.yaml", "engine:\n  max_num_seqs: lots\n")], 1,
          "Error: {root}/job.yaml: engine.max_num_seqs must be an integer, got 'lots'."),
     Case("invalid yaml", lambda e: ["run", "--config", e.text("job.yaml", "sampling: [oops\n")], 1,

@@ -15,7 +15,7 @@ import heapq
 import time
 from typing import Callable, Optional
 
-from overnight.pipeline.records import Finished
+from overnight.pipeline.records import Finished, Sample
 
 
 class EchoEngine:
@@ -53,7 +53,8 @@ class EchoEngine:
     def add(self, request_id, prompt_token_ids, sampling, priority=0):
         target = min(sampling["max_tokens"], self.length_of(prompt_token_ids))
         self.waiting[request_id] = {"n": len(prompt_token_ids), "target": target, "done": 0,
-                                    "length": target == sampling["max_tokens"]}
+                                    "length": target == sampling["max_tokens"], "samples": sampling.get("n", 1),
+                                    "top_k": sampling.get("logprobs"), "lora": sampling.get("lora")}
         heapq.heappush(self._queue, (priority, self._arrivals, request_id))
         self._arrivals += 1
         if self.record:
@@ -82,8 +83,7 @@ class EchoEngine:
             if req["done"] >= req["target"]:
                 del self.running[rid]
                 now = time.time()
-                out.append(Finished(rid, f"echo of {req['n']} prompt tokens", "length" if req["length"] else "stop",
-                                    req["n"], req["done"], now, now))
+                out.append(_finished(rid, req, now))
         return out
 
     def abort(self, request_ids):
@@ -99,3 +99,22 @@ class EchoEngine:
     def shutdown(self) -> None:
         pass
 
+
+def _finished(rid: str, req: dict, now: float) -> Finished:
+    """The echo's answer: its text names the prompt's length (and the adapter); with n > 1 or logprobs, each
+    completion has the same length and made-up logprobs."""
+    text = f"echo of {req['n']} prompt tokens" + (f" through {req['lora']}" if req["lora"] else "")
+    reason = "length" if req["length"] else "stop"
+    n, top_k, done = req["samples"], req["top_k"], req["done"]
+    samples = None
+    if n > 1 or top_k is not None:
+        samples = [Sample(i, text if i == 0 else f"{text}, sample {i}", reason, done,
+                          None if top_k is None else _logprobs(done, top_k)) for i in range(n)]
+    return Finished(rid, text, reason, req["n"], done * n, now, now, samples)
+
+
+def _logprobs(num_tokens: int, top_k: int) -> list[dict]:
+    """Made-up logprobs in the output's shape: token j is id j, and the chosen one is the most likely."""
+    return [{"token_id": j, "token": f"t{j}", "logprob": -0.5,
+             "top_logprobs": [{"token_id": j + r, "token": f"t{j + r}", "logprob": -0.5 - r} for r in range(top_k)]}
+            for j in range(num_tokens)]

@@ -10,6 +10,7 @@ process (a notebook, a test module) start the engine once.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
@@ -18,7 +19,7 @@ from typing import Optional
 
 from overnight.pipeline.config import EngineConfig
 from overnight.pipeline.engine import EngineError
-from overnight.pipeline.records import Finished
+from overnight.pipeline.records import Finished, Sample
 
 log = logging.getLogger("overnight")
 
@@ -98,6 +99,9 @@ def engine_args(cfg: EngineConfig, model_path: str, scheduling_policy: str = "fc
         args["max_num_batched_tokens"] = cfg.max_num_batched_tokens
     if not cpu:
         args["gpu_memory_utilization"] = cfg.gpu_memory_utilization
+    from overnight.pipeline.engine.lora import lora_engine_args
+
+    args.update(lora_engine_args(cfg))
     return args
 
 
@@ -122,6 +126,9 @@ class VllmEngine:
         self.supports_priority: bool = str(getattr(vcfg.scheduler_config, "policy", "fcfs")).endswith("priority")
         self.num_preemptions = 0
         self.watchdog = EngineWatchdog(llm_engine)
+        # LoRA adapters by name (engine.lora), and the top-K asked for by the requests that want logprobs.
+        self.loras: dict = {}
+        self._top_k: dict[str, int] = {}
 
     @classmethod
     def from_config(cls, cfg: EngineConfig, model_path: str, scheduling_policy: str = "fcfs") -> "VllmEngine":
@@ -136,7 +143,11 @@ class VllmEngine:
             llm_engine = LLMEngine.from_engine_args(EngineArgs(**args))
         except Exception as e:
             raise EngineError(f"vLLM could not start with model {model_path}: {type(e).__name__}: {e}") from e
-        return cls(llm_engine, time.monotonic() - started)
+        engine = cls(llm_engine, time.monotonic() - started)
+        from overnight.pipeline.engine.lora import lora_requests
+
+        engine.loras = lora_requests(cfg)
+        return engine
 
     def sampling_params(self, sampling: dict):
         structured = sampling.get("structured") or None
@@ -157,12 +168,22 @@ class VllmEngine:
             frequency_penalty=sampling.get("frequency_penalty", 0.0),
             min_tokens=sampling.get("min_tokens", 0),
             structured_outputs=structured,
-            output_kind=self._final_only,
+            n=sampling.get("n", 1),
+            logprobs=sampling.get("logprobs"),
+            output_kind=self._final_only,  # with n > 1: all n completions in one output, when the last finishes
         )
 
     def add(self, request_id: str, prompt_token_ids: list[int], sampling: dict, priority: int = 0) -> None:
+        extra = {}
+        name = sampling.get("lora")
+        if name is not None:
+            if name not in self.loras:
+                raise ValueError(f"LoRA adapter {name!r} is not registered (--lora {name}=PATH)")
+            extra["lora_request"] = self.loras[name]
         self.engine.add_request(request_id, {"prompt_token_ids": prompt_token_ids},
-                                self.sampling_params(sampling), priority=priority)
+                                self.sampling_params(sampling), priority=priority, **extra)
+        if sampling.get("logprobs") is not None:
+            self._top_k[request_id] = sampling["logprobs"]
 
     def step(self) -> list[Finished]:
         outputs = self.engine.step()
@@ -171,7 +192,8 @@ class VllmEngine:
         for o in outputs:
             if not o.finished:
                 continue
-            c = o.outputs[0]
+            outs = sorted(o.outputs, key=lambda c: c.index)
+            c = outs[0]
             metrics = getattr(o, "metrics", None)
             first_token_at = None
             if metrics is not None:
@@ -180,20 +202,29 @@ class VllmEngine:
                 if latency and arrival:
                     first_token_at = arrival + latency
                 self.num_preemptions += getattr(metrics, "num_preemptions", 0) or 0
+            top_k = self._top_k.pop(o.request_id, None)
+            samples = None
+            if len(outs) > 1 or top_k is not None:
+                samples = [Sample(s.index, s.text, s.finish_reason, len(s.token_ids),
+                                  None if top_k is None else token_logprobs(s.token_ids, s.logprobs, top_k))
+                           for s in outs]
             finished.append(Finished(
                 request_id=o.request_id,
                 text=c.text,
                 finish_reason=c.finish_reason,
                 num_prompt_tokens=len(o.prompt_token_ids or ()),
-                num_output_tokens=len(c.token_ids),
+                num_output_tokens=len(c.token_ids) if len(outs) == 1 else sum(len(s.token_ids) for s in outs),
                 first_token_at=first_token_at,
                 finished_at=now,
+                samples=samples,
             ))
         return finished
 
     def abort(self, request_ids: list[str]) -> None:
         if request_ids:
             self.engine.abort_request(list(request_ids))
+            for rid in request_ids:
+                self._top_k.pop(rid, None)
 
     def has_unfinished(self) -> bool:
         return self.engine.has_unfinished_requests()
@@ -210,6 +241,24 @@ class VllmEngine:
         if core is not None and hasattr(core, "shutdown"):
             core.shutdown()
         reap_engine_children(ours)
+
+
+def token_logprobs(token_ids, logprobs, top_k: int) -> list[dict]:
+    """vLLM's per-position logprobs (token id -> Logprob with rank and decoded token: the K most likely, and the
+    chosen token when it is not among them) as the output's logprobs column: the chosen token, then the K most
+    likely, best first."""
+    out = []
+    for tid, position in zip(token_ids, logprobs or ()):
+        chosen = position.get(tid)
+        ranked = sorted(position.items(), key=lambda kv: kv[1].rank if kv[1].rank is not None else 1 << 30)
+        out.append({
+            "token_id": tid,
+            "token": (chosen.decoded_token if chosen is not None else None) or "",
+            "logprob": chosen.logprob if chosen is not None else None,
+            "top_logprobs": [{"token_id": t, "token": lp.decoded_token or "", "logprob": lp.logprob}
+                             for t, lp in ranked[:top_k]],
+        })
+    return out
 
 
 def reap_engine_children(pids: set[int], timeout: float = 2.0) -> None:
@@ -271,7 +320,7 @@ _ENGINES: dict[tuple, VllmEngine] = {}
 
 def get_engine(cfg: EngineConfig, model_path: str, scheduling_policy: str = "fcfs") -> VllmEngine:
     """Start an engine, or reuse this process's engine with identical settings."""
-    key = (model_path, scheduling_policy, tuple(sorted(asdict(cfg).items())))
+    key = (model_path, scheduling_policy, json.dumps(asdict(cfg), sort_keys=True))
     engine = _ENGINES.get(key)
     if engine is None:
         shutdown_engines()  # one engine at a time: each holds its KV cache

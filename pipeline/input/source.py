@@ -25,7 +25,8 @@ from overnight.pipeline.output.storage import unstrip, url_to_fs
 
 # Per-row columns that override the job's sampling defaults when present.
 OVERRIDE_COLUMNS = ("max_tokens", "temperature", "top_p", "seed", "stop", "stop_token_ids", "presence_penalty",
-                    "frequency_penalty", "min_tokens", "json_schema", "response_format", "regex", "choice")
+                    "frequency_penalty", "min_tokens", "json_schema", "response_format", "regex", "choice", "n",
+                    "logprobs", "lora")
 # Per-row columns the scheduler honours.
 SCHEDULING_COLUMNS = ("priority", "value", "deadline")
 # A row that could not be read from the input (a malformed JSONL line): its message, naming the fix. ``validate``

@@ -107,7 +107,7 @@ def prepare(cfg: JobConfig, source: ParquetSource, model: OpenModel, annotator=N
         # none of them in Python.
         batches = resume.filter_batches(batches, cfg.input)
     for sb in batches:
-        parsed, errors = parse_batch(sb, cfg.input, defaults, passthrough)
+        parsed, errors = parse_batch(sb, cfg.input, defaults, passthrough, cfg.engine.lora)
         rows, texts, bad = builder.build(parsed)
         if annotator is not None:
             annotator.annotate(rows, texts)

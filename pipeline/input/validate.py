@@ -11,11 +11,11 @@ import hashlib
 import json
 import math
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Collection, Optional
 
 import pyarrow as pa
 
-from overnight.pipeline.config import ConfigError, InputConfig, SamplingConfig
+from overnight.pipeline.config import MAX_LOGPROBS, MAX_N, ConfigError, InputConfig, SamplingConfig
 from overnight.pipeline.records import Result
 from overnight.pipeline.input.source import INPUT_ERROR_COLUMN, OVERRIDE_COLUMNS, SCHEDULING_COLUMNS, SourceBatch
 
@@ -65,11 +65,15 @@ def sampling_defaults(cfg: SamplingConfig) -> dict:
         "frequency_penalty": cfg.frequency_penalty,
         "min_tokens": cfg.min_tokens,
         "structured": job_structured(cfg),
+        "n": cfg.n,
+        "logprobs": cfg.logprobs,
+        "lora": None,
     }
 
 
-def parse_batch(sb: SourceBatch, cfg: InputConfig, defaults: dict,
-                passthrough: list[str]) -> tuple[list[Parsed], list[Result]]:
+def parse_batch(sb: SourceBatch, cfg: InputConfig, defaults: dict, passthrough: list[str],
+                loras: Optional[Collection[str]] = None) -> tuple[list[Parsed], list[Result]]:
+    """loras: the adapter names registered with --lora, which a row's lora column may pick (None: not checked)."""
     batch = sb.batch
     names = batch.schema.names
     n = batch.num_rows
@@ -100,6 +104,8 @@ def parse_batch(sb: SourceBatch, cfg: InputConfig, defaults: dict,
                 if values[i] is not None:
                     key, value = _OVERRIDE_CHECKS[col](values[i])
                     sampling[key] = value
+            if overrides:
+                _check_request(sampling, loras)
             sched = {}
             for col, values in scheduling.items():
                 if values[i] is not None:
@@ -309,6 +315,41 @@ def _choice(value) -> dict:
     raise RowError(f"choice is {_short(value)}; it must be a non-empty list of strings")
 
 
+def _n(value) -> int:
+    v = _integer(value, "n")
+    if not 1 <= v <= MAX_N:
+        raise RowError(f"n is {v}; it must be 1 to {MAX_N} (completions of the row)")
+    return v
+
+
+def _logprobs(value) -> int:
+    v = _integer(value, "logprobs")
+    if not 0 <= v <= MAX_LOGPROBS:
+        raise RowError(f"logprobs is {v}; it must be 0 to {MAX_LOGPROBS} (top alternatives per token), or null for "
+                       f"none")
+    return v
+
+
+def _lora(value) -> str:
+    if not isinstance(value, str) or not value.strip():
+        raise RowError(f"lora is {_short(value)}; it must be the name of an adapter registered with --lora "
+                       f"NAME=PATH, or null for the base model")
+    return value.strip()
+
+
+def _check_request(sampling: dict, loras: Optional[Collection[str]]) -> None:
+    """What a row's columns ask for together: n > 1 needs sampling, and its adapter must be registered."""
+    n = sampling.get("n", 1)
+    if n > 1 and sampling.get("temperature", 1.0) == 0:
+        raise RowError(f"n is {n} but the temperature is 0 (greedy), which gives the same completion each time; "
+                       f"set the row's temperature above 0, or n to 1")
+    name = sampling.get("lora")
+    if name is not None and loras is not None and name not in loras:
+        known = f"registered: {', '.join(sorted(loras))}" if loras else "none is registered"
+        raise RowError(f"lora is {name!r}, which is not a registered adapter ({known}); register it with "
+                       f"--lora {name}=PATH, or set the row's lora to null for the base model")
+
+
 def job_structured(cfg: SamplingConfig) -> Optional[dict]:
     """The job's structured output (--json-schema FILE or JSON, --regex, --choice) as vLLM's parameters."""
     if cfg.json_schema is not None:
@@ -353,6 +394,9 @@ _OVERRIDE_CHECKS = {
     "response_format": _named("structured", _response_format),
     "regex": _named("structured", _regex),
     "choice": _named("structured", _choice),
+    "n": _named("n", _n),
+    "logprobs": _named("logprobs", _logprobs),
+    "lora": _named("lora", _lora),
 }
 
 

@@ -240,11 +240,15 @@ class OutputDir:
                         raise KeyError(f"no column {missing!r}")
                     all_ok, no_null_ids = _footer_says(pf.metadata, names, id_column)
                     cols = [id_column, "output_tokens"] + (["prompt_hash"] if "prompt_hash" in names else []) + (
-                        [] if all_ok else ["status"]) + ([] if no_null_ids or "error" not in names else ["error"])
+                        [] if all_ok else ["status"]) + ([] if no_null_ids or "error" not in names else ["error"]) + (
+                        ["sample_index"] if "sample_index" in names else [])
                     t = pf.read(columns=cols, use_threads=False)
             except (pa.ArrowInvalid, OSError, KeyError) as e:
                 raise OutputError(f"Part {unstrip(self.fs, p)} cannot be read ({e}). Delete it and rerun: "
                                   f"its rows will be processed again.") from None
+            tokens.append(t.column("output_tokens").combine_chunks())  # every sample's tokens
+            if "sample_index" in t.column_names:  # n > 1: a row is counted, and its id kept, once
+                t = t.filter(pc.fill_null(pc.equal(t.column("sample_index"), 0), True))
             id_col = t.column(id_column).combine_chunks()
             if ids and id_col.type != ids[0].type:
                 flush()
@@ -257,7 +261,6 @@ class OutputDir:
             ids.append(id_col)
             hashes.append(t.column("prompt_hash").combine_chunks() if "prompt_hash" in t.column_names
                           else pa.nulls(t.num_rows, pa.string()))
-            tokens.append(t.column("output_tokens").combine_chunks())
             if "status" in t.column_names:
                 statuses.append(t.column("status").combine_chunks())
             else:
@@ -338,14 +341,28 @@ class OutputDir:
                                f"another --out.") from e
 
 
+# The logprobs column: per generated token, the chosen token and its K most likely alternatives, best first.
+TOKEN_LOGPROB = pa.struct([("token_id", pa.int32()), ("token", pa.string()), ("logprob", pa.float32())])
+LOGPROBS_TYPE = pa.list_(pa.struct([("token_id", pa.int32()), ("token", pa.string()), ("logprob", pa.float32()),
+                                    ("top_logprobs", pa.list_(TOKEN_LOGPROB))]))
+
+
 class OutputSchema:
-    """Arrow schema of output rows: id, passthrough columns, then the result fields."""
+    """Arrow schema of output rows: id, passthrough columns, then the result fields.
 
-    def __init__(self, id_name: str, id_type: pa.DataType, passthrough: list[pa.Field]):
-        from overnight.pipeline.records import RESULT_FIELDS
+    With ``samples`` (the job asks for n > 1: --n or an ``n`` column) each completion of a row is an output row,
+    numbered by ``sample_index`` (0 .. n-1; an error row has 0), all of a row's in the same part; with ``logprobs``
+    (--logprobs or a ``logprobs`` column) a ``logprobs`` column holds each token's. Jobs that ask for neither have
+    neither column."""
 
-        reserved = set(RESULT_FIELDS) | {id_name}
+    def __init__(self, id_name: str, id_type: pa.DataType, passthrough: list[pa.Field], samples: bool = False,
+                 logprobs: bool = False):
+        from overnight.pipeline.records import RESULT_FIELDS, SAMPLE_FIELDS
+
+        reserved = set(RESULT_FIELDS) | set(SAMPLE_FIELDS) | {id_name}
         self.id_name = id_name
+        self.samples = samples
+        self.logprobs = logprobs
         # Input column name -> output column name; clashes with result fields get an "input_" prefix.
         self.renames = {f.name: (f"input_{f.name}" if f.name in reserved else f.name) for f in passthrough}
         # Naive UTC: DuckDB and pandas read it without a timezone database.
@@ -353,6 +370,7 @@ class OutputSchema:
         self.schema = pa.schema(
             [pa.field(id_name, id_type)]
             + [pa.field(self.renames[f.name], f.type) for f in passthrough]
+            + ([pa.field("sample_index", pa.int32())] if samples else [])
             + [
                 pa.field("text", pa.string()),
                 pa.field("finish_reason", pa.string()),
@@ -367,14 +385,20 @@ class OutputSchema:
                 pa.field("error", pa.string()),
                 pa.field("prompt_hash", pa.string()),
                 pa.field("engine_seconds", pa.float64()),
+            ]
+            + ([pa.field("logprobs", LOGPROBS_TYPE)] if logprobs else [])
+            + [
                 pa.field("run_id", pa.string()),
                 pa.field("model", pa.string()),
             ]
         )
 
     def table(self, results: list[Result], run_id: str, model: str) -> pa.Table:
+        cols: dict[str, Any] = {}
+        if self.samples or self.logprobs:
+            results, cols["sample_index"], cols["logprobs"] = _by_sample(results)
         n = len(results)
-        cols: dict[str, Any] = {self.id_name: [r.id for r in results]}
+        cols[self.id_name] = [r.id for r in results]
         for src, dst in self.renames.items():
             cols[dst] = [r.passthrough.get(src) for r in results]
         for name in ("text", "finish_reason", "prompt_tokens", "output_tokens", "predicted_tokens", "bucket",
@@ -386,6 +410,27 @@ class OutputSchema:
         cols["model"] = [model] * n
         arrays = [pa.array(cols[f.name], type=f.type) for f in self.schema]
         return pa.Table.from_arrays(arrays, schema=self.schema)
+
+
+def _by_sample(results: list[Result]) -> tuple[list[Result], list[int], list]:
+    """One result per completion (text, finish reason and tokens its own; the row's engine time shared evenly),
+    with its sample_index and logprobs."""
+    from dataclasses import replace
+
+    rows, index, logprobs = [], [], []
+    for r in results:
+        if not r.samples:
+            rows.append(r)
+            index.append(0)
+            logprobs.append(None)
+            continue
+        share = None if r.engine_seconds is None else r.engine_seconds / len(r.samples)
+        for s in r.samples:
+            rows.append(replace(r, text=s.text, finish_reason=s.finish_reason, output_tokens=s.num_output_tokens,
+                                engine_seconds=share, samples=None))
+            index.append(s.index)
+            logprobs.append(s.logprobs)
+    return rows, index, logprobs
 
 
 class CheckpointWriter:

@@ -37,7 +37,7 @@ def now_iso() -> str:
 
 # Sampling settings added later: in the fingerprint only when set, so that an OUT written before keeps its own.
 LATER_SAMPLING = {"stop_token_ids": [], "presence_penalty": 0.0, "frequency_penalty": 0.0, "min_tokens": 0,
-                  "json_schema": None, "regex": None, "choice": None}
+                  "json_schema": None, "regex": None, "choice": None, "n": 1, "logprobs": None}
 
 
 def fingerprint_fields(cfg, model: str, chat: bool) -> dict:
@@ -46,6 +46,8 @@ def fingerprint_fields(cfg, model: str, chat: bool) -> dict:
         value = getattr(cfg.sampling, k)
         if value != default:
             fields["sampling"][k] = value
+    if cfg.engine.lora:  # the adapters rows may pick (name -> folder), likewise only when registered
+        fields["lora"] = dict(sorted(cfg.engine.lora.items()))
     return fields
 
 

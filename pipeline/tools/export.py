@@ -1,9 +1,10 @@
 """`overnight export OUT`: the job's results as one file, in input order.
 
     parquet | jsonl | csv   every row of every part (all shards and workers), one file, in the input's order
-    openai                  the OpenAI Batch API's output lines: a chat.completion body per ok row; error rows
-                            and the rows never done (as ``batch_expired``, like OpenAI at its 24-hour limit) go to
-                            the --errors file, or into the output when none is given
+    openai                  the OpenAI Batch API's output lines: a chat.completion body per ok row, its n samples
+                            as ``choices`` (index = sample_index), logprobs in OpenAI's ``choices[i].logprobs``;
+                            error rows and the rows never done (as ``batch_expired``, like OpenAI at its 24-hour
+                            limit) go to the --errors file, or into the output when none is given
 
 Input order comes from the input itself (its ids, or its file and row for derived ids), read with DuckDB from
 the path the manifest records; rows whose id is no longer in the input come last.
@@ -49,8 +50,9 @@ def _ordered(con, manifest: dict) -> tuple[str, bool]:
               f"row_number() over (order by filename, file_row_number) as _pos from read_parquet({_q(path)}, " \
               f"filename = true, file_row_number = true, union_by_name = true)"
     con.sql(f"create or replace temp view _input as {src}")
+    samples = f", r.\"{id_col}\", r.sample_index" if "sample_index" in cols else ""  # a row's samples together
     return (f"select r.* from results r left join (select _id, min(_pos) _pos from _input group by 1) i "
-            f"on r.\"{id_col}\"::varchar = i._id::varchar order by i._pos nulls last"), True
+            f"on r.\"{id_col}\"::varchar = i._id::varchar order by i._pos nulls last{samples}"), True
 
 
 def export(url: str, fmt: str, output: str, errors: Optional[str] = None) -> dict:
@@ -79,20 +81,25 @@ def export(url: str, fmt: str, output: str, errors: Optional[str] = None) -> dic
 def _openai(con, manifest: dict, query: str, in_order: bool, output: str, errors: Optional[str]) -> dict:
     id_col = manifest.get("fingerprint_fields", {}).get("id_column", "id")
     model = manifest.get("fingerprint_fields", {}).get("model", "")
+    cols = {r[0] for r in con.execute("describe results").fetchall()}
+    index = "sample_index" if "sample_index" in cols else "0"
+    logprobs = "logprobs" if "logprobs" in cols else "null"
     cur = con.execute(f"select \"{id_col}\", status, text, finish_reason, prompt_tokens, output_tokens, error, "
-                      f"epoch(finished_at) from ({query})")
+                      f"epoch(finished_at), {index}, {logprobs} from ({query})")
     ok = bad = expired = 0
     out = open(output, "w", encoding="utf-8")
     err = open(errors, "w", encoding="utf-8") if errors else out
     try:
-        while batch := cur.fetchmany(10_000):
-            for rid, status, text, finish, ptok, otok, error, finished in batch:
-                if status == "ok":
-                    out.write(json.dumps(_ok_line(rid, text, finish, ptok, otok, finished, model)) + "\n")
-                    ok += 1
-                else:
-                    err.write(json.dumps(_error_line(rid, "invalid_request", error or "failed")) + "\n")
-                    bad += 1
+        for rows in _by_row(cur):
+            rid, status, _, _, ptok, _, error, finished, _, _ = rows[0]
+            if status == "ok":
+                choices = [_choice(text, finish, index, lp) for _, _, text, finish, _, _, _, _, index, lp in rows]
+                otok = sum(r[5] or 0 for r in rows)
+                out.write(json.dumps(_ok_line(rid, choices, ptok, otok, finished, model)) + "\n")
+                ok += 1
+            else:
+                err.write(json.dumps(_error_line(rid, "invalid_request", error or "failed")) + "\n")
+                bad += 1
         if in_order:  # rows of the input that no part holds: not done when the job stopped
             done_ids = f"select \"{id_col}\"::varchar from results where \"{id_col}\" is not null"
             left = con.execute(f"select _id from _input where _id::varchar not in ({done_ids}) order by _pos")
@@ -108,14 +115,44 @@ def _openai(con, manifest: dict, query: str, in_order: bool, output: str, errors
             "errors_output": errors or output, "in_input_order": in_order}
 
 
-def _ok_line(rid, text, finish, ptok, otok, finished, model) -> dict:
+def _by_row(cur):
+    """The result rows grouped by input row: a row's samples (consecutive, in sample_index order) together."""
+    group: list = []
+    while batch := cur.fetchmany(10_000):
+        for r in batch:
+            if group and (r[0] != group[0][0] or r[0] is None or r[8] == 0):
+                yield group
+                group = []
+            group.append(r)
+    if group:
+        yield group
+
+
+def _choice(text, finish, index, logprobs) -> dict:
+    return {"index": index or 0, "message": {"role": "assistant", "content": text, "refusal": None},
+            "logprobs": None if logprobs is None else {"content": [_token(t, True) for t in logprobs],
+                                                       "refusal": None},
+            "finish_reason": finish or "stop"}
+
+
+def _token(t: dict, top: bool) -> dict:
+    """One token of the logprobs column in OpenAI's shape (bytes: the token text's UTF-8)."""
+    token = t.get("token") or ""
+    logprob = t.get("logprob")
+    out = {"token": token, "logprob": max(logprob, -9999.0) if logprob is not None else -9999.0,
+           "bytes": list(token.encode("utf-8", "surrogatepass"))}
+    if top:
+        out["top_logprobs"] = [_token(a, False) for a in t.get("top_logprobs") or []]
+    return out
+
+
+def _ok_line(rid, choices, ptok, otok, finished, model) -> dict:
     request = f"req_{uuid.uuid4().hex}"
     return {"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": str(rid), "error": None,
             "response": {"status_code": 200, "request_id": request, "body": {
                 "id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(finished or 0),
                 "model": model,
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": text, "refusal": None},
-                             "logprobs": None, "finish_reason": finish or "stop"}],
+                "choices": choices,
                 "usage": {"prompt_tokens": ptok or 0, "completion_tokens": otok or 0,
                           "total_tokens": (ptok or 0) + (otok or 0)}}}}
 

@@ -56,12 +56,17 @@ def summary_lines(con, manifest: Optional[dict], price_per_hour: Optional[float]
             lines.append(f"run {manifest.get('run_id')}  state: {manifest.get('state')}  attempts: {len(attempts)}")
         lines.append(f"model: {manifest.get('fingerprint_fields', {}).get('model')}  "
                      f"input: {manifest.get('input', {}).get('url')} ({c.get('num_rows', '?')} rows)")
-    n, ok, err, ptok, otok = con.execute(
-        "select count(*), count(*) filter (status = 'ok'), count(*) filter (status = 'error'), "
-        "coalesce(sum(prompt_tokens), 0), coalesce(sum(output_tokens), 0) from results").fetchone()
+    columns = {r[0] for r in con.execute("describe results").fetchall()}
+    # With n > 1 a row's samples are output rows of their own (sample_index 0 .. n-1): a row counts once.
+    row = "sample_index = 0" if "sample_index" in columns else "true"
+    n, ok, err, ptok, otok, num_samples = con.execute(
+        f"select count(*) filter ({row}), count(*) filter (status = 'ok' and {row}), "
+        f"count(*) filter (status = 'error' and {row}), coalesce(sum(prompt_tokens) filter ({row}), 0), "
+        f"coalesce(sum(output_tokens), 0), count(*) filter (status = 'ok') from results").fetchone()
     total = (manifest or {}).get("counts", {}).get("num_rows")
     left = f", {total - n} not done" if isinstance(total, int) and total > n else ""
-    lines.append(f"rows: {n} ({ok} ok, {err} error{left})")
+    samples = f"; {num_samples} samples" if "sample_index" in columns else ""
+    lines.append(f"rows: {n} ({ok} ok, {err} error{left}{samples})")
     if ok:
         first, last, avg_out, p50, p90 = con.execute(
             "select min(queued_at), max(finished_at), avg(output_tokens), "

@@ -1,0 +1,76 @@
+"""LoRA adapters: ``--lora NAME=PATH`` registers them, and a row's ``lora`` column picks one by name.
+
+vLLM serves them from one engine: ``enable_lora`` with room for ``max_loras`` adapters of rank up to
+``max_lora_rank`` in the engine arguments, and a ``LoRARequest`` (name, a unique integer id, the folder) with each
+request. Rows without an adapter use the base model. The adapters are PEFT folders (``adapter_config.json`` and
+the weights); they are checked when the job opens, so a bad one fails before the engine starts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+from overnight.pipeline.config import LORA_RANKS, ConfigError, EngineConfig
+
+WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
+
+
+def adapter_rank(name: str, path: str) -> int:
+    """The adapter's largest rank, from its adapter_config.json; a ConfigError naming the fix when it is not an
+    adapter folder."""
+    where = f"--lora {name}={path}"
+    if not os.path.isdir(path):
+        raise ConfigError(f"{where}: no such folder. Give the folder of a PEFT LoRA adapter (with "
+                          f"adapter_config.json), as saved by peft's save_pretrained.")
+    try:
+        with open(os.path.join(path, "adapter_config.json")) as f:
+            config = json.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"{where}: the folder has no adapter_config.json. Give the folder of a PEFT LoRA adapter, "
+                          f"as saved by peft's save_pretrained.") from None
+    except ValueError as e:
+        raise ConfigError(f"{where}: adapter_config.json is not valid JSON ({e}).") from None
+    if not any(os.path.exists(os.path.join(path, w)) for w in WEIGHTS):
+        raise ConfigError(f"{where}: the folder has no adapter weights ({' or '.join(WEIGHTS)}).")
+    if str(config.get("peft_type", "LORA")).upper() != "LORA":
+        raise ConfigError(f"{where}: the adapter is {config.get('peft_type')}, not LoRA; vLLM serves LoRA adapters.")
+    ranks = [config.get("r")] + list((config.get("rank_pattern") or {}).values())
+    ranks = [r for r in ranks if isinstance(r, int) and not isinstance(r, bool)]
+    if not ranks:
+        raise ConfigError(f"{where}: adapter_config.json gives no rank (r).")
+    return max(ranks)
+
+
+def check_adapters(cfg: EngineConfig) -> dict[str, int]:
+    """Every registered adapter's rank; a ConfigError when one is not a LoRA folder or is larger than
+    engine.max_lora_rank."""
+    ranks = {name: adapter_rank(name, path) for name, path in sorted(cfg.lora.items())}
+    if ranks and cfg.max_lora_rank is not None:
+        big = [n for n, r in ranks.items() if r > cfg.max_lora_rank]
+        if big:
+            raise ConfigError(f"--lora {big[0]}: its rank is {ranks[big[0]]}, above engine.max_lora_rank "
+                              f"({cfg.max_lora_rank}). Raise --max-lora-rank, or leave it unset to fit the adapters.")
+    if ranks and max(ranks.values()) > LORA_RANKS[-1]:
+        name = max(ranks, key=ranks.get)
+        raise ConfigError(f"--lora {name}: its rank is {ranks[name]}; vLLM serves ranks up to {LORA_RANKS[-1]}.")
+    return ranks
+
+
+def lora_engine_args(cfg: EngineConfig) -> dict:
+    """vLLM's engine arguments for the registered adapters; none when there are none."""
+    if not cfg.lora:
+        return {}
+    ranks = check_adapters(cfg)
+    rank = cfg.max_lora_rank or next(r for r in LORA_RANKS if r >= max(ranks.values()))
+    return {"enable_lora": True, "max_loras": cfg.max_loras or len(ranks), "max_lora_rank": rank}
+
+
+def lora_requests(cfg: EngineConfig) -> dict:
+    """name -> vLLM's LoRARequest, with ids 1, 2, ... in name order."""
+    if not cfg.lora:
+        return {}
+    from vllm.lora.request import LoRARequest
+
+    return {name: LoRARequest(name, i, os.path.abspath(cfg.lora[name]))
+            for i, name in enumerate(sorted(cfg.lora), start=1)}
