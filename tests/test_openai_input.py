@@ -286,3 +286,24 @@ def test_plan_reads_request_lines(tmp_path, cfg):
     path = write_lines(tmp_path / "requests.jsonl", [chat("a"), completion("b"), "bad"])
     p = make_plan(cfg(path, tmp_path / "out"), throughput=100)
     assert (p.num_rows, p.num_errors) == (3, 1)
+
+
+@pytest.mark.slow
+def test_ray_workers_share_the_lines_and_answer_each_once(tmp_path, cfg, monkeypatch):
+    ray = pytest.importorskip("ray")
+    from overnight.pipeline.cluster.ray_job import run_on_ray
+
+    monkeypatch.setattr(openai_batch, "CHUNK_LINES", 50)   # the driver's listing, which the workers read
+    path = write_lines(tmp_path / "requests.jsonl", [chat(f"r{i}") for i in range(300)] + ["bad"])
+    out = tmp_path / "out"
+    c = cfg(path, out, engine={"kind": "echo", "echo_step_ms": 5, "max_num_seqs": 8}, sampling={"max_tokens": 4})
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    try:
+        s = run_on_ray(c, False, 2, is_tty=False)
+    finally:
+        ray.shutdown()
+    assert (s.state, s.num_done, s.num_rows) == ("completed", 301, 301)
+    got = duckdb.sql(f"select id, error from read_parquet('{out}/workers/*/parts/*.parquet')").fetchall()
+    ids = [i for i, _ in got if i is not None]
+    assert len(got) == 301 and sorted(ids) == sorted(f"r{i}" for i in range(300))
+    assert [e for i, e in got if i is None][0].startswith("requests.jsonl#301: line 301 is not valid JSON")

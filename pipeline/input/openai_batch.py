@@ -99,6 +99,8 @@ def request_schema(cfg) -> pa.Schema:
 class JsonlFile(InputFile):
     # Byte offset of each chunk's first line; () for a compressed file (one chunk, read from its start).
     offsets: tuple[int, ...] = ()
+    # Lines per chunk when the file was counted (chunk g starts at line g * chunk_lines + 1).
+    chunk_lines: int = CHUNK_LINES
 
 
 class LineError(ValueError):
@@ -120,12 +122,12 @@ class OpenAIBatchSource(ParquetSource):
         """Count the file's rows (non-blank lines) per chunk, in one streaming pass."""
         shown = unstrip(self.fs, path)
         compressed = path.endswith(".gz")
-        rows, offsets = [], []
+        rows, offsets, chunk_lines = [], [], CHUNK_LINES
         try:
             with self._open(path) as f:
                 pos, line_no = 0, 0
                 for line in f:
-                    if line_no % CHUNK_LINES == 0:
+                    if line_no % chunk_lines == 0:
                         rows.append(0)
                         offsets.append(pos)
                     line_no += 1
@@ -144,7 +146,7 @@ class OpenAIBatchSource(ParquetSource):
         except OSError:
             version = ""
         return JsonlFile(path=path, name=name, num_rows=sum(rows), schema=request_schema(self.cfg),
-                         row_groups=tuple(rows), version=version, offsets=tuple(offsets))
+                         row_groups=tuple(rows), version=version, offsets=tuple(offsets), chunk_lines=chunk_lines)
 
     def _open(self, path: str):
         return self.fs.open(path, "rb", compression="gzip" if path.endswith(".gz") else None)
@@ -177,7 +179,7 @@ class OpenAIBatchSource(ParquetSource):
         if frag.row_group is None:
             first, offset, num_rows = 0, 0, file.num_rows
         else:
-            first = frag.row_group * CHUNK_LINES
+            first = frag.row_group * file.chunk_lines
             offset = file.offsets[frag.row_group] if file.offsets else 0
             num_rows = file.row_groups[frag.row_group]
         lo, hi = frag.rows if frag.rows else (0, num_rows)
