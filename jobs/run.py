@@ -24,7 +24,8 @@ from overnight.jobs.options import (build_config, cluster_options, engine_option
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON on stdout.")
 @user_errors
 def run(input_path, out, config_file, fresh, as_json, **options):
-    """Run a bulk inference job over INPUT (Parquet file, folder or glob; local or fsspec URL).
+    """Run a bulk inference job over INPUT (Parquet file, folder or glob, or OpenAI Batch request lines in
+    .jsonl / .jsonl.gz; local or fsspec URL).
 
     Finished rows are written to OUT/parts/ as they complete; rerunning the same
     command after a kill processes only the rows not yet written. INPUT may also
@@ -47,6 +48,7 @@ def run(input_path, out, config_file, fresh, as_json, **options):
         overnight run 's3://bucket/prompts/*.parquet' --out s3://bucket/results/ --max-tokens 256
         overnight run --config nightly.yaml --limit 100
         overnight run prompts.parquet --out results/ --deadline 2026-11-23T06:00
+        overnight run requests.jsonl --out results/     # OpenAI Batch lines; custom_id is the id
     """
     from overnight.pipeline.api import run_job
     from overnight.pipeline.engine import EngineError

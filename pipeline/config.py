@@ -28,7 +28,8 @@ def _check(cond: bool, message: str) -> None:
 
 @dataclass
 class InputConfig:
-    # Parquet file, folder or glob; local path or any fsspec URL (s3://, gs://, memory://).
+    # Parquet file, folder or glob, or OpenAI Batch request lines (*.jsonl, *.jsonl.gz: input/openai_batch.py);
+    # local path or any fsspec URL (s3://, gs://, memory://).
     path: Optional[str] = None
     # Column holding the prompt text.
     prompt_column: str = "prompt"
