@@ -17,7 +17,7 @@ from click.testing import CliRunner
 from fakes import FakeEngine, given
 from overnight.jobs.cli import cli
 from overnight.pipeline.api import run_job
-from overnight.pipeline.config import InputConfig
+from overnight.pipeline.config import MAX_N, InputConfig
 from overnight.pipeline.input import openai_batch
 from overnight.pipeline.input.openai_batch import OpenAIBatchSource
 from overnight.pipeline.input.shards import Fragment, Shard
@@ -94,6 +94,18 @@ def test_a_job_over_request_lines_answers_each_custom_id(tmp_path, cfg):
     got = results(tmp_path / "out")
     assert sorted(got) == ["a", "b", "c"]
     assert got["a"]["output_tokens"] <= 3 and got["b"]["output_tokens"] <= 4
+
+
+def test_n_and_logprobs_reach_the_engine(tmp_path, cfg):
+    path = write_lines(tmp_path / "requests.jsonl", [chat("a", n=2, logprobs=True, top_logprobs=2, max_tokens=3),
+                                                     completion("b", logprobs=1, max_tokens=3), chat("c", n=0)])
+    s = run_job(cfg(path, tmp_path / "out"), engine_factory=given(FakeEngine()), is_tty=False)
+    assert (s.num_ok, s.num_error) == (2, 1)
+    con, _ = open_results(str(tmp_path / "out"))
+    got = con.execute("select id, sample_index, len(logprobs[1].top_logprobs), error from results order by 1, 2"
+                      ).fetchall()
+    assert got == [("a", 0, 2, None), ("a", 1, 2, None), ("b", 0, 1, None),
+                   ("c", 0, None, f"requests.jsonl#3: n is 0; it must be 1 to {MAX_N} (completions of the row)")]
 
 
 # -- bad lines -------------------------------------------------------------------------------------
