@@ -7,9 +7,10 @@ from typing import Optional
 
 import numpy as np
 
+from overnight.buckets.annotate import learn_batch_size
 from overnight.buckets.bucketing import assign, log_bounds
 from overnight.buckets.dataset import LengthData
-from overnight.buckets.features import stack
+from overnight.buckets.features import FeatureBatch, stack, subset
 from overnight.buckets.metrics import bucket_hit_rate, kendall_tau, mae
 from overnight.buckets.predictors import make_predictor
 
@@ -23,6 +24,11 @@ class Evaluation:
     bucket_hit_rate: float
     mean_actual: float
     mean_predicted: float
+
+    @property
+    def calibration(self) -> float:
+        """Mean predicted over mean actual tokens: 1.0 is right on average."""
+        return self.mean_predicted / self.mean_actual if self.mean_actual else float("nan")
 
 
 def evaluate(data: LengthData, predictor: Optional[str] = None, rows: Optional[np.ndarray] = None,
@@ -45,14 +51,7 @@ def evaluate(data: LengthData, predictor: Optional[str] = None, rows: Optional[n
         name = p.name if predictor in ("heuristic", "online") else f"trained ({predictor})"
         caps = fb.caps
         if p.learns:
-            pred = np.zeros(len(idx))
-            order = np.argsort(data.finished_at[idx], kind="stable")
-            all_rows = fb.rows()
-            for start in range(0, len(order), 32):
-                chunk = order[start:start + 32]
-                sub = stack([all_rows[i] for i in chunk])
-                pred[chunk] = p.predict(sub).tokens
-                p.observe(sub, actual[chunk], data.hit_cap[idx][chunk])
+            pred = replay(p, fb, actual, data.hit_cap[idx], np.argsort(data.finished_at[idx], kind="stable"))
         else:
             pred = p.predict(fb).tokens
     bounds = log_bounds(int(caps.max()) if len(caps) else 512, num_buckets)
@@ -65,3 +64,19 @@ def evaluate(data: LengthData, predictor: Optional[str] = None, rows: Optional[n
         mean_actual=float(np.mean(actual)) if len(actual) else float("nan"),
         mean_predicted=float(np.mean(pred)) if len(pred) else float("nan"),
     )
+
+
+def replay(p, fb: FeatureBatch, actual: np.ndarray, hit_cap: np.ndarray, order: np.ndarray, chunk: int = 16) -> np.ndarray:
+    """A learning predictor's predictions as a run would make them: rows in `order` (finish order), each chunk
+    predicted with what was learned from the rows before it, learning in the annotator's batch sizes."""
+    pred = np.zeros(len(order))
+    pending: list[np.ndarray] = []
+    for start in range(0, len(order), chunk):
+        rows = order[start:start + chunk]
+        pred[rows] = p.predict(subset(fb, rows)).tokens
+        pending.append(rows)
+        waiting = np.concatenate(pending)
+        if len(waiting) >= learn_batch_size(p.num_observed):
+            p.observe(subset(fb, waiting), actual[waiting], hit_cap[waiting])
+            pending = []
+    return pred

@@ -2,8 +2,11 @@
 
 Per row: the prompt's token count after the chat template, its text (hashed
 word n-grams, with the opening words marked, since "Write an essay" and "How
-many" decide a lot), a few text statistics, and the row's max_tokens cap.
-Hashing uses crc32, so features are stable across processes and machines.
+many" decide a lot), a few text statistics, the row's max_tokens cap, the kind
+of task (kinds.py: a math word problem, code, writing, a rewrite of an
+earlier answer ...), and how much of the prompt is earlier conversation (the
+chat template's tokens beyond the last user message's). Hashing uses crc32, so
+features are stable across processes and machines.
 """
 
 from __future__ import annotations
@@ -16,10 +19,13 @@ from dataclasses import dataclass
 import numpy as np
 
 from overnight.buckets.heuristic import heuristic_tokens, words
+from overnight.buckets.kinds import KIND_NAMES, kinds
 
 HASH_DIM = 1 << 16
-NUMERIC_NAMES = ("log_prompt_tokens", "log_chars", "log_words", "question_marks", "digit_share", "lines",
-                 "list_markers", "log_cap")
+# The first eight are the features of predictor files written before the kinds (format 2) and must stay first.
+BASE_NUMERIC_NAMES = ("log_prompt_tokens", "log_chars", "log_words", "question_marks", "digit_share", "lines",
+                      "list_markers", "log_cap")
+NUMERIC_NAMES = (*BASE_NUMERIC_NAMES, "log_context_tokens", *(f"kind_{k}" for k in KIND_NAMES))
 
 
 @dataclass
@@ -107,9 +113,17 @@ def text_features(text: str, w: list[str] | None = None) -> list[int]:
     return sorted({_hash(f) for f in feats})
 
 
-def numeric_features(text: str, prompt_tokens: int, cap: int) -> list[float]:
+def context_tokens(text: str, prompt_tokens: int) -> float:
+    """Tokens of the prompt beyond the text the predictor reads: earlier turns of a chat (and a long system
+    prompt). A token holds at most about 3 characters of English, so a single prompt comes out near 0 whatever
+    its length, and the chat template's own ~40 tokens are left out."""
+    return max(0.0, prompt_tokens - len(text) / 3.0 - 40.0)
+
+
+def numeric_features(text: str, prompt_tokens: int, cap: int, w: list[str] | None = None) -> list[float]:
     n_chars = len(text)
     n_digits = count_digits(text)
+    w = words(text) if w is None else w
     return [
         math.log1p(prompt_tokens),
         math.log1p(n_chars),
@@ -119,6 +133,8 @@ def numeric_features(text: str, prompt_tokens: int, cap: int) -> list[float]:
         float(min(text.count("\n"), 20)),
         float(len(_LIST_ITEM.findall(text, 0, 4000))),
         math.log1p(cap),
+        math.log1p(context_tokens(text, prompt_tokens)),
+        *kinds(text, w),
     ]
 
 
@@ -131,7 +147,7 @@ def featurize(texts: list[str], prompt_tokens: list[int], caps: list[int]) -> Fe
         w = words(text)
         indices.extend(text_features(text, w))
         indptr.append(len(indices))
-        numeric.append(numeric_features(text, n, cap))
+        numeric.append(numeric_features(text, n, cap, w))
         heuristic.append(heuristic_tokens(text, n, w))
     indptr_a = np.asarray(indptr, dtype=np.int64)
     counts = np.diff(indptr_a)
@@ -155,3 +171,15 @@ def prompt_text(prompt, messages) -> str:
         users = [m["content"] for m in messages if m.get("role") == "user"]
         return users[-1] if users else messages[-1]["content"]
     return prompt or ""
+
+
+def subset(fb: FeatureBatch, rows) -> FeatureBatch:
+    """The rows of fb at positions `rows`, in that order."""
+    rows = np.asarray(rows, dtype=np.int64)
+    starts, ends = fb.indptr[rows], fb.indptr[rows + 1]
+    counts = ends - starts
+    # positions of every entry of the chosen rows, without a Python loop over rows
+    idx = np.repeat(starts - np.concatenate([[0], np.cumsum(counts)[:-1]]), counts) + np.arange(counts.sum())
+    return FeatureBatch(indptr=np.concatenate([[0], np.cumsum(counts)]).astype(np.int64), indices=fb.indices[idx],
+                        values=fb.values[idx], numeric=fb.numeric[rows], prompt_tokens=fb.prompt_tokens[rows],
+                        caps=fb.caps[rows], heuristic=fb.heuristic[rows], texts=[fb.texts[i] for i in rows])

@@ -33,7 +33,7 @@ _PER_UNIT = {"words": 1.4, "sentences": 28.0, "paragraphs": 100.0, "lines": 14.0
 _TWO_DIGITS = re.compile(r"\d\D*\d")
 
 
-def _explicit_length(w: list[str]):
+def explicit_length(w: list[str]):
     """'in 300 words', '5 sentences', '3 paragraphs' -> an estimate of tokens, else None."""
     for i in range(1, len(w)):
         unit = _PER_UNIT.get(w[i])
@@ -51,7 +51,7 @@ def heuristic_tokens(text: str, prompt_tokens: int, w: list[str] | None = None) 
     head = set(w[:4])
     lower = text[:_HEAD_CHARS].lower()
     all_words = set(w)
-    explicit = _explicit_length(w[:200])
+    explicit = explicit_length(w[:200])
     if explicit is not None:
         est = explicit
     elif head & _CODE or (all_words & _CODE and head & {"write", "implement", "create"}):

@@ -5,18 +5,20 @@
     p.observe(features, actual, hit_cap)    # finished rows; only the online predictor learns from them
 
 * heuristic: rules over the prompt text (instruction verbs, explicit lengths, math questions). No history.
-* online:    the heuristic, corrected by a linear model over hashed text features that learns, during the
-             run, from the rows already finished (AdaGrad on log length); later rows get better predictions.
-* trained:   a small torch model fitted on earlier runs' outputs (buckets/trained.py).
+* online:    the heuristic, corrected by the trained predictor's model refitted during the run on the rows
+             already finished; later rows get better predictions.
+* trained:   a regularised linear model fitted on earlier runs' outputs (buckets/trained.py); as FILE it is
+             the online predictor's prior, so the run keeps learning from the file on.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import numpy as np
 
-from overnight.buckets.features import HASH_DIM, NUMERIC_NAMES, FeatureBatch
+from overnight.buckets.features import FeatureBatch
 
 
 @dataclass
@@ -56,56 +58,86 @@ class HeuristicPredictor(Predictor):
 # -- online ------------------------------------------------------------------------------------
 
 class OnlinePredictor(Predictor):
-    """log(tokens) = log(heuristic) + w . x, with w learned by AdaGrad from finished rows."""
+    """The trained predictor's model (trained.py), refitted during the run on the rows finished so far, as a
+    correction to a prior: the heuristic, or a trained file (warm start: `--predictor FILE` learns on from
+    the file, so that a run of other prompts than the file's corrects it).
+
+    Until min_rows have finished, the prior's predictions stand. Then observe() refits the ridge model on
+    the finished rows (at most `window` of them, a uniform sample once there are more; past twice the window,
+    only when the rows seen have grown by half since the last fit), with the
+    prior's log estimate as an offset: the penalties shrink the correction towards none, the intercept
+    (not penalised) puts the level right at once. The penalties are chosen by cross-validation whenever the
+    rows learned from have doubled, and calibrated on out-of-fold predictions each refit, as in training.
+    (This replaced an AdaGrad model whose first steps moved every weight by the learning rate: its mean
+    prediction swung from 5x to 0.14x the actual in the first two batches.)"""
 
     name = "online"
     learns = True
 
-    def __init__(self, lr: float = 0.3, l2: float = 1e-5, warmup: int = 16):
-        self.lr = lr
-        self.l2 = l2
-        self.warmup = warmup
-        self.w = np.zeros(HASH_DIM, dtype=np.float64)
-        self.g2 = np.full(HASH_DIM, 1e-6)
-        n_num = len(NUMERIC_NAMES) + 1  # + bias
-        self.wn = np.zeros(n_num)
-        self.gn2 = np.full(n_num, 1e-6)
+    def __init__(self, prior: Optional[Predictor] = None, min_rows: int = 16, window: int = 1024, seed: int = 0):
+        self.prior = prior
+        if prior is not None:
+            self.name = f"{prior.name}+online"
+        self.min_rows = min_rows
+        self.window = window
         self.num_observed = 0
+        self.model = None  # a TrainedPredictor over the rows seen, once there are min_rows
+        self._rows: list = []       # RowFeatures of the rows kept to learn from
+        self._actual: list[float] = []
+        self._penalties: Optional[tuple[float, float]] = None
+        self._selected_at = 0
+        self._fitted_at = 0
+        self._rng = np.random.default_rng(seed)
 
-    def _numeric(self, fb: FeatureBatch) -> np.ndarray:
-        # Scaled to comparable ranges, plus a bias column.
-        x = fb.numeric.astype(np.float64) / np.array([6, 7, 6, 2, 0.2, 10, 5, 6])
-        return np.hstack([x, np.ones((len(fb), 1))])
-
-    def _correction(self, fb: FeatureBatch) -> np.ndarray:
-        sparse = np.add.reduceat(self.w[fb.indices] * fb.values, fb.indptr[:-1]) if len(fb.indices) else 0.0
-        counts = np.diff(fb.indptr)
-        sparse = np.where(counts > 0, sparse, 0.0)
-        return sparse + self._numeric(fb) @ self.wn
+    def _prior_log(self, fb: FeatureBatch) -> np.ndarray:
+        """The prior's log estimate. A trained prior's is its calibrated log length before its mean factor."""
+        if self.prior is None:
+            return np.log(np.maximum(fb.heuristic.astype(np.float64), 1.0))
+        p = self.prior.predict(fb)
+        return p.score if hasattr(self.prior, "calib") else np.log(np.maximum(p.tokens, 1.0))
 
     def predict(self, fb: FeatureBatch) -> Prediction:
-        base = np.log(np.maximum(fb.heuristic.astype(np.float64), 1.0))
-        if self.num_observed < self.warmup:
-            return _clip(np.exp(base), fb.caps)
-        return _clip(np.exp(base + self._correction(fb)), fb.caps)
+        if len(fb) == 0:
+            return Prediction(np.zeros(0), np.zeros(0))
+        if self.model is None:
+            return self.prior.predict(fb) if self.prior is not None else HeuristicPredictor().predict(fb)
+        return self.model.predict(fb, offset=self._prior_log(fb))
 
     def observe(self, fb: FeatureBatch, actual: np.ndarray, hit_cap: np.ndarray) -> None:
-        """One AdaGrad step on the batch's squared error in log length (rows at their cap only push up)."""
-        if len(fb) == 0:
+        """Keep the finished rows (a uniform sample of at most `window`) and refit on them."""
+        seen = self.num_observed
+        for row, y in zip(fb.rows(), np.asarray(actual, dtype=np.float64)):
+            seen += 1
+            if len(self._rows) < self.window:
+                self._rows.append(row)
+                self._actual.append(float(y))
+            else:  # reservoir sampling: every row seen so far is kept with the same chance
+                k = int(self._rng.integers(seen))
+                if k < self.window:
+                    self._rows[k], self._actual[k] = row, float(y)
+        try:
+            self._refit(seen)
+        finally:
+            self.num_observed = seen  # last: the annotator's learner thread is read from the loop
+
+    def _refit(self, seen: int) -> None:
+        from overnight.buckets.features import stack
+        from overnight.buckets.trained import TrainedPredictor
+
+        if seen < self.min_rows:
             return
-        base = np.log(np.maximum(fb.heuristic.astype(np.float64), 1.0))
-        xn = self._numeric(fb)
-        err = base + self._correction(fb) - np.log(np.maximum(actual, 1.0))
-        err = np.where(hit_cap & (err > 0), 0.0, err)  # at the cap the true length is at least the cap
-        row_of = np.repeat(np.arange(len(fb)), np.diff(fb.indptr))
-        touched, where = np.unique(fb.indices, return_inverse=True)
-        g_t = np.bincount(where, weights=err[row_of] * fb.values, minlength=len(touched)) + self.l2 * self.w[touched]
-        self.g2[touched] += g_t * g_t
-        self.w[touched] -= self.lr * g_t / np.sqrt(self.g2[touched])
-        gn = xn.T @ err + self.l2 * self.wn
-        self.gn2 += gn * gn
-        self.wn -= self.lr * gn / np.sqrt(self.gn2)
-        self.num_observed += len(fb)
+        if seen > 2 * self.window and seen < 1.5 * self._fitted_at:
+            return  # past twice the window, refit only as the rows seen grow by half: the sample changes little
+        self._fitted_at = seen
+        data = stack(self._rows)
+        select = self._penalties is None or (seen >= 2 * self._selected_at
+                                             and len(self._rows) > self._selected_at)
+        lam = (None, None) if select else self._penalties
+        self.model, report = TrainedPredictor.fit(data, np.asarray(self._actual), folds=4, offset=self._prior_log(data),
+                                                  lam_dense=lam[0], lam_sparse=lam[1])
+        if select:
+            self._penalties = (report.config["lam_dense"], report.config["lam_sparse"])
+            self._selected_at = len(self._rows)
 
 
 def make_predictor(spec: str) -> Predictor:

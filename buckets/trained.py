@@ -1,198 +1,283 @@
-"""The trained predictor: a small torch model fitted on earlier runs' outputs.
+"""The trained predictor: a regularised linear model of log output length, fitted on earlier runs' outputs.
 
 Earlier outputs hold every row's prompt and actual output length, so they are
-free training data. The model is an EmbeddingBag over the hashed text
-features plus the numeric ones, into a small MLP that outputs log(length).
-Its loss is a regression on log length (rows that hit max_tokens only push
-up) plus a pairwise ranking term (RankNet) over all pairs in a minibatch, in
-the spirit of learning-to-rank: the scheduler needs the order most.
+free training data; but a run's lengths are mostly sampling noise (two
+samplings of the same prompts agree at Kendall's tau 0.27, docs/BENCHMARKS.md),
+and a flexible model learns that noise: the torch MLP this replaced
+(mlp.py) reached a training tau of 0.86 on 120 rows and 0.20 on held-out ones.
+So the model is linear, over the dense features (the numeric ones, the kinds
+of task, the heuristic's log estimate) and the hashed words, with an L2
+penalty on each block; both penalties are chosen by K-fold cross-validation
+on the training rows (buckets/linear.py), and the hashed words drop out when
+they do not help.
 
-Files are written with torch.save and read with ``weights_only=True``: no
-pickled code is ever executed.
+Calibration, from the same folds' out-of-fold scores s: log tokens = a + b s
+by least squares, then a factor c so that the mean prediction (clipped at each
+row's max_tokens) equals the mean actual length. The scheduler's deadline
+forecast sums predicted tokens, so the mean is what must be right: exp of a
+mean log length would undershoot it by the spread of the lengths.
+
+Files are NumPy .npz archives read with ``allow_pickle=False``: no pickled
+code is ever executed. Files of format 2 (the torch MLP) still load.
 """
 
 from __future__ import annotations
 
+import io
 import json
+import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from statistics import NormalDist
 from typing import Callable, Optional
 
 import numpy as np
 
-from overnight.buckets.features import HASH_DIM, NUMERIC_NAMES, FeatureBatch
+from overnight.buckets.features import HASH_DIM, NUMERIC_NAMES, FeatureBatch, subset
+from overnight.buckets.linear import Design, dense, fit_pairwise, fit_ridge
+from overnight.buckets.metrics import kendall_tau
 from overnight.buckets.predictors import Prediction, Predictor
 
-FORMAT = "overnight-predictor/2"
+FORMAT = "overnight-predictor/3"
+# Penalty grids searched by cross-validation: the dense block's as a share of the rows, the hashed words' as is
+# (inf: without them).
+LAM_DENSE = (0.01, 0.1, 1.0)
+LAM_SPARSE = (0.3, 3.0, 30.0, math.inf)
+# The least slope of the calibration (calibrate).
+MIN_SLOPE = 0.02
+# Above this many rows the penalties are chosen on a seeded sample of them; the final fit uses every row.
+CV_MAX_ROWS = 20_000
+
+_subset = subset  # the name earlier callers used
 
 
 class PredictorFileError(Exception):
     "A predictor file cannot be used; the message says why and how to fix it."
 
 
-def _model(emb: int, hidden: int):
-    import torch.nn as nn
-
-    class RankModel(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.emb = nn.EmbeddingBag(HASH_DIM, emb, mode="sum")
-            # Hashed features a file never saw in training must add nothing: start every embedding at zero
-            # (PyTorch's default N(0, 1) leaves unseen features as random noise at prediction time).
-            nn.init.zeros_(self.emb.weight)
-            self.mlp = nn.Sequential(nn.Linear(emb + NUM_INPUTS, hidden), nn.ReLU(), nn.Linear(hidden, 1))
-
-        def forward(self, indices, offsets, weights, numeric):
-            import torch
-
-            h = self.emb(indices, offsets, per_sample_weights=weights)
-            return self.mlp(torch.cat([h, numeric], dim=1)).squeeze(1)
-
-    return RankModel()
-
-
-# The numeric features, plus the heuristic's log prediction as a prior the model corrects.
-NUM_INPUTS = len(NUMERIC_NAMES) + 1
-
-
-def _numeric(fb: FeatureBatch) -> np.ndarray:
-    return np.concatenate([fb.numeric, np.log(np.maximum(fb.heuristic, 1.0))[:, None]], axis=1)
-
-
-def _tensors(fb: FeatureBatch, mean: np.ndarray, std: np.ndarray):
-    import torch
-
-    return (torch.from_numpy(fb.indices.astype(np.int64)), torch.from_numpy(fb.indptr[:-1].astype(np.int64)),
-            torch.from_numpy(fb.values), torch.from_numpy(((_numeric(fb) - mean) / std).astype(np.float32)))
-
-
-def _subset(fb: FeatureBatch, rows: np.ndarray) -> FeatureBatch:
-    starts, ends = fb.indptr[rows], fb.indptr[rows + 1]
-    idx = np.concatenate([np.arange(a, b) for a, b in zip(starts, ends)]) if len(rows) else np.zeros(0, np.int64)
-    indptr = np.concatenate([[0], np.cumsum(ends - starts)])
-    return FeatureBatch(indptr=indptr.astype(np.int64), indices=fb.indices[idx], values=fb.values[idx],
-                        numeric=fb.numeric[rows], prompt_tokens=fb.prompt_tokens[rows], caps=fb.caps[rows],
-                        heuristic=fb.heuristic[rows], texts=[fb.texts[i] for i in rows])
-
-
 @dataclass
 class TrainReport:
     num_rows: int
-    epochs: int
+    epochs: int                 # 0: the linear model has no epochs (kept for callers of format 2's report)
     seconds: float
     train_tau: float
     val_tau: Optional[float]
+    cv_tau: Optional[float] = None          # out-of-fold tau on the training rows, with the chosen penalties
+    val_mae: Optional[float] = None
+    val_calibration: Optional[float] = None  # mean predicted / mean actual on the held-out rows
+    config: dict = field(default_factory=dict)
+
+
+def normal_scores(y: np.ndarray) -> np.ndarray:
+    """Each value's rank, tied values sharing their mean rank, as a standard normal quantile."""
+    uniq, inv, counts = np.unique(y, return_inverse=True, return_counts=True)
+    mean_rank = np.cumsum(counts) - (counts - 1) / 2.0  # 1-based mean rank of each distinct value
+    nd = NormalDist()
+    q = np.array([nd.inv_cdf(r) for r in (mean_rank - 0.5) / len(y)])
+    return q[inv]
+
+
+def _fit(d: Design, t: np.ndarray, objective: str, lam_dense: float, lam_sparse: float, seed: int):
+    if objective == "pairwise":
+        return fit_pairwise(d, t, lam_dense, lam_sparse, seed=seed)
+    return fit_ridge(d, t, lam_dense, lam_sparse)
+
+
+def calibrate(s: np.ndarray, actual: np.ndarray, caps: np.ndarray) -> tuple[float, float, float]:
+    """(a, b, c): log tokens ~ a + b s by least squares on log actual; then c so that the mean of
+    min(c exp(a + b s), cap) is the mean actual length. A slope the out-of-fold scores do not support
+    (below MIN_SLOPE: the model ranks no better than chance) is kept at MIN_SLOPE: the predictions stay
+    near the mean, ordered by the score, rather than all tied."""
+    y = np.log(np.maximum(actual, 1.0))
+    var = float(np.var(s))
+    b = float(np.clip(np.cov(s, y)[0, 1] / var, MIN_SLOPE, 3.0)) if var > 1e-12 else MIN_SLOPE
+    a = float(np.mean(y) - b * np.mean(s))
+    base = np.exp(a + b * s)
+    cap = np.maximum(caps, 1).astype(np.float64)
+    target = float(np.mean(actual))
+    lo, hi = -4.0, 4.0
+    for _ in range(60):  # mean(min(c base, cap)) grows with c: bisect on log c
+        mid = (lo + hi) / 2
+        if np.mean(np.minimum(math.exp(mid) * base, cap)) < target:
+            lo = mid
+        else:
+            hi = mid
+    return a, b, math.exp((lo + hi) / 2)
 
 
 class TrainedPredictor(Predictor):
     name = "trained"
 
-    def __init__(self, model, mean: np.ndarray, std: np.ndarray, meta: dict):
-        self.model = model.eval()
-        self.mean = mean
-        self.std = std
+    def __init__(self, bias: float, wd: np.ndarray, ws: np.ndarray, mean: np.ndarray, std: np.ndarray,
+                 calib: tuple[float, float, float], meta: dict):
+        self.bias = float(bias)
+        self.wd = np.asarray(wd, dtype=np.float64)
+        self.ws = np.asarray(ws, dtype=np.float32)  # [HASH_DIM]
+        self.mean = np.asarray(mean, dtype=np.float64)
+        self.std = np.asarray(std, dtype=np.float64)
+        self.calib = tuple(float(x) for x in calib)
         self.meta = meta
 
-    def predict(self, fb: FeatureBatch) -> Prediction:
-        import torch
+    def raw_score(self, fb: FeatureBatch) -> np.ndarray:
+        """The linear model's output, before calibration."""
+        out = self.bias + ((dense(fb) - self.mean) / self.std) @ self.wd
+        if len(fb.indices):
+            row_of = np.repeat(np.arange(len(fb)), np.diff(fb.indptr))
+            out = out + np.bincount(row_of, weights=self.ws[fb.indices] * fb.values, minlength=len(fb))
+        return out
 
+    def predict(self, fb: FeatureBatch, offset: Optional[np.ndarray] = None) -> Prediction:
+        """offset: a prior log estimate per row the model was fitted as a correction to (the online predictor's)."""
         if len(fb) == 0:
             return Prediction(np.zeros(0), np.zeros(0))
-        with torch.no_grad():
-            out = self.model(*_tensors(fb, self.mean, self.std)).double().numpy()
-        tokens = np.clip(np.exp(out), 1.0, np.maximum(fb.caps, 1).astype(np.float64))
-        return Prediction(tokens=tokens, score=out)
+        a, b, c = self.calib
+        log_t = a + b * (self.raw_score(fb) + (0.0 if offset is None else offset))
+        tokens = np.clip(c * np.exp(log_t), 1.0, np.maximum(fb.caps, 1).astype(np.float64))
+        return Prediction(tokens=tokens, score=log_t)
 
     # -- training ------------------------------------------------------------------------------
     @classmethod
-    def fit(cls, fb: FeatureBatch, actual: np.ndarray, hit_cap: np.ndarray, epochs: int = 40, batch: int = 128,
-            emb: int = 32, hidden: int = 64, lr: float = 1e-2, rank_weight: float = 1.0, seed: int = 0,
-            holdout: Optional[FeatureBatch] = None, holdout_actual: Optional[np.ndarray] = None,
-            log: Callable[[str], None] = lambda s: None, sources: Optional[list] = None) -> tuple["TrainedPredictor", TrainReport]:
-        import torch
-
-        from overnight.buckets.metrics import kendall_tau
-
+    def fit(cls, fb: FeatureBatch, actual: np.ndarray, hit_cap: Optional[np.ndarray] = None, *,
+            objective: str = "ridge", target: str = "log", select: str = "mse", folds: int = 5, seed: int = 0,
+            lam_dense: Optional[float] = None, lam_sparse: Optional[float] = None, words: bool = True,
+            offset: Optional[np.ndarray] = None, holdout: Optional[FeatureBatch] = None, holdout_actual: Optional[np.ndarray] = None,
+            log: Callable[[str], None] = lambda s: None, sources: Optional[list] = None,
+            epochs: Optional[int] = None) -> tuple["TrainedPredictor", TrainReport]:
+        """Fit on rows fb with their actual output tokens. objective: ridge (regression) or pairwise (RankNet);
+        target: log (log tokens) or rank (normal scores of the ranks); select: the penalties with the least
+        out-of-fold squared error in log tokens (mse) or the highest out-of-fold tau. Fixed lam_dense and
+        lam_sparse skip the search; words=False leaves the hashed words out. offset: a prior log estimate per row;
+        the model learns a correction to it, which the penalties shrink towards none. hit_cap and epochs are accepted for callers of format 2 and unused: a row
+        that stopped at max_tokens cost exactly that many tokens, which is what the scheduler needs predicted."""
+        if objective not in ("ridge", "pairwise") or target not in ("log", "rank") or select not in ("mse", "tau"):
+            raise ValueError(f"objective={objective!r}, target={target!r}, select={select!r}: use ridge|pairwise, "
+                             f"log|rank, mse|tau.")
+        if offset is not None and (objective != "ridge" or target != "log"):
+            raise ValueError("an offset needs objective='ridge' and target='log'.")
         started = time.monotonic()
-        torch.manual_seed(seed)
-        rng = np.random.default_rng(seed)
-        mean = _numeric(fb).mean(axis=0)
-        std = _numeric(fb).std(axis=0) + 1e-6
-        model = _model(emb, hidden)
-        opt = torch.optim.Adam(model.parameters(), lr=lr, weight_decay=1e-6)
-        y_all = np.log(np.maximum(actual, 1)).astype(np.float32)
         n = len(fb)
-        for epoch in range(epochs):
-            order = rng.permutation(n)
-            model.train()
-            for start in range(0, n, batch):
-                rows = order[start:start + batch]
-                sub = _subset(fb, rows)
-                pred = model(*_tensors(sub, mean, std))
-                y = torch.from_numpy(y_all[rows])
-                capped = torch.from_numpy(hit_cap[rows].astype(bool))
-                err = pred - y
-                err = torch.where(capped & (err > 0), torch.zeros_like(err), err)
-                loss = (err ** 2).mean()
-                if rank_weight and len(rows) > 1:
-                    # RankNet: for every pair with a clearly longer answer, score it higher.
-                    diff_y = y[:, None] - y[None, :]
-                    mask = (diff_y > 0.1).float()
-                    if mask.sum() > 0:
-                        pair = torch.nn.functional.softplus(-(pred[:, None] - pred[None, :])) * mask
-                        loss = loss + rank_weight * pair.sum() / mask.sum()
-                opt.zero_grad()
-                loss.backward()
-                opt.step()
-            if (epoch + 1) % 10 == 0 or epoch + 1 == epochs:
-                log(f"epoch {epoch + 1}/{epochs}: loss {loss.item():.3f}")
-        meta = {"format": FORMAT, "emb": emb, "hidden": hidden, "hash_dim": HASH_DIM,
-                "numeric": [*NUMERIC_NAMES, "log_heuristic"], "num_rows": n, "sources": sources or [],
-                "trained_at": time.time()}
-        p = cls(model, mean, std, meta)
-        train_tau = kendall_tau(p.predict(fb).score, actual)
-        val_tau = None
+        actual = np.asarray(actual, dtype=np.float64)
+        off = np.zeros(n) if offset is None else np.asarray(offset, dtype=np.float64)
+        y = np.log(np.maximum(actual, 1.0))
+        x = dense(fb)
+        mean, std = x.mean(axis=0), x.std(axis=0) + 1e-6
+        rng = np.random.default_rng(seed)
+        cv_rows = np.sort(rng.choice(n, CV_MAX_ROWS, replace=False)) if n > CV_MAX_ROWS else np.arange(n)
+        cv_fb = fb if len(cv_rows) == n else subset(fb, cv_rows)
+        d_cv = Design.of(cv_fb, mean, std)
+        y_cv, a_cv, off_cv = y[cv_rows], actual[cv_rows], off[cv_rows]
+        t_cv = normal_scores(y_cv) if target == "rank" else y_cv - off_cv
+        k = min(folds, len(cv_rows) // 4)
+        if lam_dense is not None and lam_sparse is not None:
+            grid = [(lam_dense, lam_sparse)]
+        else:
+            grid = [(ld * len(cv_rows), ls) for ld in LAM_DENSE for ls in (LAM_SPARSE if words else (math.inf,))]
+        best, best_key, best_oof = grid[len(grid) // 2], -math.inf, None
+        if k >= 2:
+            fold_of = rng.permutation(len(cv_rows)) % k
+            for ld, ls in grid:
+                oof = np.zeros(len(cv_rows))
+                for f in range(k):
+                    tr, te = np.flatnonzero(fold_of != f), np.flatnonzero(fold_of == f)
+                    b, wd, ws = _fit(d_cv.rows(tr), t_cv[tr], objective, ld, ls, seed)
+                    oof[te] = d_cv.rows(te).matvec(b, wd, ws) + off_cv[te]
+                key = _criterion(select, oof, y_cv, a_cv)
+                log(f"  lam_dense {ld:g}, lam_sparse {ls:g}: out-of-fold tau {kendall_tau(oof, a_cv):.3f}")
+                if key > best_key:
+                    best, best_key, best_oof = (ld, ls), key, oof
+        ld, ls = best
+        d = Design.of(fb, mean, std)
+        t = normal_scores(y) if target == "rank" else y - off
+        b, wd, ws_compact = _fit(d, t, objective, ld, ls, seed)
+        ws = np.zeros(HASH_DIM, dtype=np.float32)
+        ws[d.touched] = ws_compact
+        if best_oof is not None:
+            calib = calibrate(best_oof, a_cv, cv_fb.caps)
+        else:  # too few rows to hold any out: calibrate in sample
+            calib = calibrate(d.matvec(b, wd, ws_compact) + off, actual, fb.caps)
+        cv_tau = kendall_tau(best_oof, a_cv) if best_oof is not None else None
+        meta = {"format": FORMAT, "hash_dim": HASH_DIM, "numeric": [*NUMERIC_NAMES, "log_heuristic"],
+                "objective": objective, "target": target, "select": select,
+                "lam_dense": ld, "lam_sparse": ls if math.isfinite(ls) else None, "num_rows": n,
+                "mean_actual": float(np.mean(actual)), "sources": sources or [], "trained_at": time.time()}
+        p = cls(b, wd, ws, mean, std, calib, meta)
+        train_tau = kendall_tau(p.predict(fb, offset).score, actual)
+        val_tau = val_mae = val_cal = None
         if holdout is not None and len(holdout):
-            val_tau = kendall_tau(p.predict(holdout).score, holdout_actual)
-        meta.update(train_tau=train_tau, val_tau=val_tau)
-        return p, TrainReport(n, epochs, time.monotonic() - started, train_tau, val_tau)
+            hp = p.predict(holdout)
+            ha = np.asarray(holdout_actual, dtype=np.float64)
+            val_tau = kendall_tau(hp.score, ha)
+            val_mae = float(np.mean(np.abs(hp.tokens - ha)))
+            val_cal = float(np.mean(hp.tokens) / max(np.mean(ha), 1e-9))
+        meta.update(train_tau=train_tau, cv_tau=cv_tau, val_tau=val_tau)
+        config = {"objective": objective, "target": target, "lam_dense": ld, "lam_sparse": ls,
+                  "calibration": {"a": calib[0], "b": calib[1], "c": calib[2]}}
+        return p, TrainReport(n, 0, time.monotonic() - started, train_tau, val_tau, cv_tau, val_mae, val_cal, config)
 
     # -- files ---------------------------------------------------------------------------------
     def save(self, path: str) -> None:
-        import io
-
-        import torch
-
         from overnight.pipeline.output.storage import url_to_fs, write_atomic
 
         buf = io.BytesIO()
-        torch.save({"meta": json.dumps(self.meta), "state_dict": self.model.state_dict(),
-                    "mean": torch.from_numpy(self.mean), "std": torch.from_numpy(self.std)}, buf)
+        np.savez_compressed(buf, meta=np.array(json.dumps(self.meta)), bias=np.array(self.bias), wd=self.wd,
+                            ws=self.ws, mean=self.mean, std=self.std, calib=np.array(self.calib))
         fs, p = url_to_fs(path)
         write_atomic(fs, p, buf.getvalue())
 
     @classmethod
-    def load(cls, path: str) -> "TrainedPredictor":
-        import io
-
-        import torch
-
+    def load(cls, path: str) -> Predictor:
+        """A file written by `overnight predictor train` (format 3, or format 2's torch model)."""
         from overnight.pipeline.output.storage import url_to_fs
 
         fs, p = url_to_fs(path)
         if not fs.exists(p):
             raise PredictorFileError(f"Predictor file {path} does not exist. Use 'heuristic', 'online', or a file "
                                      f"written by `overnight predictor train OUT --save FILE`.")
+        with fs.open(p, "rb") as f:
+            raw = f.read()
         try:
-            with fs.open(p, "rb") as f:
-                blob = torch.load(io.BytesIO(f.read()), weights_only=True)
-            meta = json.loads(blob["meta"])
+            with np.load(io.BytesIO(raw), allow_pickle=False) as z:
+                blob = {k: z[k] for k in z.files} if "meta" in z.files else None
+            if blob is None:
+                return _load_format2(path, raw)
+            meta = json.loads(str(blob["meta"]))
+        except PredictorFileError:
+            raise
         except Exception as e:
             raise PredictorFileError(f"{path} is not a predictor file written by `overnight predictor train` "
                                      f"({type(e).__name__}: {e}).") from None
-        if meta.get("format") != FORMAT or meta.get("hash_dim") != HASH_DIM:
+        if meta.get("format") != FORMAT or meta.get("hash_dim") != HASH_DIM or len(blob["wd"]) != len(NUMERIC_NAMES) + 1:
             raise PredictorFileError(f"{path} was written by an incompatible version ({meta.get('format')}); "
                                      f"train it again with `overnight predictor train`.")
-        model = _model(meta["emb"], meta["hidden"])
-        model.load_state_dict(blob["state_dict"])
-        return cls(model, blob["mean"].numpy(), blob["std"].numpy(), meta)
+        return cls(float(blob["bias"]), blob["wd"], blob["ws"], blob["mean"], blob["std"], tuple(blob["calib"]), meta)
+
+
+def _criterion(select: str, oof: np.ndarray, y: np.ndarray, actual: np.ndarray) -> float:
+    """Larger is better: out-of-fold tau, or minus the squared error of the out-of-fold score mapped onto log
+    length by least squares (so that a ranking objective's free scale does not count against it)."""
+    if select == "tau":
+        return kendall_tau(oof, actual)
+    var = float(np.var(oof))
+    if var < 1e-12:
+        return -float(np.var(y))
+    slope = np.cov(oof, y)[0, 1] / var
+    resid = y - (np.mean(y) + slope * (oof - np.mean(oof)))
+    return -float(np.mean(resid ** 2))
+
+
+def _load_format2(path: str, raw: bytes) -> Predictor:
+    """A torch file from before format 3 (the MLP in mlp.py)."""
+    try:
+        import torch
+
+        blob = torch.load(io.BytesIO(raw), weights_only=True)
+        meta = json.loads(blob["meta"])
+    except Exception as e:
+        raise PredictorFileError(f"{path} is not a predictor file written by `overnight predictor train` "
+                                 f"({type(e).__name__}: {e}).") from None
+    from overnight.buckets.mlp import FORMAT as FORMAT2, MlpPredictor
+
+    if meta.get("format") != FORMAT2 or meta.get("hash_dim") != HASH_DIM:
+        raise PredictorFileError(f"{path} was written by an incompatible version ({meta.get('format')}); "
+                                 f"train it again with `overnight predictor train`.")
+    return MlpPredictor.from_blob(blob, meta)
