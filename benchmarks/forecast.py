@@ -146,7 +146,9 @@ def main() -> None:
             if "in_range" in d:
                 c += f"; range {d['range'][0]:.0f}-{d['range'][1]:.0f}s {'holds' if d['in_range'] else 'MISSES'}"
             cells.append(c + ")")
-        print(f"  {pol:14s} makespan {t1 - t0:.0f}s (exit {rc}): " + "; ".join(cells), flush=True)
+        st = json.load(open(os.path.join(out, "status.json"))).get("startup") or {}
+        print(f"  {pol:14s} makespan {t1 - t0:.0f}s (exit {rc}; engine ready at {st.get('engine_ready_s')}s, first "
+              f"row in at {st.get('first_row_s')}s): " + "; ".join(cells), flush=True)
 
     fifo = args.fifo_makespan or makespan.get("fifo")
     if not fifo or not args.deadline_repeats:
@@ -164,8 +166,9 @@ def main() -> None:
             est = "" if w["expected_left"] is None else \
                 f", expected {w['expected_left']} left vs {w['actual_left']} actually left " \
                 f"({(w['expected_left'] - w['actual_left']) / max(1, w['actual_left']):+.0%})"
-            print(f"  rep {r} {pol:5s}: {w['done']} rows done in {t1 - t0:.0f}s (exit {rc}); warned {when}{est}",
-                  flush=True)
+            st = json.load(open(os.path.join(out, "status.json"))).get("startup") or {}
+            print(f"  rep {r} {pol:5s}: {w['done']} rows done in {t1 - t0:.0f}s (exit {rc}; first row in at "
+                  f"{st.get('first_row_s')}s); warned {when}{est}", flush=True)
     ratios = [a / max(1, f) for a, f in zip(done["auto"], done["fifo"])]
     print(f"  auto / fifo: {', '.join(f'{x:.2f}x' for x in ratios)} (median {statistics.median(ratios):.2f}x)")
 

@@ -193,6 +193,7 @@ class Reporter:
             "cost": cost_dict(self.tally.engine_seconds, self.tally.num_done, self.job.cfg.output.price_per_hour),
             "eta_s": self.progress.eta_seconds(),
             "engine_started": self.supervisor.engine is not None,  # false: a resume found nothing left to do
+            "startup": self.tally.startup(),
             "engine_restarts": self.supervisor.num_restarts,
             "scheduler": {"policy": self.scheduler.policy.value, "predictor": a.predictor.name,
                           "mode_switches": st.num_mode_switches, "aged": st.num_aged,

@@ -75,6 +75,7 @@ class Runner:
         self.hard_stop_at: Optional[float] = None  # when rows still in flight are aborted
         self.engine_failed = False
         self._last_tick = self._last_forecast = -1e18
+        self._forecast_every = FORECAST_S
         self._last_step_end: Optional[float] = None  # for the loop's cycle per engine step
 
     def run(self) -> Summary:
@@ -131,6 +132,7 @@ class Runner:
         self.scheduler.resize(self.engine.max_num_seqs)
         self.tracker.engine_started(self.engine.max_num_seqs)
         self.tally.started = time.monotonic()  # the attempt's elapsed time and tok/s count from a running engine
+        self.tally.engine_ready_at = time.time()
         return self.engine
 
     def _has_work(self) -> bool:
@@ -180,6 +182,8 @@ class Runner:
                 self.engine.add(a.request_id, a.row.prompt_token_ids, a.row.sampling,
                                 a.priority if self.engine.supports_priority else 0)
                 self.tracker.admitted(a.request_id, a.row.predicted_tokens, a.row.num_prompt_tokens)
+                if self.tally.first_admitted_at is None:
+                    self.tally.first_admitted_at = time.time()
             except ValueError as e:  # vLLM's own validation of a request
                 self._forget(a.request_id)
                 self._record([Result.failed(a.row.id, a.row.passthrough,
@@ -240,9 +244,12 @@ class Runner:
         if self.job.lock is not None:
             self.job.lock.heartbeat()
         self.annotator.refresh(self.scheduler, now)
-        if now - self._last_forecast >= FORECAST_S:
+        if now - self._last_forecast >= self._forecast_every:
             self._last_forecast = now
+            t0 = time.perf_counter()
             self._forecast()
+            # a forecast takes a few ms (the drain simulation); it may take at most 0.2% of the loop's time
+            self._forecast_every = max(FORECAST_S, 500 * (time.perf_counter() - t0))
 
     def _forecast(self) -> None:
         f = self.tracker.forecast_job(self.scheduler, self.tally, self.job.scan.num_done, self.engine.max_num_seqs)

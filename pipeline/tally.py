@@ -26,6 +26,9 @@ class Tally:
     predicted_tokens: int = 0     # ... and the sum of those predictions (their mean stands in for unread rows)
     engine_seconds: float = 0.0   # time in engine steps in this attempt (the rows' engine_seconds add up to it)
     started: float = field(default_factory=time.monotonic)
+    # When the engine was ready and the first row went to it (seconds since the epoch), for the start-up's story.
+    engine_ready_at: Optional[float] = None
+    first_admitted_at: Optional[float] = None
 
     @property
     def num_done(self) -> int:
@@ -68,6 +71,14 @@ class Tally:
                 "remaining": self.num_left, "resumed": self.num_resumed, "duplicates": self.num_duplicates,
                 "changed": self.num_changed, "removed": self.num_removed, "aborted": self.num_aborted,
                 "in_flight": in_flight}
+
+    def startup(self) -> dict:
+        """Seconds from the process's start to a ready engine and to the first row in it."""
+        import psutil
+
+        born = psutil.Process().create_time()
+        return {"engine_ready_s": None if self.engine_ready_at is None else round(self.engine_ready_at - born, 2),
+                "first_row_s": None if self.first_admitted_at is None else round(self.first_admitted_at - born, 2)}
 
     def tokens_per_s(self) -> float:
         e = self.elapsed()

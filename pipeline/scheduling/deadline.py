@@ -27,7 +27,7 @@ import numpy as np
 
 from overnight.pipeline.config import ConfigError, Policy
 from overnight.pipeline.progress import Rate, fmt_duration
-from overnight.pipeline.scheduling.forecast import InFlight, LengthModel, StepCost, best_cap, drain
+from overnight.pipeline.scheduling.forecast import InFlight, LengthModel, StepCost, best_cap, chunks, drain
 from overnight.pipeline.scheduling.scheduler import Mode
 
 
@@ -259,9 +259,9 @@ class DeadlineTracker:
 
         def eta(shift: float, tail: bool):
             run_e = model.expected(run_p, run_g, shift)
-            fill_e = model.expected(fill, None, shift)
-            d = drain(slots, run_e, fill_e, fill_n, within,
-                      (model, run_p, run_g, fill, shift) if tail else None)
+            fill_e, fill_k = chunks(model.expected(fill, None, shift), fill_n)
+            group_p = chunks(fill, fill_n)[0] if tail else None
+            d = drain(slots, run_e, fill_e, fill_k, within, (model, run_p, run_g, group_p, shift) if tail else None)
             return a * (d.steps + d.tail_steps) + b * d.tokens + c * prefill, d
 
         eta_s, d = eta(0.0, True)

@@ -60,16 +60,20 @@ class StepCost:
     def observe(self, num_seqs: int, prefill_tokens: int, seconds: float) -> None:
         if num_seqs <= 0 or seconds <= 0:
             return
-        stats = self.sizes.get(num_seqs)
-        if stats is None:
-            stats = self.sizes[num_seqs] = [np.zeros((3, 3)), np.zeros(3)]
-        x = (1.0, float(num_seqs), prefill_tokens / 1000.0)
-        d = self.decay
-        xtx, xty = stats
-        for i in range(3):
-            xty[i] = xty[i] * d + x[i] * seconds
-            for j in range(3):
-                xtx[i, j] = xtx[i, j] * d + x[i] * x[j]
+        # per size: the decayed sums of 1, n, p, n*n, n*p, p*p, t, n*t, p*t (plain floats: this runs every step)
+        st = self.sizes.get(num_seqs)
+        if st is None:
+            st = self.sizes[num_seqs] = [0.0] * 9
+        n, p, t, d = float(num_seqs), prefill_tokens / 1000.0, seconds, self.decay
+        st[0] = st[0] * d + 1.0
+        st[1] = st[1] * d + n
+        st[2] = st[2] * d + p
+        st[3] = st[3] * d + n * n
+        st[4] = st[4] * d + n * p
+        st[5] = st[5] * d + p * p
+        st[6] = st[6] * d + t
+        st[7] = st[7] * d + n * t
+        st[8] = st[8] * d + p * t
         self.num_steps += 1
         self._fit = None
 
@@ -77,13 +81,14 @@ class StepCost:
     def knows_per_seq(self) -> bool:
         """Whether steps of clearly different sizes were seen, so the fixed and per-sequence costs can be told
         apart."""
-        seen = [n for n, (xtx, _) in self.sizes.items() if xtx[0, 0] >= 4.0]
+        seen = [n for n, st in self.sizes.items() if st[0] >= 4.0]
         return len(seen) >= 2 and min(seen) <= 0.75 * max(seen)
 
     def _totals(self):
-        xtx = sum((st[0] for st in self.sizes.values()), np.zeros((3, 3)))
-        xty = sum((st[1] for st in self.sizes.values()), np.zeros(3))
-        return xtx, xty
+        tot = np.sum(np.array(list(self.sizes.values())), axis=0)
+        one, n, p, nn, np_, pp, t, nt, pt = tot
+        xtx = np.array([[one, n, p], [n, nn, np_], [p, np_, pp]])
+        return xtx, np.array([t, nt, pt])
 
     def fit(self) -> Optional[tuple[float, float, float]]:
         """(fixed s, s per sequence, s per prompt token prefilled), or None before any step."""
@@ -201,17 +206,19 @@ class LengthModel:
         self.num_events = 0.0  # rows whose r is known exactly, for the fit's standard error
 
     def observe(self, predicted, actual, hit_cap) -> None:
-        for p, a, c in zip(predicted, actual, hit_cap):
-            if not p or a is None:
-                continue
-            r = math.log(max(a, 1) / p)
-            if c or a >= self.cap:
-                k = int(round(r / self.BIN))
-                self.capped[k] = self.capped.get(k, 0) + 1
-            else:
-                self.n += 1
-                self.s1 += r
-                self.s2 += r * r
+        p = np.asarray([x or 0 for x in predicted], dtype=np.float64)
+        a = np.asarray([x or 0 for x in actual], dtype=np.float64)
+        keep = (p > 0) & (a > 0)
+        if not keep.any():
+            return
+        r = np.log(a[keep] / p[keep])
+        cut = (np.asarray(hit_cap, dtype=bool)[keep]) | (a[keep] >= self.cap)
+        for k in np.round(r[cut] / self.BIN).astype(int).tolist():
+            self.capped[k] = self.capped.get(k, 0) + 1
+        free = r[~cut]
+        self.n += len(free)
+        self.s1 += float(free.sum())
+        self.s2 += float(free @ free)
 
     def fit(self, running_p: np.ndarray, running_g: np.ndarray, iterations: int = 25) -> tuple[float, float]:
         """Refit on the finished rows and the rows running now (predicted p, g tokens so far)."""
@@ -362,13 +369,29 @@ def _tail_steps(tail, load, last_start, last_group, running, n_running, steps) -
     near = load[idx] > steps - model.cap  # slots that may still be running at the end
     idx, starts, p, g = idx[near], starts[near], p[near], g[near]
     lo, hi = max(0.0, steps - model.cap), float(starts.max()) + model.cap
-    xs = np.linspace(lo, hi, 128)
+    xs = np.linspace(lo, hi, 64)
     cdf = model.quantile_cdf(xs[:, None] - starts[None, :], p[None, :], g[None, :], shift)
     cdf = np.where(xs[:, None] >= starts[None, :], cdf, 0.0)
     p_max = np.prod(cdf, axis=1)
     area = 1.0 - p_max
     expected_max = lo + float(np.sum((area[1:] + area[:-1]) / 2 * np.diff(xs)))
     return max(0.0, expected_max - steps)
+
+
+def chunks(values: np.ndarray, counts: np.ndarray, k: int = 48) -> tuple[np.ndarray, np.ndarray]:
+    """Groups of rows in run order, merged into at most k consecutive groups of about equal rows (each the mean
+    of what it merges), so the drain costs O(k * slots) whatever the pool."""
+    values = np.asarray(values, dtype=np.float64)
+    counts = np.asarray(counts, dtype=np.float64)
+    if len(values) <= k:
+        return values, counts
+    cum = np.cumsum(counts)
+    edges = np.searchsorted(cum, np.linspace(0, cum[-1], k + 1)[1:-1], side="right")
+    starts = np.unique(np.concatenate([[0], edges]))
+    starts = starts[starts < len(values)]
+    n = np.add.reduceat(counts, starts)
+    v = np.add.reduceat(values * counts, starts) / np.maximum(n, 1e-12)
+    return v, n
 
 
 def best_cap(max_seqs: int, fixed_s: float, per_seq_s: float, time_left_s: float, mean_tokens: float,
