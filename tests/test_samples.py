@@ -163,6 +163,19 @@ def test_lora_option_parses_name_equals_path():
         EngineConfig(lora={"bad name": "x"})
 
 
+def test_config_keys_mirror_the_options():
+    from overnight.pipeline.configio import build
+
+    cfg = build({"sampling": {"n": 2, "logprobs": 0}, "engine": {"lora": {"sql": "a/sql"}, "max_loras": 1}})
+    assert (cfg.sampling.n, cfg.sampling.logprobs, cfg.engine.lora, cfg.engine.max_loras) == (2, 0, {"sql": "a/sql"}, 1)
+    with pytest.raises(ConfigError, match=r"config: engine.lora must be a mapping, got \['sql'\]."):
+        build({"engine": {"lora": ["sql"]}})
+    with pytest.raises(ConfigError, match="config: engine.lora.sql must be a string, got 3."):
+        build({"engine": {"lora": {"sql": 3}}})
+    with pytest.raises(ConfigError, match="engine.max_lora_rank is 12; use one of 1, 8, 16"):
+        build({"engine": {"max_lora_rank": 12}})
+
+
 def test_a_bad_adapter_fails_before_the_engine_starts(write_parquet, tmp_path, cfg):
     inp = write_parquet({"id": ["a"], "prompt": ["x?"]})
     started = []

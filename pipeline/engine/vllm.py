@@ -192,7 +192,7 @@ class VllmEngine:
         for o in outputs:
             if not o.finished:
                 continue
-            outs = sorted(o.outputs, key=lambda c: c.index)
+            outs = o.outputs if len(o.outputs) == 1 else sorted(o.outputs, key=lambda c: c.index)
             c = outs[0]
             metrics = getattr(o, "metrics", None)
             first_token_at = None
