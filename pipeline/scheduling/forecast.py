@@ -46,74 +46,79 @@ def norm_pdf(x):
 class StepCost:
     """Seconds per engine step against the sequences in it and the prompt tokens it prefilled.
 
-    Steps are kept by their number of sequences, each size as a decayed sum (the last ~half_life steps of that
-    size count most), so the few small steps of the start-up probe still inform the fit hours later while the
-    full engine's cost follows the run."""
+    Steps that prefilled nothing (decode only) are kept by their number of sequences, the last KEEP of each size;
+    the fixed and per-sequence costs are a line through each size's median, weighted by how many steps it has.
+    The few small steps of the start-up probe so still inform the fit hours later, and one slow step (a flush, a
+    busy machine) does not move it. The cost of a prompt token is the mean excess, over that line, of the steps
+    that prefilled, per token prefilled."""
 
-    def __init__(self, half_life_steps: float = 500.0, ridge: float = 1e-9):
-        self.decay = 0.5 ** (1.0 / half_life_steps)
-        self.sizes: dict[int, list] = {}  # sequences -> [xtx (3x3), xty (3)] of the steps of that size
-        self.ridge = ridge
+    KEEP = 64
+
+    def __init__(self):
+        self.sizes: dict[int, deque] = {}  # sequences -> the last KEEP decode-only step times of that size
+        self.prefill_excess = 0.0  # over the line: sum of (seconds - line) and of tokens, for steps that prefilled
+        self.prefill_tokens = 0.0
+        self.prefill_steps: deque = deque(maxlen=256)  # (sequences, tokens, seconds), to refit the excess
         self.num_steps = 0
         self._fit: Optional[tuple[float, float, float]] = None
 
     def observe(self, num_seqs: int, prefill_tokens: int, seconds: float) -> None:
         if num_seqs <= 0 or seconds <= 0:
             return
-        # per size: the decayed sums of 1, n, p, n*n, n*p, p*p, t, n*t, p*t (plain floats: this runs every step)
-        st = self.sizes.get(num_seqs)
-        if st is None:
-            st = self.sizes[num_seqs] = [0.0] * 9
-        n, p, t, d = float(num_seqs), prefill_tokens / 1000.0, seconds, self.decay
-        st[0] = st[0] * d + 1.0
-        st[1] = st[1] * d + n
-        st[2] = st[2] * d + p
-        st[3] = st[3] * d + n * n
-        st[4] = st[4] * d + n * p
-        st[5] = st[5] * d + p * p
-        st[6] = st[6] * d + t
-        st[7] = st[7] * d + n * t
-        st[8] = st[8] * d + p * t
+        if prefill_tokens:
+            self.prefill_steps.append((num_seqs, prefill_tokens, seconds))
+        else:
+            q = self.sizes.get(num_seqs)
+            if q is None:
+                q = self.sizes[num_seqs] = deque(maxlen=self.KEEP)
+            q.append(seconds)
         self.num_steps += 1
         self._fit = None
 
+    def _points(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(sizes, median seconds, steps) of the sizes seen at least 3 times."""
+        items = [(n, q) for n, q in self.sizes.items() if len(q) >= 3]
+        if not items:
+            return np.zeros(0), np.zeros(0), np.zeros(0)
+        return (np.array([n for n, _ in items], np.float64), np.array([np.median(q) for _, q in items]),
+                np.array([len(q) for _, q in items], np.float64))
+
     @property
     def knows_per_seq(self) -> bool:
-        """Whether steps of clearly different sizes were seen, so the fixed and per-sequence costs can be told
-        apart."""
-        seen = [n for n, st in self.sizes.items() if st[0] >= 4.0]
-        return len(seen) >= 2 and min(seen) <= 0.75 * max(seen)
-
-    def _totals(self):
-        tot = np.sum(np.array(list(self.sizes.values())), axis=0)
-        one, n, p, nn, np_, pp, t, nt, pt = tot
-        xtx = np.array([[one, n, p], [n, nn, np_], [p, np_, pp]])
-        return xtx, np.array([t, nt, pt])
+        """Whether decode steps of clearly different sizes were seen, so the fixed and per-sequence costs can be
+        told apart."""
+        n, _, w = self._points()
+        n = n[w >= 4]
+        return len(n) >= 2 and n.min() <= 0.75 * n.max()
 
     def fit(self) -> Optional[tuple[float, float, float]]:
         """(fixed s, s per sequence, s per prompt token prefilled), or None before any step."""
         if self._fit is not None or self.num_steps == 0:
             return self._fit
-        xtx, xty = self._totals()
-        w = xtx[0, 0]
-        mean_n = xtx[0, 1] / w
-        mean_t = xty[0] / w
-        if not self.knows_per_seq:
+        n, t, w = self._points()
+        if not len(n):  # every step so far prefilled: the mean step, half fixed and half per sequence
+            seqs = np.array([s[0] for s in self.prefill_steps], np.float64)
+            secs = np.array([s[2] for s in self.prefill_steps], np.float64)
+            mean_n, mean_t = float(seqs.mean()), float(secs.mean())
+            self._fit = (mean_t / 2, mean_t / 2 / max(mean_n, 1.0), 0.0)
+            return self._fit
+        if self.knows_per_seq:
+            mean_n, mean_t = float(w @ n / w.sum()), float(w @ t / w.sum())
+            var = float(w @ (n - mean_n) ** 2)
+            b = max(0.0, float(w @ ((n - mean_n) * (t - mean_t))) / var)
+            a = mean_t - b * mean_n
+            if a < 0:  # noise: a line through the origin and the mean
+                a, b = 0.0, mean_t / mean_n
+        else:
             # One size of step seen: its cost is known, not how it splits. Half fixed, half per sequence, so the
             # forecast of a full engine is right and the drain is neither a GPU's nor a CPU's extreme.
-            a, b, c = mean_t / 2, mean_t / 2 / max(mean_n, 1.0), 0.0
-        else:
-            reg = np.eye(3) * self.ridge * w  # keeps the system solvable when no step prefilled
-            try:
-                a, b, c = np.linalg.solve(xtx + reg, xty)
-            except np.linalg.LinAlgError:
-                a, b, c = mean_t / 2, mean_t / 2 / max(mean_n, 1.0), 0.0
-            c = max(0.0, c) / 1000.0
-            if a < 0 or b < 0:  # noise: keep the cost of the mean step, split at the boundary
-                b = max(0.0, b)
-                a = max(0.0, mean_t - b * mean_n)
-                if a == 0.0:
-                    b = mean_t / max(mean_n, 1.0)
+            mean_n, mean_t = float(w @ n / w.sum()), float(w @ t / w.sum())
+            a, b = mean_t / 2, mean_t / 2 / max(mean_n, 1.0)
+        c = 0.0
+        if self.prefill_steps:
+            ps = np.array(self.prefill_steps, np.float64)
+            excess = ps[:, 2] - (a + b * ps[:, 0])
+            c = max(0.0, float(excess.sum() / max(ps[:, 1].sum(), 1.0)))
         self._fit = (float(a), float(b), float(c))
         return self._fit
 
