@@ -113,6 +113,7 @@ class DeadlineTracker:
         self._first: Optional[float] = None
         self.last: Optional[Forecast] = None  # the latest forecast, for the status file
         self.is_warned = False  # the at-risk warning was given (and the deadline is not back on track)
+        self.warned_left = 0  # the rows the last warning expected to be left undone
         self.steps = StepCost()
         self.inflight = InFlight(1)
         self.lengths = LengthModel(max_tokens or 256)
@@ -279,6 +280,10 @@ class DeadlineTracker:
         will_miss = self.stop_at is not None and eta_s > left
         left_rows = max(0, rows - d.rows_by) if self.stop_at is not None else 0
         calibration = math.exp(model.mu + model.sigma ** 2 / 2)  # before max_tokens cuts the longest
+        log.debug("forecast: step %.4f + %.5f/seq + %.2e/prompt token; %d steps + %.0f tail, %.0f tokens, %.0f "
+                  "prompt tokens over %d slots; lengths mu %.3f sigma %.3f from %.1f rows; ETA %.1f s (%.1f-%.1f)",
+                  a, b, c, d.steps, d.tail_steps, d.tokens, prefill, slots, model.mu, model.sigma,
+                  model.num_events, eta_s, low, high)
         return Forecast(float(tokens_per_s), float(d.tokens), rows, float(eta_s), left, bool(will_miss),
                         int(left_rows) if will_miss else 0, float(min(low, eta_s)), float(max(high, eta_s)),
                         calibration, (a, b, c), cap)
@@ -316,7 +321,14 @@ class DeadlineTracker:
             scheduler.cap = cap
         if f.will_miss and not self.is_warned:
             self.is_warned = True
+            self.warned_left = f.rows_expected_left
             log.warning(self.at_risk_message(f))
+        elif f.will_miss and abs(f.rows_expected_left - self.warned_left) > 0.2 * max(self.warned_left, 10):
+            # what the first minutes taught the forecast moved its estimate: say so once it moves by a fifth
+            self.warned_left = f.rows_expected_left
+            log.warning(f"deadline at risk: now expecting about {f.rows_expected_left} of {f.remaining_rows} "
+                        f"remaining rows to be left undone (ETA {fmt_duration(f.eta_s)}, "
+                        f"{fmt_duration(f.time_left_s)} left)")
         elif mode == Mode.THROUGHPUT and self.is_warned:
             self.is_warned = False
             log.info(f"deadline back on track: ETA {fmt_duration(f.eta_s)}, {fmt_duration(f.time_left_s)} left")
@@ -335,7 +347,8 @@ class DeadlineTracker:
     def at_risk_message(self, f: Forecast) -> str:
         from overnight.pipeline.report import EXIT_PARTIAL, iso
 
-        return (f"deadline at risk: at {f.tokens_per_s:.0f} output tok/s the remaining ~{f.remaining_tokens:.0f} "
-                f"tokens need {fmt_duration(f.eta_s)}, but only {fmt_duration(f.time_left_s)} remain before "
+        return (f"deadline at risk: the remaining ~{f.remaining_tokens:.0f} output tokens need "
+                f"{fmt_duration(f.eta_s)} (about {f.tokens_per_s:.0f} tok/s), but only {fmt_duration(f.time_left_s)} "
+                f"remain before "
                 f"{iso(self.stop_at)}; expect about {f.rows_expected_left} of {f.remaining_rows} remaining rows to "
                 f"be left undone (the job will stop in time and exit {EXIT_PARTIAL}; rerun it to continue)")
