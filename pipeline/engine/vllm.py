@@ -101,7 +101,7 @@ def engine_args(cfg: EngineConfig, model_path: str, scheduling_policy: str = "fc
         args["gpu_memory_utilization"] = cfg.gpu_memory_utilization
     from overnight.pipeline.engine.lora import lora_engine_args
 
-    args.update(lora_engine_args(cfg))
+    args.update(lora_engine_args(cfg, cpu))
     return args
 
 
