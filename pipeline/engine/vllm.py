@@ -147,7 +147,19 @@ class VllmEngine:
         from overnight.pipeline.engine.lora import lora_requests
 
         engine.loras = lora_requests(cfg)
+        engine.load_loras()
         return engine
+
+    def load_loras(self) -> None:
+        """Load every registered adapter now, so that one vLLM cannot load (trained for another model, broken
+        weights) fails the start, not the engine at the first row that asks for it."""
+        for name, request in self.loras.items():
+            try:
+                self.engine.add_lora(request)
+            except Exception as e:
+                self.shutdown()
+                raise EngineError(f"vLLM could not load the LoRA adapter --lora {name}={request.lora_path}: "
+                                  f"{type(e).__name__}: {e}. Give an adapter trained for this model.") from e
 
     def sampling_params(self, sampling: dict):
         structured = sampling.get("structured") or None
