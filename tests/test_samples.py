@@ -66,6 +66,10 @@ def test_n_gives_one_output_row_per_sample_and_counts_each_row_once(write_parque
     grouped = duckdb.sql(f"select id, list(text order by sample_index) as texts from read_parquet('{out}/parts/*.parquet') "
                          f"group by id order by id").fetchall()
     assert len(grouped) == 10 and all(len(texts) == 3 for _, texts in grouped)
+    from overnight.pipeline.tools.inspection import open_results, summary_lines
+
+    con, manifest = open_results(str(out))
+    assert "rows: 10 (10 ok, 0 error; 30 samples)" in summary_lines(con, manifest)
 
 
 def test_jobs_that_ask_for_none_keep_their_schema(write_parquet, tmp_path, cfg):

@@ -58,7 +58,7 @@ def summary_lines(con, manifest: Optional[dict], price_per_hour: Optional[float]
                      f"input: {manifest.get('input', {}).get('url')} ({c.get('num_rows', '?')} rows)")
     columns = {r[0] for r in con.execute("describe results").fetchall()}
     # With n > 1 a row's samples are output rows of their own (sample_index 0 .. n-1): a row counts once.
-    row = "sample_index = 0" if "sample_index" in columns else "true"
+    row = "coalesce(sample_index, 0) = 0" if "sample_index" in columns else "true"
     n, ok, err, ptok, otok, num_samples = con.execute(
         f"select count(*) filter ({row}), count(*) filter (status = 'ok' and {row}), "
         f"count(*) filter (status = 'error' and {row}), coalesce(sum(prompt_tokens) filter ({row}), 0), "
