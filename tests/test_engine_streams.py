@@ -4,6 +4,7 @@ JSON document with --json), stderr holds overnight's own lines and no library no
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 
 import duckdb
@@ -13,6 +14,15 @@ import pytest
 from conftest import overnight_cmd, real_prompts
 
 pytestmark = pytest.mark.engine
+
+def fresh_env() -> dict:
+    """The environment of a user's shell: without the logging settings that an engine started earlier in this
+    pytest process put there (vLLM's level is set where it is unset, and a child inherits it)."""
+    from overnight.pipeline.streams import QUIET_ENV
+
+    drop = {*QUIET_ENV, "VLLM_LOGGING_LEVEL", "VLLM_LOGGING_STREAM"}
+    return {k: v for k, v in os.environ.items() if k not in drop}
+
 
 NOISE = ("Triton is installed", "Loading safetensors", "libtcmalloc", "Passing raw prompts", "FutureWarning",
          "WARNING", "NUMA binding")
@@ -24,7 +34,7 @@ def test_json_stdout_and_quiet_stderr_with_the_real_engine(tmp_path, model_path)
     args = ["run", str(inp), "--max-tokens", "8", "--kv-cache-space", "1", "--json"]
     metrics = tmp_path / "job.prom"
     quiet = subprocess.run([*overnight_cmd(), *args, "--out", str(tmp_path / "a"), "--metrics-file", str(metrics)],
-                           capture_output=True, text=True, timeout=600)
+                           capture_output=True, text=True, timeout=600, env=fresh_env())
     assert quiet.returncode == 0, quiet.stderr[-3000:]
     summary = json.loads(quiet.stdout)            # stdout is one JSON document and nothing else
     assert summary["state"] == "completed" and summary["num_ok"] == 6
@@ -55,7 +65,7 @@ def test_json_stdout_and_quiet_stderr_with_the_real_engine(tmp_path, model_path)
     assert all(ChatCompletion.model_validate(x["response"]["body"]).choices[0].message.content for x in lines)
 
     loud = subprocess.run([*overnight_cmd(), "-v", *args, "--out", str(tmp_path / "b")], capture_output=True,
-                          text=True, timeout=600)
+                          text=True, timeout=600, env=fresh_env())
     assert loud.returncode == 0, loud.stderr[-3000:]
     assert json.loads(loud.stdout)["num_ok"] == 6  # -v changes stderr only
     assert "INFO" in loud.stderr and any(n in loud.stderr for n in NOISE[:3])   # vLLM's own lines are back
