@@ -1,6 +1,7 @@
 """OpenAI Batch files in and out with the real engine: `overnight run requests.jsonl` on chat and completions
-lines with the embedded model, then `overnight export --format openai`, read with OpenAI's own types; a bad
-line is an error row naming its line, in the errors file."""
+lines with the embedded model, then `overnight export --format openai`, read with OpenAI's own types, in the
+file's line order; a completions prompt reaches the model raw (its prompt tokens are the tokenizer's encoding of
+the text), a chat through the template; a bad line is an error row naming its line, in the errors file."""
 
 from __future__ import annotations
 
@@ -49,13 +50,21 @@ def test_openai_batch_file_in_and_out(tmp_path, model_path):
                                "--errors", str(errors)], capture_output=True, text=True, timeout=300)
     assert exported.returncode == 0, exported.stderr
     answers = {x["custom_id"]: x for x in map(json.loads, ok.read_text().splitlines())}
-    assert sorted(answers) == ["chat-1", "chat-parts", "completion-1", "completion-2"]
+    assert list(answers) == ["chat-1", "chat-parts", "completion-1", "completion-2"]     # the file's order
     limits = {"chat-1": 12, "chat-parts": 10, "completion-1": 8, "completion-2": 4}
     for cid, x in answers.items():
         completion = ChatCompletion.model_validate(x["response"]["body"])   # a user's parser works unchanged
         assert completion.choices[0].message.content
         assert 0 < completion.usage.completion_tokens <= limits[cid]
     assert "Paris" in answers["chat-1"]["response"]["body"]["choices"][0]["message"]["content"]
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_path)
+    prompt_tokens = {cid: x["response"]["body"]["usage"]["prompt_tokens"] for cid, x in answers.items()}
+    assert prompt_tokens["completion-1"] == len(tok("Write a haiku about the sea.")["input_ids"])   # raw
+    assert prompt_tokens["completion-2"] == len(tok("Count from one to five.")["input_ids"])
+    chat = tok.apply_chat_template(LINES[0]["body"]["messages"], tokenize=False, add_generation_prompt=True)
+    assert prompt_tokens["chat-1"] == len(tok(chat, add_special_tokens=False)["input_ids"])         # templated
     failed = [json.loads(x) for x in errors.read_text().splitlines()]
     assert [e["custom_id"] for e in failed] == ["embedding"]
     error = BatchError.model_validate(failed[0]["error"])

@@ -55,3 +55,55 @@ def test_openai_batch_output_parses_with_openai_types(job, tmp_path):
     for e in errors:
         BatchError.model_validate(e["error"])
         assert e["response"] is None
+
+
+# -- OpenAI Batch input ----------------------------------------------------------------------------
+
+def request(cid, words: int) -> str:
+    return json.dumps({"custom_id": cid, "method": "POST", "url": "/v1/chat/completions",
+                       "body": {"messages": [{"role": "user", "content": "word " * words}]}})
+
+
+def test_a_jsonl_jobs_rows_come_in_line_order(tmp_path, cfg):
+    ids = [f"r{i:03d}" for i in range(40)][::-1]
+    lines = [request(cid, 1 + i % 7) for i, cid in enumerate(ids)]
+    lines[7] = "not json"                                               # no custom_id: an error row without an id
+    lines[11] = json.dumps({"custom_id": ids[11], "method": "POST", "url": "/v1/embeddings", "body": {}})
+    lines.insert(20, "")                                                # blank lines are not rows
+    path = tmp_path / "requests.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    out = tmp_path / "out"
+    run_job(cfg(path, out, input={"limit": 30}), engine_factory=given(FakeEngine()), is_tty=False)  # 10 not done
+    finished = [r[0] for r in duckdb.sql(f"select id from read_parquet('{out}/parts/*.parquet')").fetchall()]
+    assert finished != [i for n, i in enumerate(ids[:30]) if n != 7] + [None]  # the parts hold finish order
+
+    ok_path, err_path = tmp_path / "results.jsonl", tmp_path / "errors.jsonl"
+    info = export(str(out), "openai", str(ok_path), str(err_path))
+    assert (info["ok"], info["errors"], info["expired"], info["in_input_order"]) == (28, 2, 10, True)
+    assert [json.loads(x)["custom_id"] for x in ok_path.read_text().splitlines()] == \
+        [i for n, i in enumerate(ids[:30]) if n not in (7, 11)]
+    errors = [json.loads(x) for x in err_path.read_text().splitlines()]
+    assert [(e["custom_id"], e["error"]["code"]) for e in errors] == \
+        [(ids[11], "invalid_request"), (None, "invalid_request")] + [(i, "batch_expired") for i in ids[30:]]
+    info = export(str(out), "jsonl", str(tmp_path / "all.jsonl"))
+    got = [json.loads(x)["id"] for x in (tmp_path / "all.jsonl").read_text().splitlines()]
+    assert got == [i for n, i in enumerate(ids[:30]) if n != 7] + [None] and info["in_input_order"]
+    # an input that moved: finish order, and said so
+    path.rename(tmp_path / "moved.jsonl")
+    assert export(str(out), "openai", str(ok_path), str(err_path))["in_input_order"] is False
+
+
+def test_a_jsonl_folders_files_come_in_the_sources_order(tmp_path, cfg):
+    import gzip
+
+    folder = tmp_path / "reqs"
+    (folder / "b").mkdir(parents=True)
+    (folder / "a.jsonl").write_text("".join(request(f"a{i}", 6 - i) + "\n" for i in range(6)))
+    with gzip.open(folder / "b" / "c.jsonl.gz", "wt") as f:
+        f.write("".join(request(f"c{i}", 1 + i) + "\n" for i in range(5)))
+    out = tmp_path / "out"
+    run_job(cfg(folder, out), engine_factory=given(FakeEngine()), is_tty=False)
+    info = export(str(out), "openai", str(tmp_path / "results.jsonl"))
+    assert info["in_input_order"] and info["ok"] == 11
+    got = [json.loads(x)["custom_id"] for x in (tmp_path / "results.jsonl").read_text().splitlines()]
+    assert got == [f"a{i}" for i in range(6)] + [f"c{i}" for i in range(5)]

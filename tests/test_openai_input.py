@@ -84,6 +84,10 @@ def test_good_lines_become_rows(tmp_path):
     assert (b["max_tokens"], b["stop"], b["logprobs"], b["prompt"]) == (5, ["x", "y"], 0, None)
     assert (c["prompt"], c["messages"], c["logprobs"], c["temperature"]) == ("Just one prompt", None, 2, None)
     assert "_input_error" not in src.passthrough_columns()
+    # a completions prompt is marked raw, body.model kept for the adapters (internal columns, never passed through)
+    assert (a["_raw_prompt"], c["_raw_prompt"], a["_model"], c["_model"], a["lora"]) == (None, True, "gpt-4o-mini",
+                                                                                           "x", None)
+    assert not {"_raw_prompt", "_model"} & set(src.passthrough_columns()) and "lora" in src.passthrough_columns()
 
 
 def test_a_job_over_request_lines_answers_each_custom_id(tmp_path, cfg):
@@ -106,6 +110,52 @@ def test_n_and_logprobs_reach_the_engine(tmp_path, cfg):
                       ).fetchall()
     assert got == [("a", 0, 2, None), ("a", 1, 2, None), ("b", 0, 1, None),
                    ("c", 0, None, f"requests.jsonl#3: n is 0; it must be 1 to {MAX_N} (completions of the row)")]
+
+
+class Recording(FakeEngine):
+    """The echo engine, keeping the token ids of each request it is given, by the request's max_tokens."""
+
+    def __init__(self):
+        super().__init__()
+        self.ids = {}
+
+    def add(self, request_id, prompt_token_ids, sampling, priority=0):
+        self.ids[sampling["max_tokens"]] = list(prompt_token_ids)
+        super().add(request_id, prompt_token_ids, sampling, priority)
+
+
+def templated(tokenizer, messages) -> list:
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def test_completions_prompts_go_raw_and_chats_through_the_template(tmp_path, cfg, tokenizer, write_parquet):
+    path = write_lines(tmp_path / "requests.jsonl", [chat("c", "Say hi.", max_tokens=3),
+                                                     completion("p", "Once upon a time", max_tokens=4)])
+    engine = Recording()
+    s = run_job(cfg(path, tmp_path / "out"), engine_factory=given(engine), is_tty=False)
+    assert (s.num_ok, s.num_error) == (2, 0)
+    assert engine.ids[4] == tokenizer("Once upon a time")["input_ids"]          # as OpenAI and vLLM send it
+    assert engine.ids[3] == templated(tokenizer, [{"role": "user", "content": "Say hi."}])
+    got = results(tmp_path / "out")
+    assert got["p"]["prompt_tokens"] == len(engine.ids[4])
+    assert "_raw_prompt" not in got["p"] and "_model" not in got["p"]          # internal columns stay inside
+    # a --system-prompt joins the chat, and goes before a completions prompt as with --no-chat
+    engine = Recording()
+    run_job(cfg(path, tmp_path / "out2", prompt={"system_prompt": "Be brief."}), engine_factory=given(engine),
+            is_tty=False)
+    assert engine.ids[4] == tokenizer("Be brief.\n\nOnce upon a time")["input_ids"]
+    assert engine.ids[3] == templated(tokenizer, [{"role": "system", "content": "Be brief."},
+                                                  {"role": "user", "content": "Say hi."}])
+    # a Parquet input's columns of the internal names are ordinary columns: templated, answered, passed through
+    inp = write_parquet({"id": ["q"], "prompt": ["Once upon a time"], "max_tokens": [5], "_raw_prompt": [True],
+                         "_input_error": ["not an error"], "_model": ["x"]})
+    engine = Recording()
+    s = run_job(cfg(inp, tmp_path / "out3"), engine_factory=given(engine), is_tty=False)
+    assert (s.num_ok, s.num_error) == (1, 0)
+    assert engine.ids[5] == templated(tokenizer, [{"role": "user", "content": "Once upon a time"}])
+    row = results(tmp_path / "out3")["q"]
+    assert (row["_raw_prompt"], row["_input_error"], row["_model"]) == (True, "not an error", "x")
 
 
 # -- bad lines -------------------------------------------------------------------------------------

@@ -246,6 +246,50 @@ def test_the_cli_registers_adapters(write_parquet, tmp_path, tiny_model):
     assert bad.exit_code == 1 and "Error: --lora sql: give the adapter as NAME=PATH" in bad.output
 
 
+def test_a_request_lines_model_picks_a_registered_adapter(write_parquet, tmp_path, cfg, tiny_model, caplog):
+    import logging
+
+    def line(cid, model):
+        body = {"messages": [{"role": "user", "content": f"question {cid}?"}]}
+        return json.dumps({"custom_id": cid, "method": "POST", "url": "/v1/chat/completions",
+                           "body": body if model is None else {"model": model, **body}}) + "\n"
+
+    models = [tiny_model, "sql", None, "gpt-4o-mini", "poem", "other", "sql"]
+    inp = tmp_path / "requests.jsonl"
+    inp.write_text("".join(line(f"r{i}", m) for i, m in enumerate(models)))
+    loras = {"sql": adapter(tmp_path / "sql"), "poem": adapter(tmp_path / "poem")}
+    out = tmp_path / "out"
+    with caplog.at_level(logging.WARNING, logger="overnight"):
+        s = run_job(cfg(inp, out, engine={"lora": loras}), engine_factory=given(FakeEngine()), is_tty=False)
+    assert (s.num_ok, s.num_error) == (7, 0)
+    got = {r["id"]: r for r in parts(out).to_pylist()}
+    picked = ["sql", None, None, "poem", None, "sql"]
+    assert [got[f"r{i}"]["lora"] for i in range(1, 7)] == picked and got["r0"]["lora"] is None
+    for i, name in enumerate(picked, 1):
+        assert got[f"r{i}"]["text"].endswith(f"through {name}") == (name is not None)
+    warned = [m for m in caplog.messages if "body.model" in m]
+    assert warned == [f"requests.jsonl line 4: body.model \"gpt-4o-mini\" is neither the job's model ({tiny_model}) "
+                      f"nor an adapter registered with --lora; the job's model answers it (and every such line; said "
+                      f"once)"]
+    # export: an adapter's rows answer as that model, as vLLM's do
+    export(str(out), "openai", str(tmp_path / "results.jsonl"))
+    answered = {x["custom_id"]: x["response"]["body"]["model"]
+                for x in map(json.loads, (tmp_path / "results.jsonl").read_text().splitlines())}
+    assert answered == {"r0": tiny_model, "r1": "sql", "r2": tiny_model, "r3": tiny_model, "r4": "poem",
+                        "r5": tiny_model, "r6": "sql"}
+    # without adapters every name is the job's model's to answer; the alias, folder and folder name are its own
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="overnight"):
+        run_job(cfg(inp, tmp_path / "o2"), engine_factory=given(FakeEngine()), is_tty=False)
+    assert [m.split(":")[0] for m in caplog.messages if "body.model" in m] == ["requests.jsonl line 2"]
+    assert all(r["lora"] is None for r in parts(tmp_path / "o2").to_pylist())
+    # a Parquet column named _model picks nothing
+    pq_inp = write_parquet({"id": ["a"], "prompt": ["x?"], "_model": ["sql"]})
+    run_job(cfg(pq_inp, tmp_path / "o3", engine={"lora": loras}), engine_factory=given(FakeEngine()), is_tty=False)
+    row = parts(tmp_path / "o3").to_pylist()[0]
+    assert row["_model"] == "sql" and "through" not in row["text"]
+
+
 # -- resume exactly once ---------------------------------------------------------------------------
 
 def test_resume_after_an_engine_death_writes_every_sample_once(write_parquet, tmp_path, cfg):

@@ -6,7 +6,9 @@ Each line is one request::
      "body": {"model": "...", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 64}}
 
 A line becomes one row with the columns a Parquet input would have: the id column (``custom_id``), ``messages``
-(``/v1/chat/completions``; text content parts are joined) or ``prompt`` (``/v1/completions``), and the per-row
+(``/v1/chat/completions``; text content parts are joined) or ``prompt`` (``/v1/completions``, marked in
+RAW_PROMPT_COLUMN: the prompt goes to the model as given, without the chat template, as OpenAI and vLLM's run_batch
+send it), ``lora`` (filled by ModelRoute: the adapter a line's ``body.model`` names), and the per-row
 columns ``max_tokens`` (or ``max_completion_tokens``), ``temperature``, ``top_p``, ``seed``, ``stop``,
 ``presence_penalty``, ``frequency_penalty``, ``min_tokens``, ``stop_token_ids``, ``response_format`` (as JSON
 text), ``n`` and ``logprobs`` (the number of top alternatives: ``logprobs: true`` with ``top_logprobs: K`` is
@@ -16,8 +18,11 @@ for any input.
 A line that cannot be a request (not JSON, no ``custom_id``, a ``method`` other than POST, an unsupported
 ``url``, a body without ``messages`` / ``prompt``, a value of the wrong type) becomes a row whose
 INPUT_ERROR_COLUMN holds the problem and the fix; ``validate`` turns it into an error row, and the job goes on.
-Body keys overnight does not honour are ignored, with one warning per key (``model``, ``user``, ``metadata``,
-``store``, ``stream``, ``service_tier`` silently: the job's model answers every line).
+Body keys overnight does not honour are ignored, with one warning per key (``user``, ``metadata``, ``store``,
+``stream``, ``service_tier`` silently). ``model`` goes to MODEL_COLUMN: a line whose model is an adapter registered
+with --lora runs through it; any other name is answered by the job's model (one warning names the first line whose
+model is neither). The internal columns (INPUT_ERROR_COLUMN, RAW_PROMPT_COLUMN, MODEL_COLUMN) steer only rows read
+from a JSONL file (``JsonlFile.internal_columns``) and are never passed through.
 
 Rows are numbered by their 1-based line number, so an error's origin ``requests.jsonl#7`` is line 7; blank
 lines are skipped. Opening the source counts each file's lines once, in one streaming pass (~1 GB/s locally,
@@ -33,12 +38,12 @@ import logging
 import math
 import posixpath
 from dataclasses import dataclass
-from typing import Any, Iterator, Optional
+from typing import Any, ClassVar, Collection, Iterator, Optional
 
 import pyarrow as pa
 
-from overnight.pipeline.input.source import (INPUT_ERROR_COLUMN, InputError, InputFile, ParquetSource,
-                                             SourceBatch, _first_line)
+from overnight.pipeline.input.source import (INPUT_ERROR_COLUMN, MODEL_COLUMN, RAW_PROMPT_COLUMN, InputError,
+                                             InputFile, ParquetSource, SourceBatch, _first_line)
 from overnight.pipeline.output.faults import failpoint
 from overnight.pipeline.output.storage import unstrip, url_to_fs
 
@@ -52,8 +57,10 @@ ENDPOINTS = {"/v1/chat/completions": "messages", "/v1/completions": "prompt"}
 HONOURED = ("max_tokens", "max_completion_tokens", "temperature", "top_p", "seed", "stop", "presence_penalty",
             "frequency_penalty", "min_tokens", "stop_token_ids", "response_format", "n", "logprobs",
             "top_logprobs")
-# Body keys that change nothing here: the job's model answers every line, and results are written, not streamed.
+# Body keys that change nothing here (results are written, not streamed); model is ModelRoute's.
 SILENT = ("model", "user", "metadata", "store", "stream", "stream_options", "service_tier")
+# The columns only this source writes: honoured from its batches alone, never passed through.
+INTERNAL_COLUMNS = frozenset({INPUT_ERROR_COLUMN, RAW_PROMPT_COLUMN, MODEL_COLUMN})
 ROLE_ALIASES = {"developer": "system"}  # OpenAI's newer name for the system message
 
 MESSAGES_TYPE = pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))
@@ -92,7 +99,8 @@ def is_jsonl_input(path: Optional[str]) -> bool:
 def request_schema(cfg) -> pa.Schema:
     """The columns a request line becomes, named as the job's config names them."""
     return pa.schema([(cfg.id_column, pa.string()), (cfg.messages_column, MESSAGES_TYPE),
-                      (cfg.prompt_column, pa.string()), *_COLUMNS, (INPUT_ERROR_COLUMN, pa.string())])
+                      (cfg.prompt_column, pa.string()), *_COLUMNS, ("lora", pa.string()),
+                      (RAW_PROMPT_COLUMN, pa.bool_()), (MODEL_COLUMN, pa.string()), (INPUT_ERROR_COLUMN, pa.string())])
 
 
 @dataclass(frozen=True)
@@ -101,6 +109,7 @@ class JsonlFile(InputFile):
     offsets: tuple[int, ...] = ()
     # Lines per chunk when the file was counted (chunk g starts at line g * chunk_lines + 1).
     chunk_lines: int = CHUNK_LINES
+    internal_columns: ClassVar[frozenset] = INTERNAL_COLUMNS
 
 
 class LineError(ValueError):
@@ -153,10 +162,10 @@ class OpenAIBatchSource(ParquetSource):
 
     # -- columns -----------------------------------------------------------------------------
     def read_columns(self) -> list[str]:
-        return [*super().read_columns(), INPUT_ERROR_COLUMN]
+        return [*super().read_columns(), *(n for n in self.schema.names if n in INTERNAL_COLUMNS)]
 
     def passthrough_columns(self) -> list[str]:
-        return [c for c in super().passthrough_columns() if c != INPUT_ERROR_COLUMN]
+        return [c for c in super().passthrough_columns() if c not in INTERNAL_COLUMNS]
 
     # -- reading -----------------------------------------------------------------------------
     def _read(self, fragments, columns: list[str]) -> Iterator[SourceBatch]:
@@ -265,6 +274,9 @@ class OpenAIBatchSource(ParquetSource):
                 if body.get("prompt") is None:
                     raise LineError(f"line {line_no}: body has no prompt; {url} needs body.prompt, a string")
                 row[cfg.prompt_column] = _prompt(body["prompt"], line_no)
+                row[RAW_PROMPT_COLUMN] = True
+            if isinstance(body.get("model"), str) and body["model"]:
+                row[MODEL_COLUMN] = body["model"]
             row.update(_parameters(body, line_no))
             self._warn_unknown(body, url, file, line_no)
             return row
@@ -279,6 +291,74 @@ class OpenAIBatchSource(ParquetSource):
             self._warned.add(key)
             log.warning(f"{file.name} line {line_no}: body.{key} is not supported and is ignored (in every line; "
                         f"said once per key)")
+
+
+class ModelRoute:
+    """body.model as vLLM's run_batch reads it: a line whose model is the name of an adapter registered with
+    ``--lora NAME=PATH`` gets that name in its ``lora`` column, so it runs through the adapter; any other name is
+    answered by the job's model, and one warning names the first line whose model is neither the job's model
+    (``job_names``) nor an adapter. Batches that do not come from a JSONL file pass unchanged."""
+
+    def __init__(self, adapters: Collection[str], job_names: Collection[str], shown: str):
+        self.adapters = frozenset(adapters)
+        self.known = self.adapters | frozenset(job_names)
+        self.shown = shown  # the job's model, as the warning names it
+        self.warned = False
+
+    def __call__(self, sb: SourceBatch) -> SourceBatch:
+        names = sb.batch.schema.names
+        if MODEL_COLUMN not in sb.file.internal_columns or MODEL_COLUMN not in names:
+            return sb
+        models = sb.batch.column(MODEL_COLUMN).to_pylist()
+        if not self.warned:
+            for i, m in enumerate(models):
+                if m is not None and m not in self.known:
+                    self.warned = True
+                    log.warning(f"{sb.file.name} line {sb.row_number(i)}: body.model {_short(m)} is neither the "
+                                f"job's model ({self.shown}) nor an adapter registered with --lora; the job's model "
+                                f"answers it (and every such line; said once)")
+                    break
+        if not self.adapters or "lora" not in names or not any(m in self.adapters for m in models):
+            return sb
+        picked = pa.array([m if m in self.adapters else None for m in models], pa.string())
+        j = names.index("lora")
+        batch = sb.batch.set_column(j, sb.batch.schema.field(j), picked)
+        return SourceBatch(sb.file, sb.start, batch, sb.row_numbers)
+
+
+def model_route(cfg, model) -> ModelRoute:
+    """The job's ModelRoute: cfg a JobConfig, model its ``stage.OpenModel``. The job's model goes by the name it
+    was given (alias, folder or hub id), the folder or hub id vLLM loads, and that folder's name."""
+    resolved = model.resolved
+    names = {resolved.requested, resolved.path, posixpath.basename(resolved.path.rstrip("/"))}
+    return ModelRoute(cfg.engine.lora, {n for n in names if n}, resolved.requested)
+
+
+class _Lines(OpenAIBatchSource):
+    """Only the listing of an input's JSONL files (no line counts, no schema): what export orders rows by."""
+
+    def __init__(self, url: str):
+        self.url = url
+        self.fs, root = url_to_fs(url)
+        self.paths, _ = self._listing(root)
+
+
+def line_ids(url: str) -> Iterator[Optional[str]]:
+    """Each request line's custom_id in input order (None for a line without one; blank lines skipped), as the
+    source reads it: the files in the source's order, each streamed line by line."""
+    lines = _Lines(url)
+    for path in lines.paths:
+        with lines._open(path) as f:
+            for line in f:
+                if line.isspace():
+                    continue
+                try:
+                    req = json.loads(line)
+                except ValueError:  # not JSON, not UTF-8
+                    yield None
+                    continue
+                cid = req.get("custom_id") if isinstance(req, dict) else None
+                yield cid if isinstance(cid, str) and cid and _is_text(cid) else None
 
 
 # -- one line's values ---------------------------------------------------------------------------

@@ -25,9 +25,13 @@ class PromptBuilder:
         self.system_prompt = system_prompt
         self.max_model_len = max_model_len
 
+    def templated(self, p: Parsed) -> bool:
+        """The row goes through the chat template: a chat job's rows, but for raw prompts (completions lines)."""
+        return self.chat and not p.raw
+
     def render(self, p: Parsed) -> str:
         """The prompt text the model sees."""
-        if not self.chat:
+        if not self.templated(p):  # as a --no-chat job sends it (a raw prompt: as OpenAI and vLLM's run_batch)
             if p.messages is not None:
                 raise ValueError("this row has a 'messages' chat, but the job runs without a chat template "
                                  "(--no-chat); drop --no-chat or give the row a plain prompt")
@@ -51,13 +55,20 @@ class PromptBuilder:
         if not kept:
             return [], [], errors
         # A chat template already holds the special tokens (BOS ...); plain prompts get the tokenizer's own.
-        encoded = self.tokenizer(texts, add_special_tokens=not self.chat)["input_ids"]
+        templated = [self.templated(p) for p in kept]
+        encoded: list = [None] * len(kept)
+        for special in (False, True):
+            idx = [i for i, t in enumerate(templated) if t != special]
+            if idx:
+                ids = self.tokenizer([texts[i] for i in idx], add_special_tokens=special)["input_ids"]
+                for i, x in zip(idx, ids):
+                    encoded[i] = x
         rows, predictor_texts = [], []
         limit = self.max_model_len
-        for p, ids in zip(kept, encoded):
+        for p, ids, t in zip(kept, encoded, templated):
             n = len(ids)
             if n + 1 > limit:
-                where = "after the chat template" if self.chat else ""
+                where = "after the chat template" if t else ""
                 err = Result.failed(
                     p.id, p.passthrough,
                     f"{p.origin}: prompt is {n} tokens {where}, which leaves no room for output within "

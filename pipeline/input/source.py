@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import posixpath
 from dataclasses import dataclass
-from typing import Iterator, Optional
+from typing import ClassVar, Iterator, Optional
 
 import pyarrow as pa
 
@@ -32,6 +32,10 @@ SCHEDULING_COLUMNS = ("priority", "value", "deadline")
 # A row that could not be read from the input (a malformed JSONL line): its message, naming the fix. ``validate``
 # makes the row an error row; it is never passed through.
 INPUT_ERROR_COLUMN = "_input_error"
+# A row whose prompt goes to the model as given, without the chat template (an OpenAI Batch /v1/completions line).
+RAW_PROMPT_COLUMN = "_raw_prompt"
+# A request's body.model (OpenAI Batch input): the name of a registered adapter picks it (openai_batch.ModelRoute).
+MODEL_COLUMN = "_model"
 
 _GLOB_CHARS = "*?["
 
@@ -56,6 +60,10 @@ class InputFile:
     schema: pa.Schema
     row_groups: tuple[int, ...] = ()  # rows in each row group
     version: str = ""  # size and modification time (or ETag): tells a rewritten file from the same one
+    # Columns that only this kind of file's reader writes (INPUT_ERROR_COLUMN, RAW_PROMPT_COLUMN, MODEL_COLUMN for
+    # a JSONL file): they steer a row only when its batch comes from such a file, so a Parquet column of the same
+    # name is an ordinary column.
+    internal_columns: ClassVar[frozenset] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -107,6 +115,11 @@ class ParquetSource:
 
     # -- discovery ---------------------------------------------------------------------------
     def _discover(self, root: str) -> list[InputFile]:
+        paths, base = self._listing(root)
+        return [self._inspect(p, base) for p in paths]
+
+    def _listing(self, root: str) -> tuple[list[str], str]:
+        """The input's data files in input order, and the folder their names are relative to."""
         fs = self.fs
         if any(c in root for c in _GLOB_CHARS):
             paths = sorted(p for p in fs.glob(root) if fs.isfile(p))
@@ -125,7 +138,7 @@ class ParquetSource:
         else:
             raise InputError(f"Input {self.url} does not exist. Check the path (local paths are relative to "
                              f"the current folder; remote ones need a scheme such as s3://).")
-        return [self._inspect(p, base) for p in paths]
+        return paths, base
 
     def _inspect(self, path: str, base: str) -> InputFile:
         import pyarrow.parquet as pq

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator, Optional
 
 from overnight.pipeline.config import JobConfig
+from overnight.pipeline.input.openai_batch import model_route
 from overnight.pipeline.input.prompts import PromptBuilder, has_chat_template
 from overnight.pipeline.input.source import ParquetSource
 from overnight.pipeline.input.validate import parse_batch, sampling_defaults
@@ -95,11 +96,13 @@ def prepare(cfg: JobConfig, source: ParquetSource, model: OpenModel, annotator=N
     leaves out rows already done and duplicate ids; tally: counts rows read and predicted tokens."""
     builder = PromptBuilder(model.tokenizer, model.chat, cfg.prompt.system_prompt, model.max_model_len)
     defaults = sampling_defaults(cfg.sampling)
+    route = model_route(cfg, model)  # an OpenAI Batch line's body.model may pick a --lora adapter
+
     def read():
         for sb in source.batches():
             if tally is not None:
                 tally.num_read += sb.batch.num_rows
-            yield sb
+            yield route(sb)
 
     batches = read()
     if resume is not None:

@@ -17,7 +17,8 @@ import pyarrow as pa
 
 from overnight.pipeline.config import MAX_LOGPROBS, MAX_N, ConfigError, InputConfig, SamplingConfig
 from overnight.pipeline.records import Result
-from overnight.pipeline.input.source import INPUT_ERROR_COLUMN, OVERRIDE_COLUMNS, SCHEDULING_COLUMNS, SourceBatch
+from overnight.pipeline.input.source import (INPUT_ERROR_COLUMN, OVERRIDE_COLUMNS, RAW_PROMPT_COLUMN,
+                                             SCHEDULING_COLUMNS, SourceBatch)
 
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 
@@ -36,6 +37,8 @@ class Parsed:
     scheduling: dict
     # Hash of the prompt (or chat) as given: a resume can tell when a row changed under the same id.
     prompt_hash: str
+    # The prompt goes to the model as given, without the chat template (an OpenAI Batch /v1/completions line).
+    raw: bool = False
 
 
 class RowError(ValueError):
@@ -80,8 +83,11 @@ def parse_batch(sb: SourceBatch, cfg: InputConfig, defaults: dict, passthrough: 
     ids = _column(batch, cfg.id_column) if cfg.id_column in names else None
     prompts = _texts(batch.column(cfg.prompt_column)) if cfg.prompt_column in names else [None] * n
     messages = _column(batch, cfg.messages_column) if cfg.messages_column in names else None
-    # A row the source could not read (a malformed JSONL line) carries its problem here.
-    unreadable = _column(batch, INPUT_ERROR_COLUMN) if INPUT_ERROR_COLUMN in names else [None] * n
+    # Columns the JSONL source writes, honoured only from its files (a Parquet column of such a name is ordinary):
+    # a row it could not read (a malformed line) carries its problem, a completions line its raw prompt.
+    internal = [c for c in (INPUT_ERROR_COLUMN, RAW_PROMPT_COLUMN) if c in names and c in sb.file.internal_columns]
+    unreadable = _column(batch, INPUT_ERROR_COLUMN) if INPUT_ERROR_COLUMN in internal else [None] * n
+    raw = _column(batch, RAW_PROMPT_COLUMN) if RAW_PROMPT_COLUMN in internal else [None] * n
     overrides = {c: _column(batch, c) for c in OVERRIDE_COLUMNS if c in names}
     scheduling = {c: _column(batch, c) for c in SCHEDULING_COLUMNS if c in names}
     kept = [c for c in passthrough if c in names]
@@ -121,7 +127,7 @@ def parse_batch(sb: SourceBatch, cfg: InputConfig, defaults: dict, passthrough: 
             errors.append(err)
             continue
         parsed.append(Parsed(row_id, origin, carried[i], sampling, prompt, chat, sched,
-                             prompt_hash(prompt, chat)))
+                             prompt_hash(prompt, chat), raw=chat is None and bool(raw[i])))
     return parsed, errors
 
 

@@ -7,11 +7,13 @@
                             limit) go to the --errors file, or into the output when none is given
 
 Input order comes from the input itself (its ids, or its file and row for derived ids), read with DuckDB from
-the path the manifest records; rows whose id is no longer in the input come last.
+the path the manifest records (OpenAI Batch request lines: each line's custom_id, streamed line by line); rows
+whose id is no longer in the input come last.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import uuid
@@ -36,6 +38,16 @@ def _ordered(con, manifest: dict) -> tuple[str, bool]:
     cols = {r[0] for r in con.execute("describe results").fetchall()}
     if not url or id_col not in cols:
         return "select * from results", False
+    from overnight.pipeline.input.openai_batch import is_jsonl_input
+
+    try:
+        jsonl = is_jsonl_input(url)
+    except Exception:  # a folder of both kinds: the run would have refused it
+        jsonl = False
+    if jsonl:
+        if not _line_ids(con, url):
+            return "select * from results", False
+        return _in_order(id_col, cols), True
     path = url if not os.path.isdir(url) else os.path.join(url, "**", "*.parquet")
     try:
         names = {r[0] for r in con.execute(f"describe select * from read_parquet({_q(path)}, union_by_name = true)"
@@ -50,9 +62,41 @@ def _ordered(con, manifest: dict) -> tuple[str, bool]:
               f"row_number() over (order by filename, file_row_number) as _pos from read_parquet({_q(path)}, " \
               f"filename = true, file_row_number = true, union_by_name = true)"
     con.sql(f"create or replace temp view _input as {src}")
+    return _in_order(id_col, cols), True
+
+
+def _in_order(id_col: str, cols: set) -> str:
+    """The results ordered by the view or table ``_input`` (_id, _pos)."""
     samples = f", r.\"{id_col}\", r.sample_index" if "sample_index" in cols else ""  # a row's samples together
     return (f"select r.* from results r left join (select _id, min(_pos) _pos from _input group by 1) i "
-            f"on r.\"{id_col}\"::varchar = i._id::varchar order by i._pos nulls last{samples}"), True
+            f"on r.\"{id_col}\"::varchar = i._id::varchar order by i._pos nulls last{samples}")
+
+
+def _line_ids(con, url: str) -> bool:
+    """The table ``_input`` (_id, _pos) of an OpenAI Batch input: each line's custom_id and its position, read
+    line by line into DuckDB in batches (the file is never loaded whole). False when the input cannot be read."""
+    import pyarrow as pa
+
+    from overnight.pipeline.input.openai_batch import line_ids
+
+    schema = pa.schema([("_id", pa.string()), ("_pos", pa.int64())])
+
+    def batches():
+        ids, pos = line_ids(url), 0
+        while chunk := list(itertools.islice(ids, 65536)):
+            yield pa.record_batch([pa.array(chunk, pa.string()),
+                                   pa.array(range(pos + 1, pos + len(chunk) + 1), pa.int64())], schema=schema)
+            pos += len(chunk)
+
+    reader = pa.RecordBatchReader.from_batches(schema, batches())
+    try:
+        con.register("_input_lines", reader)
+        con.execute("create or replace temp table _input as select * from _input_lines")
+    except Exception:  # the input moved or is not reachable from here: finish order
+        return False
+    finally:
+        con.unregister("_input_lines")
+    return True
 
 
 def export(url: str, fmt: str, output: str, errors: Optional[str] = None) -> dict:
@@ -84,18 +128,19 @@ def _openai(con, manifest: dict, query: str, in_order: bool, output: str, errors
     cols = {r[0] for r in con.execute("describe results").fetchall()}
     index = "sample_index" if "sample_index" in cols else "0"
     logprobs = "logprobs" if "logprobs" in cols else "null"
+    lora = "lora::varchar" if "lora" in cols else "null"   # a row's adapter answers as its model, as in vLLM
     cur = con.execute(f"select \"{id_col}\", status, text, finish_reason, prompt_tokens, output_tokens, error, "
-                      f"epoch(finished_at), {index}, {logprobs} from ({query})")
+                      f"epoch(finished_at), {index}, {logprobs}, {lora} from ({query})")
     ok = bad = expired = 0
     out = open(output, "w", encoding="utf-8")
     err = open(errors, "w", encoding="utf-8") if errors else out
     try:
         for rows in _by_row(cur):
-            rid, status, _, _, ptok, _, error, finished, _, _ = rows[0]
+            rid, status, _, _, ptok, _, error, finished, _, _, adapter = rows[0]
             if status == "ok":
-                choices = [_choice(text, finish, index, lp) for _, _, text, finish, _, _, _, _, index, lp in rows]
+                choices = [_choice(r[2], r[3], r[8], r[9]) for r in rows]
                 otok = sum(r[5] or 0 for r in rows)
-                out.write(json.dumps(_ok_line(rid, choices, ptok, otok, finished, model)) + "\n")
+                out.write(json.dumps(_ok_line(rid, choices, ptok, otok, finished, adapter or model)) + "\n")
                 ok += 1
             else:
                 err.write(json.dumps(_error_line(rid, "invalid_request", error or "failed")) + "\n")
