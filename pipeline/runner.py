@@ -173,8 +173,12 @@ class Runner:
 
     def _admit(self) -> None:
         self._record([Result.expired(r) for r in self.scheduler.take_expired(self.clock())])
-        if not self.tracker.probe_done:  # the first steps of a run with a deadline measure the step cost
+        if not self.tracker.probe_done:  # the first steps of a run measure the step cost
             self.scheduler.cap = self.tracker.probe_cap(self.engine.max_num_seqs)
+            if self.tracker.probe_done:  # the forecast sets the cap (or lifts it) before more rows go in
+                self._last_forecast = -1e18
+                self._last_tick = -1e18
+                self._tick()
         for a in self.scheduler.schedule(self.clock()):
             self.queued_at[a.request_id] = time.time()
             self.share_at[a.request_id] = self.share

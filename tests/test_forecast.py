@@ -151,6 +151,14 @@ def simulate(policy, cost, n_rows=600, m=64, deadline_share=None, makespan=None,
             break
         if not tracker.probe_done:
             sched.cap = tracker.probe_cap(m)
+            if tracker.probe_done:  # as the runner: a forecast sets the cap before more rows go in
+                next_forecast = clock.t
+        if clock.t >= next_forecast:
+            next_forecast = clock.t + 2.0
+            f = tracker.forecast_job(sched, tally, 0, m)
+            samples.append((clock.t, done, f))
+            tracker.steer(f, sched)
+            caps.append(sched.cap)
         for adm in sched.schedule(clock.t):
             waiting.append(adm.request_id)
             tracker.admitted(adm.request_id, adm.row.predicted_tokens, 50)
@@ -172,12 +180,6 @@ def simulate(policy, cost, n_rows=600, m=64, deadline_share=None, makespan=None,
             tracker.finished([r.predicted_tokens for r in finished_rows], [int(actual[r.id]) for r in finished_rows],
                              ["length" if actual[r.id] >= 512 else "stop" for r in finished_rows])
             done += len(fin)
-        if clock.t >= next_forecast:
-            next_forecast = clock.t + 2.0
-            f = tracker.forecast_job(sched, tally, 0, m)
-            samples.append((clock.t, done, f))
-            tracker.steer(f, sched)
-            caps.append(sched.cap)
     return SimpleNamespace(end=clock.t, done=done, samples=samples, caps=caps, n=n_rows)
 
 

@@ -153,10 +153,10 @@ class DeadlineTracker:
         step = self.inflight.step
         if step < PROBE_STEPS:
             return max_num_seqs // 4
-        if step < 2 * PROBE_STEPS:
-            return max_num_seqs // 2
-        self.probe_done = True
-        return None
+        self.probe_done = step >= 2 * PROBE_STEPS
+        # Half the engine until the forecast that follows the probe sets the cap (steer): rows admitted in the
+        # meantime could not be taken back, and near a deadline a full engine is what the cap is there to avoid.
+        return max_num_seqs // 2
 
     def observe(self, total_output_tokens: int) -> None:
         now = self.clock()
