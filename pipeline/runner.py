@@ -133,6 +133,7 @@ class Runner:
         self.tracker.engine_started(self.engine.max_num_seqs)
         self.tally.started = time.monotonic()  # the attempt's elapsed time and tok/s count from a running engine
         self.tally.engine_ready_at = time.time()
+        self.writer.last_flush = self.writer.clock()  # flush_seconds count from a running engine, not its start
         return self.engine
 
     def _has_work(self) -> bool:
