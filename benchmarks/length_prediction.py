@@ -18,12 +18,13 @@ samplings" (the best a prompt-only predictor can do, near enough, with three).
 
     python benchmarks/length_prediction.py                      # every row (GSM8K, MT-bench, Vicuna, 2nd turns)
     python benchmarks/length_prediction.py --sources mt_bench,vicuna   # the open-ended first turns only
-    python benchmarks/length_prediction.py --probe              # with the hidden-state probe (embeds once, cached)
+    python benchmarks/length_prediction.py --probe mean10,last  # with the hidden-state probe (embed it first)
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import math
 import os
@@ -56,6 +57,101 @@ def load(path: str, sources):
     return rows, fb, out, capped, finished, stored, meta
 
 
+class AdaGradOnline:
+    """The online predictor before commit 5092d2b, for the 'before' line: log(tokens) = log(heuristic) + w . x,
+    w learned by AdaGrad (lr 0.3) from finished rows, which the annotator handed it 256 at a time."""
+
+    learns = True
+
+    def __init__(self):
+        from overnight.buckets.features import BASE_NUMERIC_NAMES, HASH_DIM
+
+        self.k = len(BASE_NUMERIC_NAMES)
+        self.w, self.g2 = np.zeros(HASH_DIM), np.full(HASH_DIM, 1e-6)
+        self.wn, self.gn2 = np.zeros(self.k + 1), np.full(self.k + 1, 1e-6)
+        self.num_observed = 0
+
+    def _numeric(self, fb):
+        x = fb.numeric[:, :self.k].astype(np.float64) / np.array([6, 7, 6, 2, 0.2, 10, 5, 6])
+        return np.hstack([x, np.ones((len(fb), 1))])
+
+    def _correction(self, fb):
+        row_of = np.repeat(np.arange(len(fb)), np.diff(fb.indptr))
+        return np.bincount(row_of, weights=self.w[fb.indices] * fb.values, minlength=len(fb)) + self._numeric(fb) @ self.wn
+
+    def predict(self, fb):
+        from overnight.buckets.predictors import Prediction
+
+        base = np.log(np.maximum(fb.heuristic.astype(np.float64), 1.0))
+        log_t = base + (self._correction(fb) if self.num_observed >= 16 else 0.0)
+        t = np.clip(np.exp(log_t), 1.0, np.maximum(fb.caps, 1).astype(np.float64))
+        return Prediction(t, log_t)
+
+    def observe(self, fb, actual, hit_cap):
+        base = np.log(np.maximum(fb.heuristic.astype(np.float64), 1.0))
+        err = base + self._correction(fb) - np.log(np.maximum(actual, 1.0))
+        err = np.where(hit_cap & (err > 0), 0.0, err)
+        row_of = np.repeat(np.arange(len(fb)), np.diff(fb.indptr))
+        touched, where = np.unique(fb.indices, return_inverse=True)
+        g = np.bincount(where, weights=err[row_of] * fb.values, minlength=len(touched)) + 1e-5 * self.w[touched]
+        self.g2[touched] += g * g
+        self.w[touched] -= 0.3 * g / np.sqrt(self.g2[touched])
+        gn = self._numeric(fb).T @ err + 1e-5 * self.wn
+        self.gn2 += gn * gn
+        self.wn -= 0.3 * gn / np.sqrt(self.gn2)
+        self.num_observed += len(fb)
+
+
+def simulate_run(p, fb, actual, capped, order, slots: int = 64):
+    """A learning predictor's predictions as a run makes them: rows admitted in `order` (input order, FIFO),
+    `slots` at a time (the preset's max_num_seqs); a row runs for its actual length (one token a step for every
+    row, as when the engine is full) and then is learned from, in the annotator's batches of 256; each row's
+    prediction is the one it had when it was admitted."""
+    import heapq
+
+    from overnight.buckets.annotate import LEARN_BATCH
+    from overnight.buckets.features import subset
+
+    n = len(order)
+    pred = np.zeros(n)
+    running: list = []
+    pending: list = []
+    t, nxt = 0.0, 0
+    while nxt < n or running:
+        if nxt < n and len(running) < slots:
+            rows = order[nxt:nxt + slots - len(running)]
+            nxt += len(rows)
+            pred[rows] = p.predict(subset(fb, rows)).tokens
+            for r in rows:
+                heapq.heappush(running, (t + actual[r], int(r)))
+        t, r = heapq.heappop(running)
+        pending.append(r)
+        if len(pending) >= LEARN_BATCH:
+            rows = np.array(pending)
+            p.observe(subset(fb, rows), actual[rows], capped[rows])
+            pending = []
+    return pred
+
+
+class CrossFitted:
+    """A prior whose prediction of each row comes from a model that did not see it (the fold's model)."""
+
+    def __init__(self, fb, preds, name="trained"):
+        self.name = name
+        self.by_text = {(t, int(k)): i for i, (t, k) in enumerate(zip(fb.texts, fb.prompt_tokens))}
+        self.preds = preds  # Prediction over every row
+
+    @property
+    def calib(self):
+        return (0.0, 1.0, 1.0)  # scores are log lengths; tokens already calibrated
+
+    def predict(self, fb):
+        from overnight.buckets.predictors import Prediction
+
+        idx = np.array([self.by_text[(t, int(k))] for t, k in zip(fb.texts, fb.prompt_tokens)], dtype=np.int64)
+        return Prediction(self.preds.tokens[idx], self.preds.score[idx])
+
+
 def job_seconds_per_row(meta) -> float:
     """Engine seconds a row took in the data's runs (the job's cost per row on this machine)."""
     runs = meta["runs"]
@@ -78,17 +174,38 @@ def variants(args):
     def linear(**kw):
         return lambda fb, y, capped: TrainedPredictor.fit(fb, y, capped, **kw)[0]
 
+    def without_kinds(make):
+        """The same fit with the kind-of-task and chat-context features zeroed (constant columns weigh nothing)."""
+        from overnight.buckets.features import BASE_NUMERIC_NAMES
+
+        def strip(fb):
+            fb = copy.copy(fb)
+            fb.numeric = fb.numeric.copy()
+            fb.numeric[:, len(BASE_NUMERIC_NAMES):] = 0.0
+            return fb
+
+        class Stripped:
+            def __init__(self, p):
+                self.p = p
+
+            def predict(self, fb):
+                return self.p.predict(strip(fb))
+
+        return lambda fb, y, capped: Stripped(make(strip(fb), y, capped))
+
     v = [
         ("heuristic", "static", lambda fb, y, capped: HeuristicPredictor()),
-        ("online (from the heuristic)", "online", lambda fb, y, capped: OnlinePredictor()),
+        ("online: AdaGrad, batches of 256 (before)", "online", lambda: AdaGradOnline()),
+        ("online (from the heuristic)", "online", lambda: OnlinePredictor()),
         ("trained: torch MLP (format 2, before)", "static", mlp),
-        ("trained: ridge, log length (default)", "static", linear()),
+        ("trained: ridge, rank target, chosen by CV tau (default)", "static", linear()),
+        ("trained: ridge, penalties by CV over 3 splits", "static", linear(cv_repeats=3)),
+        ("trained: ridge, log-length target", "static", linear(target="log")),
+        ("trained: ridge, log length, chosen by CV squared error (1-SE)", "static", linear(target="log", select="mse")),
         ("trained: ridge, no hashed words", "static", linear(words=False)),
-        ("trained: ridge, rank target", "static", linear(target="rank")),
-        ("trained: ridge, chosen by CV tau", "static", linear(select="tau")),
+        ("trained: ridge, no kind or chat features", "static", without_kinds(linear())),
         ("trained: pairwise (RankNet)", "static", linear(objective="pairwise")),
-        ("trained + online (warm start)", "online",
-         lambda fb, y, capped: OnlinePredictor(prior=TrainedPredictor.fit(fb, y, capped)[0])),
+        ("trained + online (warm start)", "warm", lambda prior: OnlinePredictor(prior=prior)),
     ]
     if args.only:
         v = [x for x in v if any(s in x[0] for s in args.only.split(","))]
@@ -103,8 +220,9 @@ def main() -> None:
     ap.add_argument("--folds", type=int, default=5)
     ap.add_argument("--repeats", type=int, default=6)
     ap.add_argument("--only", default="", help="comma-separated name fragments of the variants to run")
-    ap.add_argument("--probe", action="store_true", help="add the hidden-state probe (benchmarks/"
-                                                         "length_prediction_probe.py embeds the prompts, cached)")
+    ap.add_argument("--probe", default="", help="add the hidden-state probe on these blocks (comma-separated: "
+                                                "mean5, mean10, mean15, mean20, mean30, last); run "
+                                                "`benchmarks/length_prediction_probe.py embed` first")
     ap.add_argument("--json", default=None, help="write the per-repeat figures here")
     args = ap.parse_args()
 
@@ -112,6 +230,8 @@ def main() -> None:
     from overnight.buckets.evaluate import replay
     from overnight.buckets.features import featurize, subset
     from overnight.buckets.metrics import kendall_tau
+    from overnight.buckets.predictors import Prediction
+    from overnight.buckets.trained import TrainedPredictor
 
     sources = set(filter(None, args.sources.split(",")))
     rows, fb, out, capped, finished, stored, meta = load(args.data, sources)
@@ -124,7 +244,7 @@ def main() -> None:
           f"{args.repeats} repeats of {args.folds}-fold cross-validation\n")
 
     vs = variants(args)
-    probe = None
+    probes = {}
     if args.probe:
         import importlib.util
 
@@ -132,8 +252,10 @@ def main() -> None:
                                                                                "length_prediction_probe.py"))
         mod = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(mod)
-        probe = mod.Probe.load_cached([r["id"] for r in rows])
-        vs.append(("hidden-state probe (ridge)", "probe", None))
+        for block in args.probe.split(","):
+            nm = f"hidden-state probe: ridge on {block}"
+            probes[nm] = mod.Probe.load_cached([r["id"] for r in rows], args.data, block)
+            vs.append((nm, "probe", None))
     names = [v[0] for v in vs] + ["stored in the run (online, as run)", "the other sampling",
                                   "mean of the other samplings"]
     stats = {nm: {"tau": [], "mae": [], "cal": [], "hit": [], "train_tau": []} for nm in names}
@@ -145,29 +267,42 @@ def main() -> None:
         stats[nm]["cal"].append(float(np.mean(pred) / np.mean(truth)))
         stats[nm]["hit"].append(float(np.mean(assign(pred, bounds) == assign(truth, bounds))))
 
+    default = next(nm for nm, _, _ in vs if "(default)" in nm)
     for r in range(args.repeats):
         s_train, s_test = r % k, (r + 1) % k
         fold_of = np.random.default_rng(r).permutation(n) % args.folds
         truth = out[:, s_test]
         preds = {nm: np.zeros(n) for nm in names}
+        default_score = np.zeros(n)
         for f in range(args.folds):
             tr, te = np.flatnonzero(fold_of != f), np.flatnonzero(fold_of == f)
             fb_tr, fb_te = subset(fb, tr), subset(fb, te)
             y_tr = out[tr, s_train]
             for nm, kind, make in vs:
+                if kind not in ("static", "probe") and not (kind == "warm" and nm == default):
+                    continue
                 t0 = time.perf_counter()
                 if kind == "probe":
-                    preds[nm][te] = probe.fit_predict(tr, y_tr, te)
+                    preds[nm][te] = probes[nm].fit_predict(tr, y_tr, te)
                     continue
                 p = make(fb_tr, y_tr, capped[tr, s_train])
                 fit_s[nm].append(time.perf_counter() - t0)
-                if kind == "online":
-                    order = np.argsort(finished[te, s_test], kind="stable")
-                    preds[nm][te] = replay(p, fb_te, truth[te], capped[te, s_test], order)
-                else:
-                    preds[nm][te] = p.predict(fb_te).tokens
-                    if f == 0:
-                        stats[nm]["train_tau"].append(kendall_tau(p.predict(fb_tr).tokens, y_tr))
+                pr = p.predict(fb_te)
+                preds[nm][te] = pr.tokens
+                if nm == default:
+                    default_score[te] = pr.score
+                if f == 0:
+                    stats[nm]["train_tau"].append(kendall_tau(p.predict(fb_tr).tokens, y_tr))
+        # Learning predictors: a simulated run over every row in a random input order (see simulate_run); the
+        # warm start's prior predicts each row with the trained model of the fold that held it out.
+        order = np.random.default_rng(100 + r).permutation(n)
+        for nm, kind, make in vs:
+            if kind == "online":
+                p = make()
+                preds[nm] = simulate_run(p, fb, truth, capped[:, s_test], order)
+            elif kind == "warm":
+                prior = CrossFitted(fb, Prediction(preds[default].copy(), default_score.copy()))
+                preds[nm] = simulate_run(make(prior), fb, truth, capped[:, s_test], order)
         preds["stored in the run (online, as run)"] = stored[:, s_test]
         preds["the other sampling"] = out[:, s_train]
         others = [i for i in range(k) if i != s_test]
@@ -185,18 +320,23 @@ def main() -> None:
         featurize(texts, fb.prompt_tokens.tolist(), fb.caps.tolist())
     feat_s = (time.perf_counter() - t0) / 3 / n
     cost = {}
+    order = np.arange(n)
     for nm, kind, make in vs:
         if kind == "probe":
-            cost[nm] = probe.seconds_per_row
+            cost[nm] = probes[nm].seconds_per_row
             continue
-        p = make(fb, out[:, 0], capped[:, 0])
-        t0 = time.perf_counter()
-        for _ in range(3):
-            if kind == "online":
-                replay(p, fb, out[:, 0], capped[:, 0], np.arange(n))
-            else:
+        if kind == "static":
+            p = make(fb, out[:, 0], capped[:, 0])
+            t0 = time.perf_counter()
+            for _ in range(3):
                 p.predict(fb)
-        cost[nm] = feat_s + (time.perf_counter() - t0) / 3 / n
+            cost[nm] = feat_s + (time.perf_counter() - t0) / 3 / n
+            continue
+        prior = TrainedPredictor.fit(fb, out[:, 0], capped[:, 0])[0] if kind == "warm" else None
+        t0 = time.perf_counter()
+        p = make(prior) if kind == "warm" else make()
+        simulate_run(p, fb, out[:, 0], capped[:, 0], order)
+        cost[nm] = feat_s + (time.perf_counter() - t0) / n  # predicting and learning, over one run of n rows
 
     def cell(xs, fmt):
         xs = [x for x in xs if not (isinstance(x, float) and math.isnan(x))]

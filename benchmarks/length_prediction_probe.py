@@ -10,12 +10,14 @@ rows, calibrated as the trained predictor is) is the probe;
 benchmarks/length_prediction.py scores it beside the others (--probe).
 
     python benchmarks/length_prediction_probe.py embed   # transformers, all layers; cached under ~/.cache/overnight
-    python benchmarks/length_prediction_probe.py cost    # what vLLM's pooling runner costs per row on this machine
+    python benchmarks/length_prediction_probe.py cost    # vLLM's pooling runner: cost per row, and its features
 
 `cost` runs the same weights as a vLLM pooling model (runner="pooling",
-mean pooling), over the data's prompts, whole and cut to its first layers
-(hf_overrides num_hidden_layers), and prints the seconds per row against the
-engine-seconds a row took in the data's generation runs.
+the last token's state), over the data's prompts, whole and cut to its first
+layers (hf_overrides num_hidden_layers), prints the seconds per row against
+the engine-seconds a row took in the data's generation runs, and keeps the
+features, so that the benchmark's probe can be scored on what vLLM computes
+(blocks vllm, vllm_cut) as well as on transformers' states.
 """
 
 from __future__ import annotations
@@ -55,16 +57,18 @@ def embed(path: str) -> None:
 
     from overnight.pipeline.tools.models import resolve as resolve_model
 
+    # One thread: on a busy 2-core machine, OpenMP's spin-waits made two threads 30x slower than one.
+    torch.set_num_threads(1)
     model_dir = resolve_model("smollm2-135m").path
     tok = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     ids, chats = _chats(path)
     feats, t0 = [], time.perf_counter()
     with torch.no_grad():
         for chat in chats:
             text = tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
             enc = tok(text, return_tensors="pt", add_special_tokens=False)
-            hs = model(**enc, output_hidden_states=True).hidden_states  # [layers + 1] x [1, T, 576]
+            hs = model.model(**enc, output_hidden_states=True).hidden_states  # [layers + 1] x [1, T, 576]
             parts = [hs[i][0].mean(dim=0) for i in LAYERS] + [hs[LAYERS[-1]][0, -1]]
             feats.append(torch.cat(parts).numpy().astype(np.float32))
     seconds = (time.perf_counter() - t0) / len(ids)
@@ -84,8 +88,20 @@ class Probe:
         self.caps = caps
 
     @classmethod
-    def load_cached(cls, ids, path: str = DATA, block: str = "mean10", cost_file: str | None = None) -> "Probe":
-        """block: mean<layer> (mean-pooled at that layer) or last (the last token's state at the last layer)."""
+    def load_cached(cls, ids, path: str = DATA, block: str = "last") -> "Probe":
+        """block: mean<layer> (transformers, mean-pooled at that layer), last (transformers, the last token's
+        state at the last layer), vllm or vllm_cut (vLLM's pooling runner, the last token, whole or cut)."""
+        if block.startswith("vllm"):
+            cache = _cache_path(path).replace("probe-", "probe-vllm-")
+            if not os.path.exists(cache):
+                sys.exit(f"no vLLM features for {path}: run `python benchmarks/length_prediction_probe.py cost`")
+            z = np.load(cache)
+            where = {i: k for k, i in enumerate(z["ids"].tolist())}
+            which = "cut" if block == "vllm_cut" else "whole"
+            if which not in z.files:
+                sys.exit(f"no vLLM features of the {which} model for {path}: `cost` did not get that far")
+            x = z[which][[where[i] for i in ids]].astype(np.float64)
+            return cls(x, float(z[f"seconds_{which}"]), np.full(len(ids), 512))
         cache = _cache_path(path)
         if not os.path.exists(cache):
             sys.exit(f"no cached hidden states for {path}: run `python benchmarks/length_prediction_probe.py "
@@ -96,11 +112,7 @@ class Probe:
         d = z["x"].shape[1] // (len(layers) + 1)
         k = len(layers) if block == "last" else layers.index(int(block[4:]))
         x = z["x"][[where[i] for i in ids], k * d:(k + 1) * d].astype(np.float64)
-        seconds = float(z["seconds_per_row"])
-        vllm_cost = os.path.join(CACHE, "probe-cost.json")
-        if os.path.exists(vllm_cost):  # the vLLM pooling runner's measured cost, when `cost` ran
-            seconds = json.load(open(vllm_cost))["seconds_per_row_cut"]
-        return cls(x, seconds, np.full(len(ids), 512))
+        return cls(x, float(z["seconds_per_row"]), np.full(len(ids), 512))
 
     def fit_predict(self, tr: np.ndarray, y_tr: np.ndarray, te: np.ndarray) -> np.ndarray:
         from overnight.buckets.trained import calibrate
@@ -130,13 +142,17 @@ class Probe:
         return np.clip(c * np.exp(a + b * score), 1.0, self.caps[te])
 
 
-def cost(path: str, n: int, layers_cut: int) -> None:
-    """Seconds per row of vLLM's pooling runner over the data's prompts, whole model and cut."""
+def cost(path: str, layers_cut: int) -> None:
+    """vLLM's pooling runner over every prompt of the data (the last token's hidden state, after the model's
+    final norm, not normalised): seconds per row, whole and cut to its first layers_cut layers. The features
+    are cached for the benchmark's probe blocks vllm and vllm_cut."""
+    import gc
+
+    import pyarrow.parquet as pq
+
     from overnight.pipeline.configio import resolve
     from overnight.pipeline.engine.vllm import _quiet_vllm, configure_cpu_env, engine_args, is_cpu_platform
     from overnight.pipeline.tools.models import resolve as resolve_model
-
-    import pyarrow.parquet as pq
 
     meta = json.loads(pq.read_table(path).schema.metadata[b"overnight_lengths"])
     runs = meta["runs"]
@@ -146,53 +162,76 @@ def cost(path: str, n: int, layers_cut: int) -> None:
     _quiet_vllm()
     if is_cpu_platform():
         configure_cpu_env(base.engine)
+    from transformers import AutoTokenizer
     from vllm import LLM
     from vllm.config import PoolerConfig
-    from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model_dir)
-    _, chats = _chats(path)
-    texts = [tok.apply_chat_template(c, tokenize=False, add_generation_prompt=True) for c in chats][:n]
+    ids, chats = _chats(path)
+    texts = [tok.apply_chat_template(c, tokenize=False, add_generation_prompt=True) for c in chats]
     num_tokens = sum(len(tok(t, add_special_tokens=False)["input_ids"]) for t in texts)
     result = {"rows": len(texts), "prompt_tokens": num_tokens, "job_seconds_per_row": job_s}
-    for name, overrides in (("whole", None), ("cut", {"num_hidden_layers": layers_cut})):
-        kw = engine_args(base.engine, model_dir)
-        kw.update(runner="pooling", pooler_config=PoolerConfig(pooling_type="MEAN"))
-        for key in ("scheduling_policy", "enable_chunked_prefill"):
+    feats = {}
+    out = _cache_path(path).replace("probe-", "probe-vllm-")
+    for name, folder in (("whole", model_dir), ("cut", _cut_model(model_dir, layers_cut))):
+        kw = engine_args(base.engine, folder)
+        for key in ("scheduling_policy", "enable_chunked_prefill", "enable_prefix_caching"):
             kw.pop(key, None)
-        if overrides:
-            kw["hf_overrides"] = overrides
+        kw.update(runner="pooling", pooler_config=PoolerConfig(pooling_type="LAST", use_activation=False))
         llm = LLM(**kw)
         llm.embed(texts[:8], use_tqdm=False)  # warm-up
         t0 = time.perf_counter()
         outs = llm.embed(texts, use_tqdm=False)
         dt = time.perf_counter() - t0
+        feats[name] = np.array([o.outputs.embedding for o in outs], dtype=np.float32)
         result[f"seconds_per_row_{name}"] = dt / len(texts)
-        result[f"dim_{name}"] = len(outs[0].outputs.embedding)
-        print(f"vLLM pooling, {name} model{'' if not overrides else f' ({layers_cut} layers)'}: {len(texts)} rows, "
+        print(f"vLLM pooling, {name} model{'' if name == 'whole' else f' ({layers_cut} layers)'}: {len(texts)} rows, "
               f"{num_tokens} prompt tokens in {dt:.1f} s: {dt / len(texts) * 1e3:.1f} ms a row, "
               f"{num_tokens / dt:.0f} prompt tokens/s; {dt / len(texts) / job_s:.1%} of the job's "
               f"{job_s:.2f} engine-seconds a row", flush=True)
         del llm
-        import gc
-
         gc.collect()
-    os.makedirs(CACHE, exist_ok=True)
-    with open(os.path.join(CACHE, "probe-cost.json"), "w") as f:
-        json.dump(result, f, indent=1)
+        os.makedirs(CACHE, exist_ok=True)
+        np.savez_compressed(out, ids=np.array(ids), **feats,
+                            **{f"seconds_{k}": np.array(result[f"seconds_per_row_{k}"]) for k in feats})
+        with open(os.path.join(CACHE, "probe-cost.json"), "w") as f:
+            json.dump(result, f, indent=1)
+
+
+def _cut_model(model_dir: str, layers: int) -> str:
+    """A copy of the model with only its first `layers` layers (the final norm kept), in the cache: vLLM's
+    loader refuses a checkpoint with more layers than its config names."""
+    import shutil
+
+    folder = os.path.join(CACHE, f"{os.path.basename(model_dir.rstrip('/'))}-{layers}-layers")
+    if os.path.exists(os.path.join(folder, "model.safetensors")):
+        return folder
+    os.makedirs(folder, exist_ok=True)
+    for name in os.listdir(model_dir):
+        if name not in ("model.safetensors", "config.json") and os.path.isfile(os.path.join(model_dir, name)):
+            shutil.copy(os.path.join(model_dir, name), folder)
+    config = json.load(open(os.path.join(model_dir, "config.json")))
+    config["num_hidden_layers"] = layers
+    json.dump(config, open(os.path.join(folder, "config.json"), "w"), indent=1)
+    from safetensors.torch import load_file as load_torch, save_file as save_torch
+
+    weights = load_torch(os.path.join(model_dir, "model.safetensors"))
+    keep = {k: v for k, v in weights.items()
+            if not (k.startswith("model.layers.") and int(k.split(".")[2]) >= layers)}
+    save_torch(keep, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
+    return folder
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("what", choices=["embed", "cost"])
     ap.add_argument("--data", default=DATA)
-    ap.add_argument("--rows", type=int, default=200, help="cost: rows to embed")
     ap.add_argument("--layers", type=int, default=10, help="cost: layers of the cut model")
     args = ap.parse_args()
     if args.what == "embed":
         embed(args.data)
     else:
-        cost(args.data, args.rows, args.layers)
+        cost(args.data, args.layers)
 
 
 if __name__ == "__main__":

@@ -27,20 +27,14 @@ from overnight.buckets.predictors import Predictor
 LEARN_POLL_S = 0.25
 # Re-predict the waiting rows with what the online predictor learned, at most this often.
 REFRESH_S = 5.0
-# Finished rows are learned from in batches that grow from FIRST_LEARN_BATCH, doubling with what was learned,
-# up to LEARN_BATCH: a job of 150 rows learns too, and a long one pays for few steps.
-FIRST_LEARN_BATCH = 16
+# Finished rows are handed to the predictor in batches of this many: one step per row would cost more than
+# it teaches.
 LEARN_BATCH = 256
-
-
-def learn_batch_size(num_observed: int) -> int:
-    """Rows to gather before the next learning step, after num_observed rows were learned from."""
-    return int(min(LEARN_BATCH, max(FIRST_LEARN_BATCH, num_observed)))
 
 
 class LengthAnnotator:
     def __init__(self, predictor: Predictor, max_tokens: int, bucket_kind: str = "log", num_buckets: int = 8,
-                 refresh_every: int = 32, background: bool = False):
+                 refresh_every: int = 64, background: bool = False):
         self.predictor = predictor
         self.max_tokens = max_tokens
         self.bucket_kind = bucket_kind
@@ -48,12 +42,12 @@ class LengthAnnotator:
         self.bounds: Optional[np.ndarray] = None
         self.refresh_every = refresh_every
         self._observed_since_refresh = 0
-        # Finished rows wait here and are learned from in batches: one step per row would cost more than it teaches.
+        # Finished rows wait here and are learned from in batches of LEARN_BATCH.
         self._inbox: collections.deque = collections.deque()
         self._pending: list = []
         self._pending_actual: list[int] = []
         self._pending_capped: list[bool] = []
-        self.learn_batch = LEARN_BATCH  # the largest batch (learn_batch_size)
+        self.learn_batch = LEARN_BATCH
         # A re-prediction asked for (entries) and its answer (entries, tokens, buckets), handed between threads.
         self._refresh_request: Optional[list] = None
         self._refresh_result: Optional[tuple] = None
@@ -161,7 +155,7 @@ class LengthAnnotator:
             self._pending.extend(features)
             self._pending_actual.extend(actual)
             self._pending_capped.extend(capped)
-        if len(self._pending) < min(self.learn_batch, learn_batch_size(self.predictor.num_observed)):
+        if len(self._pending) < self.learn_batch:
             return
         fb = stack(self._pending)
         self.predictor.observe(fb, np.asarray(self._pending_actual, dtype=np.float64), np.asarray(self._pending_capped))

@@ -7,7 +7,7 @@ from typing import Optional
 
 import numpy as np
 
-from overnight.buckets.annotate import learn_batch_size
+from overnight.buckets.annotate import LEARN_BATCH
 from overnight.buckets.bucketing import assign, log_bounds
 from overnight.buckets.dataset import LengthData
 from overnight.buckets.features import FeatureBatch, stack, subset
@@ -68,7 +68,7 @@ def evaluate(data: LengthData, predictor: Optional[str] = None, rows: Optional[n
 
 def replay(p, fb: FeatureBatch, actual: np.ndarray, hit_cap: np.ndarray, order: np.ndarray, chunk: int = 16) -> np.ndarray:
     """A learning predictor's predictions as a run would make them: rows in `order` (finish order), each chunk
-    predicted with what was learned from the rows before it, learning in the annotator's batch sizes."""
+    predicted with what was learned from the rows before it, learning in the annotator's batches."""
     pred = np.zeros(len(order))
     pending: list[np.ndarray] = []
     for start in range(0, len(order), chunk):
@@ -76,7 +76,7 @@ def replay(p, fb: FeatureBatch, actual: np.ndarray, hit_cap: np.ndarray, order: 
         pred[rows] = p.predict(subset(fb, rows)).tokens
         pending.append(rows)
         waiting = np.concatenate(pending)
-        if len(waiting) >= learn_batch_size(p.num_observed):
+        if len(waiting) >= LEARN_BATCH:
             p.observe(subset(fb, waiting), actual[waiting], hit_cap[waiting])
             pending = []
     return pred

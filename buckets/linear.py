@@ -64,7 +64,9 @@ class Design:
 
 def fit_ridge(d: Design, y: np.ndarray, lam_dense: float, lam_sparse: float, iters: int = 200,
               tol: float = 1e-4) -> tuple[float, np.ndarray, np.ndarray]:
-    """Weights (bias, dense [d], hashed [m]) minimising |Xw - y|^2 + lam_dense |wd|^2 + lam_sparse |ws|^2."""
+    """Weights (bias, dense [d], hashed [m]) minimising |Xw - y|^2 + lam_dense |wd|^2 + lam_sparse |ws|^2.
+    An infinite penalty leaves its block out (with both, the model is the intercept alone)."""
+    lam_dense = lam_dense if math.isfinite(lam_dense) else 1e12
     use_sparse = math.isfinite(lam_sparse) and d.m > 0
     m = d.m if use_sparse else 0
     k = d.z.shape[1]

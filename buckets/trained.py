@@ -41,8 +41,8 @@ from overnight.buckets.predictors import Prediction, Predictor
 FORMAT = "overnight-predictor/3"
 # Penalty grids searched by cross-validation: the dense block's as a share of the rows, the hashed words' as is
 # (inf: without them).
-LAM_DENSE = (0.01, 0.1, 1.0)
-LAM_SPARSE = (0.3, 3.0, 30.0, math.inf)
+LAM_DENSE = (0.03, 0.3, 3.0, 30.0)
+LAM_SPARSE = (0.1, 1.0, 10.0, math.inf)
 # The least slope of the calibration (calibrate).
 MIN_SLOPE = 0.02
 # Above this many rows the penalties are chosen on a seeded sample of them; the final fit uses every row.
@@ -138,14 +138,18 @@ class TrainedPredictor(Predictor):
     # -- training ------------------------------------------------------------------------------
     @classmethod
     def fit(cls, fb: FeatureBatch, actual: np.ndarray, hit_cap: Optional[np.ndarray] = None, *,
-            objective: str = "ridge", target: str = "log", select: str = "mse", folds: int = 5, seed: int = 0,
+            objective: str = "ridge", target: str = "rank", select: str = "tau", folds: int = 5, seed: int = 0,
             lam_dense: Optional[float] = None, lam_sparse: Optional[float] = None, words: bool = True,
-            offset: Optional[np.ndarray] = None, holdout: Optional[FeatureBatch] = None, holdout_actual: Optional[np.ndarray] = None,
+            offset: Optional[np.ndarray] = None, one_se: bool = True, grid: Optional[list] = None,
+            cv_repeats: int = 1, holdout: Optional[FeatureBatch] = None, holdout_actual: Optional[np.ndarray] = None,
             log: Callable[[str], None] = lambda s: None, sources: Optional[list] = None,
             epochs: Optional[int] = None) -> tuple["TrainedPredictor", TrainReport]:
         """Fit on rows fb with their actual output tokens. objective: ridge (regression) or pairwise (RankNet);
-        target: log (log tokens) or rank (normal scores of the ranks); select: the penalties with the least
-        out-of-fold squared error in log tokens (mse) or the highest out-of-fold tau. Fixed lam_dense and
+        target: log (log tokens) or rank (normal scores of the ranks); select: the penalties with the highest
+        out-of-fold tau (tau), or the most penalised within one standard error (one_se) of the least out-of-fold
+        squared error in log tokens (mse); grid: (lam_dense as a share of the rows, lam_sparse) pairs to search
+        instead of LAM_DENSE x LAM_SPARSE (inf leaves a block out); cv_repeats: the criterion is averaged over
+        this many splits into folds, which makes the choice less a matter of one split's luck. Fixed lam_dense and
         lam_sparse skip the search; words=False leaves the hashed words out. offset: a prior log estimate per row;
         the model learns a correction to it, which the penalties shrink towards none. hit_cap and epochs are accepted for callers of format 2 and unused: a row
         that stopped at max_tokens cost exactly that many tokens, which is what the scheduler needs predicted."""
@@ -170,21 +174,35 @@ class TrainedPredictor(Predictor):
         k = min(folds, len(cv_rows) // 4)
         if lam_dense is not None and lam_sparse is not None:
             grid = [(lam_dense, lam_sparse)]
+        elif grid is not None:
+            grid = [(ld * len(cv_rows) if math.isfinite(ld) else ld, ls) for ld, ls in grid]
         else:
             grid = [(ld * len(cv_rows), ls) for ld in LAM_DENSE for ls in (LAM_SPARSE if words else (math.inf,))]
-        best, best_key, best_oof = grid[len(grid) // 2], -math.inf, None
+        best, best_oof = grid[len(grid) // 2], None
         if k >= 2:
-            fold_of = rng.permutation(len(cv_rows)) % k
+            folds_of = [rng.permutation(len(cv_rows)) % k for _ in range(max(1, cv_repeats))]
+            scored = []  # (config, criterion, its standard error, out-of-fold scores of the first repeat)
             for ld, ls in grid:
-                oof = np.zeros(len(cv_rows))
-                for f in range(k):
-                    tr, te = np.flatnonzero(fold_of != f), np.flatnonzero(fold_of == f)
-                    b, wd, ws = _fit(d_cv.rows(tr), t_cv[tr], objective, ld, ls, seed)
-                    oof[te] = d_cv.rows(te).matvec(b, wd, ws) + off_cv[te]
-                key = _criterion(select, oof, y_cv, a_cv)
-                log(f"  lam_dense {ld:g}, lam_sparse {ls:g}: out-of-fold tau {kendall_tau(oof, a_cv):.3f}")
-                if key > best_key:
-                    best, best_key, best_oof = (ld, ls), key, oof
+                keys, ses, first = [], [], None
+                for fold_of in folds_of:
+                    oof = np.zeros(len(cv_rows))
+                    for f in range(k):
+                        tr, te = np.flatnonzero(fold_of != f), np.flatnonzero(fold_of == f)
+                        b, wd, ws = _fit(d_cv.rows(tr), t_cv[tr], objective, ld, ls, seed)
+                        oof[te] = d_cv.rows(te).matvec(b, wd, ws) + off_cv[te]
+                    key, se = _criterion(select, oof, y_cv, a_cv)
+                    keys.append(key)
+                    ses.append(se)
+                    first = oof if first is None else first
+                scored.append(((ld, ls), float(np.mean(keys)), float(np.mean(ses)), first))
+                log(f"  lam_dense {ld:g}, lam_sparse {ls:g}: out-of-fold tau {kendall_tau(first, a_cv):.3f}")
+            top = max(scored, key=lambda c: c[1])
+            if one_se and select == "mse":
+                # the most penalised model within one standard error of the best: the best's lead is mostly noise
+                # at a few hundred rows of noisy lengths, and the penalties that won by noise overfit
+                near = [c for c in scored if c[1] >= top[1] - top[2]]
+                top = max(near, key=lambda c: (min(math.log(c[0][0]), 50.0) + min(math.log(c[0][1]), 50.0), c[1]))
+            best, best_oof = top[0], top[3]
         ld, ls = best
         d = Design.of(fb, mean, std)
         t = normal_scores(y) if target == "rank" else y - off
@@ -198,7 +216,7 @@ class TrainedPredictor(Predictor):
         cv_tau = kendall_tau(best_oof, a_cv) if best_oof is not None else None
         meta = {"format": FORMAT, "hash_dim": HASH_DIM, "numeric": [*NUMERIC_NAMES, "log_heuristic"],
                 "objective": objective, "target": target, "select": select,
-                "lam_dense": ld, "lam_sparse": ls if math.isfinite(ls) else None, "num_rows": n,
+                "lam_dense": ld if math.isfinite(ld) else None, "lam_sparse": ls if math.isfinite(ls) else None, "num_rows": n,
                 "mean_actual": float(np.mean(actual)), "sources": sources or [], "trained_at": time.time()}
         p = cls(b, wd, ws, mean, std, calib, meta)
         train_tau = kendall_tau(p.predict(fb, offset).score, actual)
@@ -252,17 +270,16 @@ class TrainedPredictor(Predictor):
         return cls(float(blob["bias"]), blob["wd"], blob["ws"], blob["mean"], blob["std"], tuple(blob["calib"]), meta)
 
 
-def _criterion(select: str, oof: np.ndarray, y: np.ndarray, actual: np.ndarray) -> float:
-    """Larger is better: out-of-fold tau, or minus the squared error of the out-of-fold score mapped onto log
-    length by least squares (so that a ranking objective's free scale does not count against it)."""
+def _criterion(select: str, oof: np.ndarray, y: np.ndarray, actual: np.ndarray) -> tuple[float, float]:
+    """(criterion, its standard error); larger is better: out-of-fold tau (its error left at 0), or minus the
+    squared error of the out-of-fold score mapped onto log length by least squares (so that a ranking
+    objective's free scale does not count against it)."""
     if select == "tau":
-        return kendall_tau(oof, actual)
+        return kendall_tau(oof, actual), 0.0
     var = float(np.var(oof))
-    if var < 1e-12:
-        return -float(np.var(y))
-    slope = np.cov(oof, y)[0, 1] / var
-    resid = y - (np.mean(y) + slope * (oof - np.mean(oof)))
-    return -float(np.mean(resid ** 2))
+    slope = np.cov(oof, y)[0, 1] / var if var > 1e-12 else 0.0
+    sq = (y - (np.mean(y) + slope * (oof - np.mean(oof)))) ** 2
+    return -float(np.mean(sq)), float(np.std(sq) / math.sqrt(len(sq)))
 
 
 def _load_format2(path: str, raw: bytes) -> Predictor:

@@ -57,12 +57,12 @@ def train(outs, save_to, epochs, holdout, seed):
                                      holdout=fb_val, holdout_actual=data.actual[val_idx] if len(val_idx) else None,
                                      sources=list(outs))
     p.save(save_to)
-    cv = f", cross-validated {report.cv_tau:.3f}" if report.cv_tau is not None else ""
+    cv = f"cross-validated Kendall's tau {report.cv_tau:.3f}, " if report.cv_tau is not None else ""
     val = (f"; validation tau {report.val_tau:.3f}, MAE {report.val_mae:.0f} tokens, mean predicted / actual "
            f"{report.val_calibration:.2f} on {len(val_idx)} held-out rows" if report.val_tau is not None else "")
     words = "without the hashed words" if report.config["lam_sparse"] == float("inf") else "with the hashed words"
-    click.echo(f"trained on {report.num_rows} rows in {report.seconds:.1f} s ({words}): Kendall's tau on the "
-               f"training rows {report.train_tau:.3f}{cv}{val} -> {save_to}")
+    click.echo(f"trained on {report.num_rows} rows in {report.seconds:.1f} s ({words}): {cv}on the training rows "
+               f"themselves {report.train_tau:.3f}{val} -> {save_to}")
 
 
 @predictor.command("eval")

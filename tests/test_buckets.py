@@ -115,13 +115,14 @@ def noisy_workload(n, seed, signal=0.5, noise=0.6):
 
 def test_trained_predictor_learns_no_noise():
     """Lengths that do not depend on the prompt: the old MLP fit them at train tau 0.86 and predicted a fraction
-    of the mean; the linear model's cross-validated penalties leave it nearly flat and right on average."""
+    of the mean. The linear model may fit the training rows too, but its out-of-fold figures show no signal,
+    so the calibration leaves its predictions nearly flat and right on average, and it reports as much."""
     from overnight.buckets.trained import TrainedPredictor
 
     train, y_train = noisy_workload(120, seed=11, signal=0.0)
     test, y_test = noisy_workload(1000, seed=12, signal=0.0)
     p, report = TrainedPredictor.fit(train, y_train)
-    assert report.train_tau < 0.3
+    assert report.cv_tau < 0.15 and report.config["calibration"]["b"] < 0.1
     pred = p.predict(test)
     assert abs(kendall_tau(pred.score, y_test)) < 0.1
     assert abs(pred.tokens.mean() / y_test.mean() - 1) < 0.10
@@ -206,18 +207,6 @@ def test_predictor_files_of_format_2_still_load(tmp_path):
     np.testing.assert_allclose(again.predict(train).tokens, old.predict(train).tokens, rtol=1e-5)
 
 
-def test_annotator_learns_in_a_job_shorter_than_a_full_batch():
-    """A run of 150 rows learned nothing when learning waited for 256 finished rows."""
-    a = LengthAnnotator(OnlinePredictor(), 2048)
-    fb, actual = noisy_workload(150, seed=22)
-    rows = _rows(fb.texts)
-    a.annotate(rows, fb.texts)
-    for start in range(0, 120, 8):
-        chunk = rows[start:start + 8]
-        a.observe(chunk, [int(actual[r.id]) for r in chunk], ["stop"] * len(chunk))
-    assert a.predictor.num_observed == 64 and a.wants_refresh()  # batches of 16, 16, 32; the next at 64 more
-
-
 class _Entry:
     """What the scheduler hands the annotator to re-predict: an object with a row."""
 
@@ -293,7 +282,7 @@ def test_predictor_train_and_eval_commands(tmp_path, cfg):
     res = CliRunner().invoke(cli, ["predictor", "train", str(out), "--save", str(model), "--holdout", "0.25",
                                    "--epochs", "40"], catch_exceptions=False)
     assert res.exit_code == 0, res.output
-    assert "trained on 90 rows" in res.output and "cross-validated" in res.output
+    assert "trained on 90 rows" in res.output and "cross-validated Kendall's tau" in res.output
     assert "validation tau" in res.output and "mean predicted / actual" in res.output
     ev = CliRunner().invoke(cli, ["predictor", "eval", str(out), "--predictor", str(model), "--json"],
                             catch_exceptions=False)
