@@ -122,7 +122,9 @@ def test_early_warning_comes_before_five_percent_of_rows(warm, tmp_path):
     inp = tmp_path / "in.parquet"
     pq.write_table(real_prompts(120), inp)
     out = tmp_path / "out"
-    # the default policy, as the warm run: an engine of another scheduling policy would start within the budget
+    # The default policy, as the warm run: an engine of another scheduling policy would start within the budget.
+    # A two-row job first, so that the engine is running (the tests before may have replaced the module's).
+    invoke("run", inp, "--out", tmp_path / "warm", "--limit", "2", "--max-tokens", "4")
     result = invoke("run", inp, "--out", out, "--max-tokens", "64", "--time-budget", "8s",
                     code=75)
     timeline = json.loads((out / "timeline.json").read_text())
