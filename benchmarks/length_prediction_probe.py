@@ -90,14 +90,15 @@ class Probe:
     @classmethod
     def load_cached(cls, ids, path: str = DATA, block: str = "last") -> "Probe":
         """block: mean<layer> (transformers, mean-pooled at that layer), last (transformers, the last token's
-        state at the last layer), vllm or vllm_cut (vLLM's pooling runner, the last token, whole or cut)."""
+        state at the last layer), vllm or vllm_cut<layers> (vLLM's pooling runner, the last token's state, of
+        the whole model or of its first layers)."""
         if block.startswith("vllm"):
             cache = _cache_path(path).replace("probe-", "probe-vllm-")
             if not os.path.exists(cache):
                 sys.exit(f"no vLLM features for {path}: run `python benchmarks/length_prediction_probe.py cost`")
             z = np.load(cache)
             where = {i: k for k, i in enumerate(z["ids"].tolist())}
-            which = "cut" if block == "vllm_cut" else "whole"
+            which = block[5:] if block.startswith("vllm_cut") else "whole"
             if which not in z.files:
                 sys.exit(f"no vLLM features of the {which} model for {path}: `cost` did not get that far")
             x = z[which][[where[i] for i in ids]].astype(np.float64)
@@ -142,7 +143,7 @@ class Probe:
         return np.clip(c * np.exp(a + b * score), 1.0, self.caps[te])
 
 
-def cost(path: str, layers_cut: int) -> None:
+def cost(path: str, layers_cut: int, whole: bool = True) -> None:
     """vLLM's pooling runner over every prompt of the data (the last token's hidden state, after the model's
     final norm, not normalised): seconds per row, whole and cut to its first layers_cut layers. The features
     are cached for the benchmark's probe blocks vllm and vllm_cut."""
@@ -171,9 +172,14 @@ def cost(path: str, layers_cut: int) -> None:
     texts = [tok.apply_chat_template(c, tokenize=False, add_generation_prompt=True) for c in chats]
     num_tokens = sum(len(tok(t, add_special_tokens=False)["input_ids"]) for t in texts)
     result = {"rows": len(texts), "prompt_tokens": num_tokens, "job_seconds_per_row": job_s}
-    feats = {}
     out = _cache_path(path).replace("probe-", "probe-vllm-")
-    for name, folder in (("whole", model_dir), ("cut", _cut_model(model_dir, layers_cut))):
+    feats = dict(np.load(out)) if os.path.exists(out) else {}  # earlier measurements stay
+    feats.pop("ids", None)
+    cost_file = os.path.join(CACHE, "probe-cost.json")
+    if os.path.exists(cost_file):
+        result = {**json.load(open(cost_file)), **result}
+    models = [("whole", model_dir)] if whole else []
+    for name, folder in models + [(f"cut{layers_cut}", _cut_model(model_dir, layers_cut))]:
         kw = engine_args(base.engine, folder)
         for key in ("scheduling_policy", "enable_chunked_prefill", "enable_prefix_caching"):
             kw.pop(key, None)
@@ -184,6 +190,7 @@ def cost(path: str, layers_cut: int) -> None:
         outs = llm.embed(texts, use_tqdm=False)
         dt = time.perf_counter() - t0
         feats[name] = np.array([o.outputs.embedding for o in outs], dtype=np.float32)
+        feats[f"seconds_{name}"] = np.array(dt / len(texts))
         result[f"seconds_per_row_{name}"] = dt / len(texts)
         print(f"vLLM pooling, {name} model{'' if name == 'whole' else f' ({layers_cut} layers)'}: {len(texts)} rows, "
               f"{num_tokens} prompt tokens in {dt:.1f} s: {dt / len(texts) * 1e3:.1f} ms a row, "
@@ -192,9 +199,8 @@ def cost(path: str, layers_cut: int) -> None:
         del llm
         gc.collect()
         os.makedirs(CACHE, exist_ok=True)
-        np.savez_compressed(out, ids=np.array(ids), **feats,
-                            **{f"seconds_{k}": np.array(result[f"seconds_per_row_{k}"]) for k in feats})
-        with open(os.path.join(CACHE, "probe-cost.json"), "w") as f:
+        np.savez_compressed(out, ids=np.array(ids), **feats)
+        with open(cost_file, "w") as f:
             json.dump(result, f, indent=1)
 
 
@@ -226,12 +232,13 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("what", choices=["embed", "cost"])
     ap.add_argument("--data", default=DATA)
-    ap.add_argument("--layers", type=int, default=10, help="cost: layers of the cut model")
+    ap.add_argument("--layers", type=int, default=15, help="cost: layers of the cut model")
+    ap.add_argument("--no-whole", action="store_true", help="cost: only the cut model")
     args = ap.parse_args()
     if args.what == "embed":
         embed(args.data)
     else:
-        cost(args.data, args.layers)
+        cost(args.data, args.layers, whole=not args.no_whole)
 
 
 if __name__ == "__main__":
