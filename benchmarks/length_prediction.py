@@ -7,18 +7,23 @@ cross-validation. In repeat r the rows are split into --folds folds (seed r);
 a trained predictor learns from the other folds' lengths in sampling r, and
 every predictor is scored on the held-out fold against sampling r + 1 (the
 next run of those prompts; no row's own lengths are ever seen in training).
-The online predictors replay each held-out fold as a run of it would, in the
-order its rows finished, learning as they finish. Figures are over the pooled
+The learning predictors need no training rows: each repeat simulates one run
+over every row (simulate_run: input order shuffled, 64 rows in flight, each
+row's prediction taken when it is admitted, finished rows handed over 256 at a
+time as the annotator does); the warm start's prior predicts each row with the
+trained model of the fold that held it out. Figures are over the pooled
 held-out predictions of a repeat; the table gives the mean and the spread
 (min-max) over repeats.
 
 Reference lines: "the other sampling" (sampling r's length as the prediction of
-sampling r + 1: the ceiling docs/BENCHMARKS.md measured) and "mean of the other
-samplings" (the best a prompt-only predictor can do, near enough, with three).
+sampling r + 1: the ceiling docs/BENCHMARKS.md measured) and, with three or more
+samplings, "mean of the other samplings". "stored in the run" is what the
+data's own runs stored (the online predictor of the code they ran on).
 
     python benchmarks/length_prediction.py                      # every row (GSM8K, MT-bench, Vicuna, 2nd turns)
     python benchmarks/length_prediction.py --sources mt_bench,vicuna   # the open-ended first turns only
-    python benchmarks/length_prediction.py --probe mean10,last  # with the hidden-state probe (embed it first)
+    python benchmarks/length_prediction.py --probe vllm,vllm_cut15  # with the hidden-state probe: run
+        # benchmarks/length_prediction_probe.py cost --layers 15 first (and embed, for the transformers blocks)
 """
 
 from __future__ import annotations
@@ -221,8 +226,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=6)
     ap.add_argument("--only", default="", help="comma-separated name fragments of the variants to run")
     ap.add_argument("--probe", default="", help="add the hidden-state probe on these blocks (comma-separated: "
-                                                "mean5, mean10, mean15, mean20, mean30, last); run "
-                                                "`benchmarks/length_prediction_probe.py embed` first")
+                                                "vllm, vllm_cut<layers> from `length_prediction_probe.py cost`; "
+                                                "mean5 ... mean30, last from `length_prediction_probe.py embed`)")
     ap.add_argument("--json", default=None, help="write the per-repeat figures here")
     args = ap.parse_args()
 
@@ -256,8 +261,9 @@ def main() -> None:
             nm = f"hidden-state probe: ridge on {block}"
             probes[nm] = mod.Probe.load_cached([r["id"] for r in rows], args.data, block)
             vs.append((nm, "probe", None))
-    names = [v[0] for v in vs] + ["stored in the run (online, as run)", "the other sampling",
-                                  "mean of the other samplings"]
+    names = [v[0] for v in vs] + ["stored in the run (online, as run)", "the other sampling"]
+    if k > 2:
+        names.append("mean of the other samplings")
     stats = {nm: {"tau": [], "mae": [], "cal": [], "hit": [], "train_tau": []} for nm in names}
     fit_s = {nm: [] for nm in names}
 
@@ -305,8 +311,8 @@ def main() -> None:
                 preds[nm] = simulate_run(make(prior), fb, truth, capped[:, s_test], order)
         preds["stored in the run (online, as run)"] = stored[:, s_test]
         preds["the other sampling"] = out[:, s_train]
-        others = [i for i in range(k) if i != s_test]
-        preds["mean of the other samplings"] = out[:, others].mean(axis=1)
+        if k > 2:
+            preds["mean of the other samplings"] = out[:, [i for i in range(k) if i != s_test]].mean(axis=1)
         for nm in names:
             score(nm, preds[nm], truth)
         print(f"repeat {r}: trained on sampling {s_train + 1}, scored on sampling {s_test + 1}: " +
