@@ -186,7 +186,8 @@ class Runner:
             try:
                 self.engine.add(a.request_id, a.row.prompt_token_ids, a.row.sampling,
                                 a.priority if self.engine.supports_priority else 0)
-                self.tracker.admitted(a.request_id, a.row.predicted_tokens, a.row.num_prompt_tokens)
+                self.tracker.admitted(a.request_id, a.row.predicted_tokens, a.row.num_prompt_tokens,
+                                      a.row.sampling.get("n", 1))
                 if self.tally.first_admitted_at is None:
                     self.tally.first_admitted_at = time.time()
             except ValueError as e:  # vLLM's own validation of a request
@@ -198,7 +199,8 @@ class Runner:
         if not self.engine.has_unfinished():
             self._last_step_end = None
             return
-        admitted = self.scheduler.num_running  # the rows in the engine, running or waiting in its queue
+        # the sequences in the engine, running or waiting in its queue (a row of n samples is n of them)
+        admitted = self.scheduler.running_samples
         running = min(admitted, self.engine.max_num_seqs)
         self.tracker.before_step()
         t0 = time.perf_counter()
@@ -214,22 +216,26 @@ class Runner:
         cycle = None if self._last_step_end is None else end - self._last_step_end
         self._last_step_end = end
         self.tracker.after_step(cycle, [f.request_id for f in finished])
-        self.share += step_s / max(1, admitted)  # so the rows' engine_seconds add up to the steps' time
+        self.share += step_s / max(1, admitted)  # per sequence, so the rows' engine_seconds add up to the steps'
         self.tally.engine_seconds += step_s
         # vLLM reports a row's tokens only when it finishes, so the first minutes of a job, before any long
         # row is done, would measure almost nothing. A step gives each running sequence one token: counting
         # those measures the rate from the first step on (it overcounts a little while prompts prefill).
         self.generated_estimate += running
         if finished:
-            results, rows = [], []
+            results, rows, lengths = [], [], []
             for f in finished:
                 queued = self.queued_at[f.request_id]
                 share = self.share - self.share_at.get(f.request_id, self.share)
-                rows.append(self._forget(f.request_id))
-                results.append(Result.from_engine(rows[-1], f, queued, round(share, 6)))
-            self.annotator.observe(rows, [r.output_tokens for r in results], [r.finish_reason for r in results])
-            self.tracker.finished([r.predicted_tokens for r in rows], [r.output_tokens for r in results],
-                                  [r.finish_reason for r in results])
+                row = self._forget(f.request_id)
+                n = row.sampling.get("n", 1)
+                rows.append(row)
+                results.append(Result.from_engine(row, f, queued, round(share * n, 6)))
+                # predictions are per sequence: a row of n samples teaches its mean sample's length
+                lengths.append(f.num_output_tokens if n == 1 else round(f.num_output_tokens / n))
+            reasons = [r.finish_reason for r in results]
+            self.annotator.observe(rows, lengths, reasons)
+            self.tracker.finished([r.predicted_tokens for r in rows], lengths, reasons)
             self._record(results)
         self.writer.maybe_flush()
 

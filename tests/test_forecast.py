@@ -127,10 +127,14 @@ def test_in_flight_emulates_vllm_queue():
 
 
 # -- a simulated run ---------------------------------------------------------------------------------
-def simulate(policy, cost, n_rows=600, m=64, deadline_share=None, makespan=None, seed=3, probe=True):
-    """Runs the real Scheduler and DeadlineTracker against a simulated engine; returns the story."""
+def simulate(policy, cost, n_rows=600, m=64, deadline_share=None, makespan=None, seed=3, probe=True, n_samples=1):
+    """Runs the real Scheduler and DeadlineTracker against a simulated engine; returns the story. With n_samples
+    > 1 each row asks for that many completions, which the engine runs as as many sequences (vLLM's parallel
+    sampling), each of its own length around the row's."""
     rng = np.random.default_rng(seed)
     predicted, actual = lognormal_rows(n_rows, 0.0, 0.55, rng)
+    lengths = actual[:, None] if n_samples == 1 else np.minimum(512, np.maximum(1, np.round(
+        actual[:, None] * rng.lognormal(0, 0.3, (n_rows, n_samples)))))
     clock = FakeClock(0.0)
     deadline = None if deadline_share is None else deadline_share * makespan
     tracker = DeadlineTracker(deadline, 0.0, clock, max_tokens=512)
@@ -139,11 +143,11 @@ def simulate(policy, cost, n_rows=600, m=64, deadline_share=None, makespan=None,
     sched = Scheduler(m, 1.0, Policy(policy))
     tracker.engine_started(m)
     tracker.start(sched)
-    rows = [Row(id=i, prompt_token_ids=[1] * 50, sampling={"max_tokens": 512}, passthrough={}, origin=str(i),
-                predicted_tokens=int(p)) for i, p in enumerate(predicted)]
+    rows = [Row(id=i, prompt_token_ids=[1] * 50, sampling={"max_tokens": 512, "n": n_samples}, passthrough={},
+                origin=str(i), predicted_tokens=int(p)) for i, p in enumerate(predicted)]
     sched.add(rows, 0.0)
     tally = SimpleNamespace(num_rows=n_rows, num_read=n_rows, num_resumed=0, mean_predicted=float(predicted.mean()))
-    waiting, running = [], {}
+    waiting, running = [], {}  # running: request -> tokens left of each of its sequences
     done, samples, caps = 0, [], []
     next_forecast = 0.0
     while not sched.is_done():
@@ -161,24 +165,26 @@ def simulate(policy, cost, n_rows=600, m=64, deadline_share=None, makespan=None,
             caps.append(sched.cap)
         for adm in sched.schedule(clock.t):
             waiting.append(adm.request_id)
-            tracker.admitted(adm.request_id, adm.row.predicted_tokens, 50)
+            tracker.admitted(adm.request_id, adm.row.predicted_tokens, 50, n_samples)
         tracker.before_step()
-        while waiting and len(running) < m:
+        while waiting and sum(len(v) for v in running.values()) < m:
             rid = waiting.pop(0)
-            running[rid] = int(actual[sched.running[rid].id])
-        dt = cost[0] + cost[1] * len(running)
+            running[rid] = lengths[sched.running[rid].id].copy()
+        live = sum(int(np.count_nonzero(v > 0)) for v in running.values())
+        dt = cost[0] + cost[1] * live
         clock.t += dt
         fin = []
         for rid in list(running):
             running[rid] -= 1
-            if running[rid] <= 0:
+            if (running[rid] <= 0).all():
                 del running[rid]
                 fin.append(rid)
         tracker.after_step(dt, fin)
         if fin:
             finished_rows = [sched.finish(r) for r in fin]
-            tracker.finished([r.predicted_tokens for r in finished_rows], [int(actual[r.id]) for r in finished_rows],
-                             ["length" if actual[r.id] >= 512 else "stop" for r in finished_rows])
+            tracker.finished([r.predicted_tokens for r in finished_rows],
+                             [float(lengths[r.id].mean()) for r in finished_rows],
+                             ["length" if lengths[r.id].max() >= 512 else "stop" for r in finished_rows])
             done += len(fin)
     return SimpleNamespace(end=clock.t, done=done, samples=samples, caps=caps, n=n_rows)
 
@@ -230,3 +236,16 @@ def test_on_a_gpu_the_cap_keeps_the_engine_full_until_the_end():
     auto = simulate("auto", GPU, deadline_share=0.3, makespan=full.end)
     early = [c for t, _, f in auto.samples for c in [f.cap] if t < 0.8 * 0.3 * full.end and c is not None]
     assert early and min(early) == 64
+
+
+def test_rows_of_several_samples_are_forecast_as_that_many_sequences():
+    """n = 4: each row holds 4 of the engine's slots, and a row is done when its longest sample is."""
+    story = simulate("fifo", CPU, n_rows=200, n_samples=4)
+    for share in (0.10, 0.25, 0.50):
+        err, f, actual = eta_error(story, share)
+        assert abs(err) <= 0.10, (share, err, f.eta_s, actual)
+    full = story
+    story = simulate("fifo", CPU, n_rows=200, n_samples=4, deadline_share=0.3, makespan=full.end)
+    t, done, f = next(s for s in story.samples if s[2].will_miss)
+    assert done <= 0.05 * story.n
+    assert f.rows_expected_left == pytest.approx(story.n - story.done, rel=0.2)

@@ -98,6 +98,15 @@ MIN_STEPS = 8
 Z80 = 1.2816  # the normal quantile of a two-sided 80% range
 
 
+def _samples_per_row(scheduler) -> float:
+    """Sequences per row of the rows still to start (a row asking for n samples runs as n), else of those running."""
+    if scheduler.num_pending:
+        return scheduler.pending_samples / scheduler.num_pending
+    if scheduler.num_running:
+        return scheduler.running_samples / scheduler.num_running
+    return 1.0
+
+
 class DeadlineTracker:
     def __init__(self, deadline: Optional[float], margin_s: float = 0.0, clock: Callable[[], float] = time.time,
                  initial_tokens_per_s: Optional[float] = None, window_s: float = 30.0, warmup_s: float = 10.0,
@@ -125,8 +134,8 @@ class DeadlineTracker:
         self.inflight.resize(max_num_seqs)
         self.inflight.clear()
 
-    def admitted(self, request_id: str, predicted: Optional[int], prompt_tokens: int) -> None:
-        self.inflight.admit(request_id, predicted, prompt_tokens)
+    def admitted(self, request_id: str, predicted: Optional[int], prompt_tokens: int, n: int = 1) -> None:
+        self.inflight.admit(request_id, predicted, prompt_tokens, n)
 
     def before_step(self) -> None:
         self._step_n, self._step_prefill = self.inflight.before_step()
@@ -138,6 +147,7 @@ class DeadlineTracker:
         self.inflight.after_step(finished_ids)
 
     def finished(self, predicted, actual, finish_reasons) -> None:
+        """Rows done: predicted and actual output tokens per sequence (a row of n samples: its tokens / n)."""
         self.lengths.observe(predicted, actual, [r == "length" for r in finish_reasons])
 
     def dropped(self, request_ids) -> None:
@@ -226,10 +236,12 @@ class DeadlineTracker:
             f = self._model_forecast(scheduler, lengths, counts, unread, tally.mean_predicted, max_num_seqs)
             self.last = f
         else:
-            f = self.forecast(scheduler.running_predicted / 2, scheduler.num_running, lengths, unread,
-                              tally.mean_predicted, counts)
+            # a row of n samples generates n times the tokens predicted (mean_predicted and lengths are per sequence)
+            k = _samples_per_row(scheduler)
+            f = self.forecast(scheduler.running_predicted / 2, scheduler.num_running,
+                              np.asarray(lengths, dtype=np.float64) * k, unread, tally.mean_predicted * k, counts)
         if f.tokens_per_s and scheduler.num_running:
-            scheduler.per_seq_tokens_per_s = f.tokens_per_s / min(scheduler.num_running, max_num_seqs)
+            scheduler.per_seq_tokens_per_s = f.tokens_per_s / min(scheduler.running_samples, max_num_seqs)
         return f
 
     def _model_forecast(self, scheduler, lengths, counts, unread: int, mean_predicted: float,
@@ -243,8 +255,10 @@ class DeadlineTracker:
         slots = max_num_seqs
         cap = None
         left = self.time_left()
+        # Everything below counts sequences (a row of n samples is n of them, each a slot); rows come last.
+        k = _samples_per_row(scheduler)
         pend_p = np.asarray(lengths, dtype=np.float64)
-        pend_n = np.asarray(counts, dtype=np.float64)
+        pend_n = np.asarray(counts, dtype=np.float64) * k
         if scheduler.policy == Policy.AUTO and self.stop_at is not None and scheduler.mode == Mode.DEADLINE:
             cap = self._cap(a, b, c, left, model, queued_p, pend_p, pend_n, max_num_seqs)
             slots = cap
@@ -252,9 +266,12 @@ class DeadlineTracker:
         fill_n = np.concatenate([np.ones(len(queued_p)), pend_n])
         if unread:
             mean_p = float(fill @ fill_n / fill_n.sum()) if fill_n.sum() else (mean_predicted or 1.0)
-            fill, fill_n = np.append(fill, mean_p), np.append(fill_n, unread)
-        rows = int(len(run_p) + fill_n.sum())
-        prefill = float(fill_n.sum()) * self.inflight.mean_prompt_tokens
+            fill, fill_n = np.append(fill, mean_p), np.append(fill_n, unread * k)
+        sequences = float(len(run_p) + fill_n.sum())
+        queued_rows = len(self.inflight.info) - len(self.inflight.start)
+        rows = len(self.inflight.info) + int(round(float(np.sum(counts)))) + unread
+        per_row = sequences / rows if rows else 1.0
+        prefill = (queued_rows + float(np.sum(counts)) + unread) * self.inflight.mean_prompt_tokens
         step_full = a + b * slots
         within = left / step_full if step_full > 0 and left < math.inf else math.inf
 
@@ -278,7 +295,9 @@ class DeadlineTracker:
         high = high * (1 + rel) + tail
         tokens_per_s = slots / step_full if step_full > 0 else 0.0
         will_miss = self.stop_at is not None and eta_s > left
-        left_rows = max(0, rows - d.rows_by) if self.stop_at is not None else 0
+        left_rows = max(0, round(rows - d.rows_by / per_row)) if self.stop_at is not None else 0
+        if cap is not None:
+            cap = max(1, int(cap / per_row))  # the scheduler caps rows
         calibration = math.exp(model.mu + model.sigma ** 2 / 2)  # before max_tokens cuts the longest
         log.debug("forecast: step %.4f + %.5f/seq + %.2e/prompt token; %d steps + %.0f tail, %.0f tokens, %.0f "
                   "prompt tokens over %d slots; lengths mu %.3f sigma %.3f from %.1f rows; ETA %.1f s (%.1f-%.1f)",

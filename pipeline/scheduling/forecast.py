@@ -129,22 +129,24 @@ class StepCost:
 
 # -- rows in the engine ----------------------------------------------------------------------------
 class InFlight:
-    """The engine's running set as vLLM keeps it: up to max_num_seqs rows in admission order, the rest queued."""
+    """The engine's running set as vLLM keeps it: up to max_num_seqs sequences in admission order, the rest queued.
+    A row that asks for n samples runs as n sequences (vLLM's parallel sampling), each its own slot."""
 
     def __init__(self, max_num_seqs: int):
         self.max_num_seqs = max_num_seqs
         self.step = 0
         self.start: dict[str, int] = {}  # running request -> the step it started at
         self.waiting: deque[str] = deque()
-        self.info: dict[str, tuple[float, int]] = {}  # request -> (predicted tokens, prompt tokens)
+        self.info: dict[str, tuple[float, int, int]] = {}  # request -> (predicted tokens, prompt tokens, samples)
+        self.num_seqs = 0  # sequences of the running requests
         self.prompt_total = 0
         self.num_admitted = 0
 
     def resize(self, max_num_seqs: int) -> None:
         self.max_num_seqs = max_num_seqs
 
-    def admit(self, request_id: str, predicted: Optional[int], prompt_tokens: int) -> None:
-        self.info[request_id] = (float(predicted or 0), prompt_tokens)
+    def admit(self, request_id: str, predicted: Optional[int], prompt_tokens: int, n: int = 1) -> None:
+        self.info[request_id] = (float(predicted or 0), prompt_tokens, max(1, int(n)))
         self.waiting.append(request_id)
         self.prompt_total += prompt_tokens
         self.num_admitted += 1
@@ -152,12 +154,14 @@ class InFlight:
     def before_step(self) -> tuple[int, int]:
         """Rows start as slots free; returns (sequences in this step, prompt tokens it prefills)."""
         prefill = 0
-        while self.waiting and len(self.start) < self.max_num_seqs:
+        while self.waiting and self.num_seqs < self.max_num_seqs:
             rid = self.waiting.popleft()
-            if rid in self.info:  # else finished or dropped while waiting
+            info = self.info.get(rid)
+            if info is not None:  # else finished or dropped while waiting
                 self.start[rid] = self.step
-                prefill += self.info[rid][1]
-        return len(self.start), prefill
+                self.num_seqs += info[2]
+                prefill += info[1]
+        return self.num_seqs, prefill
 
     def after_step(self, finished_ids) -> None:
         self.step += 1
@@ -165,29 +169,38 @@ class InFlight:
             self.forget(rid)
 
     def forget(self, request_id: str) -> None:
-        self.start.pop(request_id, None)
-        self.info.pop(request_id, None)
+        info = self.info.pop(request_id, None)
+        if self.start.pop(request_id, None) is not None:
+            self.num_seqs -= info[2]
 
     def clear(self) -> None:
         self.start.clear()
         self.waiting.clear()
         self.info.clear()
+        self.num_seqs = 0
 
     @property
     def mean_prompt_tokens(self) -> float:
         return self.prompt_total / self.num_admitted if self.num_admitted else 0.0
 
     def running(self) -> tuple[np.ndarray, np.ndarray]:
-        """(predicted tokens, tokens generated so far) of the rows running."""
+        """(predicted tokens, tokens generated so far) of the sequences running (a row of n samples: n times)."""
         if not self.start:
             return np.zeros(0), np.zeros(0)
-        p = np.fromiter((self.info[r][0] for r in self.start), np.float64, len(self.start))
-        g = np.fromiter((self.step - s for s in self.start.values()), np.float64, len(self.start))
+        info = [self.info[r] for r in self.start]
+        p = np.fromiter((i[0] for i in info), np.float64, len(info))
+        g = np.fromiter((self.step - s for s in self.start.values()), np.float64, len(info))
+        if self.num_seqs != len(info):
+            k = np.fromiter((i[2] for i in info), np.int64, len(info))
+            p, g = np.repeat(p, k), np.repeat(g, k)
         return p, g
 
     def queued(self) -> np.ndarray:
-        """Predicted tokens of the rows admitted but not started, in the order they will start."""
-        return np.fromiter((self.info[r][0] for r in self.waiting if r in self.info), np.float64)
+        """Predicted tokens of the sequences admitted but not started, in the order they will start."""
+        info = [self.info[r] for r in self.waiting if r in self.info]
+        p = np.fromiter((i[0] for i in info), np.float64, len(info))
+        k = np.fromiter((i[2] for i in info), np.int64, len(info))
+        return p if not len(k) or k.max() == 1 else np.repeat(p, k)
 
 
 # -- lengths -----------------------------------------------------------------------------------------

@@ -76,7 +76,10 @@ class Scheduler:
         self.has_values = has_values
         self.mode = Mode.THROUGHPUT
         self.running: dict[str, Row] = {}
-        self.running_predicted = 0  # predicted output tokens of the running rows
+        self.running_predicted = 0  # predicted output tokens of the running rows (n times for n samples)
+        # Sequences: a row that asks for n samples runs as n of them in the engine (what the forecast counts).
+        self.running_samples = 0
+        self.pending_samples = 0
         self.stats = SchedulerStats()
         self._heap: list[tuple[float, int, _Entry]] = []
         self._arrivals: deque[_Entry] = deque()
@@ -122,8 +125,9 @@ class Scheduler:
         heap, lengths, key = self._heap, self._lengths, self._key
         arrivals = self._arrivals if self.max_wait_s is not None else None
         seq = self._next_seq
-        n = 0
+        n = samples = 0
         for row in rows:
+            samples += row.sampling.get("n", 1)
             e = _Entry(seq, row, now, key(row))
             heapq.heappush(heap, (e.key, seq, e))
             if arrivals is not None:
@@ -136,10 +140,12 @@ class Scheduler:
             n += 1
         self._next_seq = seq
         self._num_pending += n
+        self.pending_samples += samples
 
     def _take(self, e: _Entry) -> None:
         e.is_taken = True
         self._num_pending -= 1
+        self.pending_samples -= e.row.sampling.get("n", 1)
         self._lengths[e.row.predicted_tokens or 0] -= 1
 
     def _key(self, row: Row) -> float:
@@ -178,7 +184,9 @@ class Scheduler:
             request_id = str(self._next_request)
             self._next_request += 1
             self.running[request_id] = entry.row
-            self.running_predicted += entry.row.predicted_tokens or 0
+            n = entry.row.sampling.get("n", 1)
+            self.running_predicted += (entry.row.predicted_tokens or 0) * n
+            self.running_samples += n
             out.append(Admission(request_id, entry.row, self._engine_priority(entry), reason))
         return out
 
@@ -220,14 +228,16 @@ class Scheduler:
 
     def finish(self, request_id: str) -> Row:
         row = self.running.pop(request_id)
-        self.running_predicted -= row.predicted_tokens or 0
+        n = row.sampling.get("n", 1)
+        self.running_predicted -= (row.predicted_tokens or 0) * n
+        self.running_samples -= n
         return row
 
     def requeue_running(self, now: float) -> int:
         """Put every running row back in the pool (the engine lost them); returns how many."""
         rows = list(self.running.values())
         self.running.clear()
-        self.running_predicted = 0
+        self.running_predicted = self.running_samples = 0
         self.add(rows, now)
         return len(rows)
 
@@ -235,7 +245,7 @@ class Scheduler:
         """Forget every running row (they are being aborted); return their request ids."""
         ids = list(self.running)
         self.running.clear()
-        self.running_predicted = 0
+        self.running_predicted = self.running_samples = 0
         return ids
 
     def take_expired(self, now: float) -> list[Row]:
