@@ -19,6 +19,7 @@ start-up counts) over open-ended instructions (MT-bench + Vicuna bench from
    fifo, per repeat.
 
     python benchmarks/forecast.py --rows 150 --policies fifo longest-first auto --deadline-repeats 3
+    python benchmarks/forecast.py --workload mixed ...   # GSM8K + MT-bench + Vicuna, 3 : 1 : 1
 """
 
 from __future__ import annotations
@@ -36,14 +37,29 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 POINTS = (0.10, 0.25, 0.50)
 
 
-def workload(data_dir: str, n: int, seed: int, path: str) -> None:
+WORKLOADS = {
+    # open-ended instructions: MT-bench and Vicuna bench
+    "open": (("mt_bench.parquet", None), ("vicuna_bench.parquet", None)),
+    # the mixed workload of the scheduling benchmark: GSM8K, MT-bench and Vicuna bench, 3 : 1 : 1
+    "mixed": (("gsm8k_test.parquet", 0.6), ("mt_bench.parquet", 0.2), ("vicuna_bench.parquet", 0.2)),
+}
+
+
+def workload(data_dir: str, n: int, seed: int, path: str, kind: str = "open") -> None:
     import numpy as np
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    t = pa.concat_tables([pq.read_table(os.path.join(data_dir, f), columns=["id", "prompt"])
-                          for f in ("mt_bench.parquet", "vicuna_bench.parquet")])
-    t = t.take(np.random.default_rng(seed).permutation(t.num_rows)[:n])
+    rng = np.random.default_rng(seed)
+    parts = []
+    for f, share in WORKLOADS[kind]:
+        t = pq.read_table(os.path.join(data_dir, f), columns=["id", "prompt"])
+        if share is not None:
+            t = t.take(rng.permutation(t.num_rows)[:round(share * n)])
+        parts.append(t)
+    t = pa.concat_tables(parts)
+    t = t.take(rng.permutation(t.num_rows)[:n] if kind != "open" else
+               np.random.default_rng(seed).permutation(t.num_rows)[:n])
     pq.write_table(t, path)
 
 
@@ -128,6 +144,7 @@ def main() -> None:
     ap.add_argument("--data", default=os.path.join(REPO, "..", "shared", "data"))
     ap.add_argument("--rows", type=int, default=150)
     ap.add_argument("--seed", type=int, default=11)
+    ap.add_argument("--workload", choices=sorted(WORKLOADS), default="open")
     ap.add_argument("--policies", nargs="+", default=["fifo", "longest-first", "auto"])
     ap.add_argument("--budget-share", type=float, default=0.3)
     ap.add_argument("--deadline-repeats", type=int, default=3)
@@ -139,9 +156,10 @@ def main() -> None:
     base = args.out or tempfile.mkdtemp(prefix="forecast-")
     os.makedirs(base, exist_ok=True)
     inp = os.path.join(base, "prompts.parquet")
-    workload(args.data, args.rows, args.seed, inp)
+    workload(args.data, args.rows, args.seed, inp, args.workload)
     extra = args.extra.split()
-    print(f"workload: {args.rows} MT-bench + Vicuna prompts (seed {args.seed}); outputs in {base}", flush=True)
+    what = "MT-bench + Vicuna" if args.workload == "open" else "GSM8K + MT-bench + Vicuna (3:1:1)"
+    print(f"workload: {args.rows} {what} prompts (seed {args.seed}); outputs in {base}", flush=True)
 
     makespan = {}
     print("\nETA error, (ETA - actual remaining) / actual remaining, at 10% / 25% / 50% of rows:")

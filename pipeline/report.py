@@ -68,6 +68,7 @@ def forecast_dict(f, deadline: Optional[float], mode: str) -> dict:
         "mode": mode,
         "tokens_per_s": round(f.tokens_per_s, 2),
         "remaining_tokens_predicted": round(f.remaining_tokens),
+        "remaining_rows": f.remaining_rows,
         "eta_s": None if f.eta_s is None else round(f.eta_s, 1),
         "eta_range_s": None if f.eta_low_s is None else [round(f.eta_low_s, 1), round(f.eta_high_s, 1)],
         # what the forecast learned: actual / predicted output tokens, and seconds per step (fixed, per
@@ -164,6 +165,13 @@ class Reporter:
         m["updated_at"] = mf.now_iso()
         self.job.out.write_manifest(m)
         self._publish(self.status(mf.RunState.RUNNING, None))
+
+    def on_forecast(self) -> None:
+        """After each forecast: a Ray worker's folder hands it to the driver, which forecasts the whole job."""
+        report = getattr(self.job.out, "report_progress", None)
+        if report is not None:
+            report(self.tally.rows(self.scheduler.num_running),
+                   forecast_dict(self.tracker.last, self.tracker.deadline, self.scheduler.mode.value))
 
     def _publish(self, status: dict) -> None:
         self.job.out.write_status(status)

@@ -263,13 +263,17 @@ class Runner:
             self._forecast_every = max(FORECAST_S, 500 * (time.perf_counter() - t0))
 
     def _forecast(self) -> None:
-        f = self.tracker.forecast_job(self.scheduler, self.tally, self.job.scan.num_done, self.engine.max_num_seqs)
+        # Rows an earlier attempt did are left out of the unread rows; a Ray worker's units are not its folder's
+        # rows, so it knows only those it has met.
+        before = self.job.scan.num_done if self.job.source.sees_every_row else self.tally.num_resumed
+        f = self.tracker.forecast_job(self.scheduler, self.tally, before, self.engine.max_num_seqs)
         self.progress.set_forecast(f.eta_s, f.time_left_s if self.tracker.deadline else None, f.will_miss,
                                    {"remaining_tokens": round(f.remaining_tokens), "forecast_tokens_per_s":
                                     round(f.tokens_per_s, 2), "rows_expected_left": f.rows_expected_left,
                                     "eta_low_s": f.eta_low_s, "eta_high_s": f.eta_high_s, "cap": f.cap})
         if not self.stopping:
             self.tracker.steer(f, self.scheduler)
+        self.reporter.on_forecast()
 
     def _begin_stop(self, reason: str, hard_stop_at: float) -> None:
         self.stopping = reason

@@ -2,7 +2,6 @@
 clock: a step costs fixed + per_seq * sequences, rows' actual lengths are log-normal around predictions that
 are biased low and barely rank, as the embedded model's are."""
 
-import math
 from types import SimpleNamespace
 
 import numpy as np
@@ -13,7 +12,7 @@ from overnight.pipeline.config import Policy
 from overnight.pipeline.records import Row
 from overnight.pipeline.scheduling.deadline import DeadlineTracker
 from overnight.pipeline.scheduling.forecast import InFlight, LengthModel, StepCost, best_cap, drain, norm_cdf
-from overnight.pipeline.scheduling.scheduler import Mode, Scheduler
+from overnight.pipeline.scheduling.scheduler import Scheduler
 
 CPU = (0.038, 0.0034)  # seconds per step: fixed, per sequence (docs/BENCHMARKS.md, "Engine step cost")
 GPU = (0.020, 0.00002)

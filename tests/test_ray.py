@@ -4,6 +4,7 @@ an actor killed mid-run, the deadline, SIGTERM to the driver."""
 from __future__ import annotations
 
 import json
+import re
 import signal
 import subprocess
 import threading
@@ -111,17 +112,23 @@ def test_a_killed_worker_loses_nothing(tmp_path, cfg, local_ray):
     assert len(ids) == len(set(ids)) == 1000
 
 
-def test_the_deadline_stops_every_worker_then_a_rerun_completes(tmp_path, cfg, local_ray):
+def test_the_deadline_stops_every_worker_then_a_rerun_completes(tmp_path, cfg, local_ray, caplog):
     inp = write_input(tmp_path / "in", 2, 600, 50)
     out = tmp_path / "out"
     # two workers do about 13 rows/s: 1200 rows need 90 s, and the budget (which counts Ray's and the workers'
     # start, 5-20 s on 2 busy cores) is 30 s
     slow = {"kind": "echo", "echo_step_ms": 30, "max_num_seqs": 4}
-    s = run_on_ray(cfg(inp, out, engine=slow, sampling={"max_tokens": 20}, scheduler={"time_budget": "30s"}),
-                   False, 2, is_tty=False)
+    with caplog.at_level("WARNING", logger="overnight"):
+        s = run_on_ray(cfg(inp, out, engine=slow, sampling={"max_tokens": 20}, scheduler={"time_budget": "30s"}),
+                       False, 2, is_tty=False)
     assert (s.state, s.exit_code) == ("partial", 75)
     first = ids_in(out)
     assert 0 < len(first) < 1200 and len(first) == len(set(first))
+    # the driver warned, from its workers' forecasts, with the rows it expected to leave undone
+    warned = [r.getMessage() for r in caplog.records if "deadline at risk: over 2 workers" in r.getMessage()]
+    assert warned, [r.getMessage() for r in caplog.records]
+    expected = int(re.search(r"about (\d+) of \d+ remaining rows", warned[0]).group(1))
+    assert 0 < expected <= 1200
     s2 = run_on_ray(cfg(inp, out, engine={"kind": "echo", "max_num_seqs": 64}, sampling={"max_tokens": 20}),
                     False, 2, is_tty=False)
     assert (s2.state, s2.exit_code) == ("completed", 0)

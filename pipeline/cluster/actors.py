@@ -81,6 +81,11 @@ class Coordinator:
     def report(self, worker: int, status: dict) -> None:
         self.statuses[worker] = status
 
+    def progress(self, worker: int, rows: dict, forecast: dict, at: float) -> None:
+        """A worker's latest forecast (every few seconds, between its status files): the driver's ETA needs it."""
+        st = self.statuses.setdefault(worker, {})
+        st.update(state="running", rows=rows, forecast=forecast, forecast_at=at)
+
     def snapshot(self) -> tuple[int, dict]:
         return len(self.pending), dict(self.statuses)
 
@@ -132,7 +137,10 @@ class ReportingOutputDir(OutputDir):
 
     def write_status(self, status: dict) -> None:
         super().write_status(status)
-        self.coordinator.report.remote(self.index, status)
+        self.coordinator.report.remote(self.index, dict(status, forecast_at=time.time()))
+
+    def report_progress(self, rows: dict, forecast: dict) -> None:
+        self.coordinator.progress.remote(self.index, rows, forecast, time.time())
 
 
 def jobmod_deadline(sc) -> float:

@@ -23,6 +23,7 @@ import time
 from typing import Optional
 
 from overnight.pipeline.cluster.actors import NAMESPACE, Coordinator, Worker, _ray
+from overnight.pipeline.cluster.eta import job_forecast, worker_forecast
 from overnight.pipeline.cluster.units import plan_units
 from overnight.pipeline.config import JobConfig
 from overnight.pipeline.output.checkpoint import OutputDir, OutputError
@@ -76,15 +77,18 @@ def run_on_ray(cfg: JobConfig, fresh: bool, workers: int, address: Optional[str]
             ray.init(address=address, num_cpus=cpus, include_dashboard=False, log_to_driver=True,
                      configure_logging=False)
         driver = Driver(ray, wcfg, units, total, workers, root, lock, deadline_at, started, is_tty,
-                        cfg.output.log_every_seconds, source.files)
+                        cfg.output.log_every_seconds, source.files, margin if deadline_at else 0.0)
         return driver.run(on_started)
     finally:
         lock.release()
 
 
 class Driver:
-    def __init__(self, ray, cfg, units, total, workers, root, lock, deadline_at, started, is_tty, log_every, files):
+    def __init__(self, ray, cfg, units, total, workers, root, lock, deadline_at, started, is_tty, log_every, files,
+                 margin: float = 0.0):
         import uuid
+
+        self.margin = margin  # the workers stop admitting this long before the deadline
 
         self.ray, self.cfg, self.total, self.num_workers = ray, cfg, total, workers
         self.root, self.lock, self.deadline_at, self.started = root, lock, deadline_at, started
@@ -212,20 +216,31 @@ class Driver:
         tokens = sum(st.get("output_tokens") or 0 for st in statuses.values())
         if done > self.progress.done:
             self.progress.update(done - self.progress.done, max(0, tokens - self.progress.tokens))
-        elapsed = time.time() - self.started
-        rate = (done - self.done_before) / elapsed if elapsed > 0 else 0.0
+        now = time.time()
         left = max(0, self.total - done)
-        eta = left / rate if rate > 0 else None
-        time_left = self.deadline_at - time.time() if self.deadline_at else None
-        at_risk = eta is not None and time_left is not None and eta > time_left
-        self.progress.set_forecast(eta, time_left, at_risk)
-        if at_risk and not self.warned and done > self.done_before:
+        time_left = self.deadline_at - self.margin - now if self.deadline_at else None
+        # Each worker's own forecast of the rows it holds, and the rows no worker holds yet (eta.py); until a
+        # worker has one, the rows per second so far.
+        own = [w for w in (worker_forecast(st, now) for st in statuses.values() if st.get("state") == "running")
+               if w is not None]
+        f = job_forecast(own, left - sum(w.remaining_rows for w in own), time_left)
+        if f is not None:
+            eta, at_risk, expected_left = f.eta_s, f.will_miss, f.rows_expected_left
+            self.progress.set_forecast(eta, time_left, at_risk, {"rows_expected_left": expected_left,
+                                                                 "eta_low_s": f.eta_low_s, "eta_high_s": f.eta_high_s})
+        else:
+            elapsed = now - self.started
+            rate = (done - self.done_before) / elapsed if elapsed > 0 else 0.0
+            eta = left / rate if rate > 0 else None
+            at_risk = eta is not None and time_left is not None and eta > time_left
+            expected_left = max(0, left - int(rate * max(0.0, time_left or 0.0)))
+            self.progress.set_forecast(eta, time_left, at_risk)
+        if at_risk and not self.warned and (f is not None or done > self.done_before):
             self.warned = True
-            fits = int(rate * max(0.0, time_left))
-            log.warning(f"deadline at risk: at {rate:.1f} rows/s over {self.num_workers} workers the job needs "
-                        f"{fmt_duration(eta)} but {fmt_duration(time_left)} is left; about {max(0, left - fits)} "
-                        f"rows will be left undone (a rerun continues them)")
-        self.root.write_status(self._status("running", None, statuses, pending, eta))
+            log.warning(f"deadline at risk: over {self.num_workers} workers the job needs {fmt_duration(eta)} but "
+                        f"{fmt_duration(time_left)} is left; about {expected_left} of {left} remaining rows will be "
+                        f"left undone (the job stops in time and exits {EXIT_PARTIAL}; a rerun continues them)")
+        self.root.write_status(self._status("running", None, statuses, pending, eta, forecast=f))
         self.lock.heartbeat()
         if log.isEnabledFor(logging.DEBUG):
             for i, st in sorted(statuses.items()):
@@ -237,14 +252,19 @@ class Driver:
             self.done_in[i] = max(self.done_in.get(i, 0), st.get("rows", {}).get("done", 0))
         return sum(self.done_in.values())
 
-    def _status(self, state, exit_code, statuses, pending, eta, message=None) -> dict:
+    def _status(self, state, exit_code, statuses, pending, eta, message=None, forecast=None) -> dict:
         done = self._done_now(statuses)
+        f = forecast
         return {"state": state, "exit_code": exit_code, "message": message, "out": self.root.shown(),
                 "workers": self.num_workers, "units_pending": pending,
                 "rows": {"total": self.total, "done": done, "remaining": max(0, self.total - done)},
                 "output_tokens_per_s": round(sum(s.get("output_tokens_per_s") or 0 for s in statuses.values()
                                                  if s.get("state") == "running"), 2),
-                "eta_s": eta, "deadline": iso(self.deadline_at) if self.deadline_at else None,
+                "eta_s": None if eta is None else round(eta, 1),
+                "eta_range_s": None if f is None or f.eta_low_s is None else [round(f.eta_low_s, 1),
+                                                                              round(f.eta_high_s, 1)],
+                "rows_expected_left": None if f is None else f.rows_expected_left,
+                "deadline": iso(self.deadline_at) if self.deadline_at else None,
                 "per_worker": {f"w{i}": {"state": s.get("state"), "rows_done": s.get("rows", {}).get("done"),
                                          "exit_code": s.get("exit_code")} for i, s in sorted(statuses.items())},
                 "updated_at": iso(time.time())}

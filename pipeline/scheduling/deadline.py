@@ -128,6 +128,7 @@ class DeadlineTracker:
         self.lengths = LengthModel(max_tokens or 256)
         self.probe_done = False
         self._step_n = self._step_prefill = 0
+        self._done: tuple[list, list, list] = ([], [], [])  # finished rows not learned from yet
 
     # -- what the runner reports -----------------------------------------------------------------
     def engine_started(self, max_num_seqs: int) -> None:
@@ -147,8 +148,16 @@ class DeadlineTracker:
         self.inflight.after_step(finished_ids)
 
     def finished(self, predicted, actual, finish_reasons) -> None:
-        """Rows done: predicted and actual output tokens per sequence (a row of n samples: its tokens / n)."""
-        self.lengths.observe(predicted, actual, [r == "length" for r in finish_reasons])
+        """Rows done: predicted and actual output tokens per sequence (a row of n samples: its tokens / n). Kept
+        until the next forecast, which learns from them in one go (most steps finish a row or two)."""
+        self._done[0].extend(predicted)
+        self._done[1].extend(actual)
+        self._done[2].extend(r == "length" for r in finish_reasons)
+
+    def _learn(self) -> None:
+        if self._done[0]:
+            self.lengths.observe(*self._done)
+            self._done = ([], [], [])
 
     def dropped(self, request_ids) -> None:
         """Rows that left the engine without finishing (refused, aborted)."""
@@ -248,6 +257,7 @@ class DeadlineTracker:
                         max_num_seqs: int) -> Forecast:
         a, b, c = self.steps.fit()
         run_p, run_g = self.inflight.running()
+        self._learn()
         model = self.lengths
         model.fit(run_p, run_g)
         queued_p = self.inflight.queued()
