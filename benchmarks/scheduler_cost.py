@@ -59,6 +59,7 @@ def main() -> None:
     # Wall time inside the scheduler's calls includes waiting for the GIL while another thread holds it; CPU time
     # of the loop's thread does not: both are reported.
     timers = {"scheduler": 0.0, "scheduler_cpu": 0.0}
+    by_name: dict[str, float] = {}  # CPU seconds per method
 
     def timed(fn):
         @functools.wraps(fn)
@@ -68,7 +69,9 @@ def main() -> None:
                 return fn(*a, **kw)
             finally:
                 timers["scheduler"] += time.perf_counter() - t0
-                timers["scheduler_cpu"] += time.thread_time() - c0
+                cpu = time.thread_time() - c0
+                timers["scheduler_cpu"] += cpu
+                by_name[fn.__name__] = by_name.get(fn.__name__, 0.0) + cpu
         return wrapper
 
     # The scheduler's public interface, and the forecast the loop makes from it every 2 s.
@@ -110,6 +113,7 @@ def main() -> None:
           f"{1e6 * cpu_s / n:.1f} us per row, {100 * cpu_s / wall:.2f}% of wall time), predictor learning "
           f"and refreshing {predictor_s:.2f} s ({1e6 * predictor_s / n:.1f} us per row): together "
           f"{100 * ours / wall:.2f}% of wall time")
+    print("  by method, CPU s: " + ", ".join(f"{k} {v:.2f}" for k, v in sorted(by_name.items(), key=lambda x: -x[1])))
     print(f"in the input thread, overlapping the engine: predicting new rows {reader_s:.2f} s "
           f"({1e6 * reader_s / n:.1f} us per row)")
     print(f"in the learner thread, overlapping the engine: learning and re-predicting the pool {learner_s:.2f} s "
