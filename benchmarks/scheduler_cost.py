@@ -30,6 +30,92 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "tests"))
 
 
+class EngineCoreProcess:
+    """The fake engine as vLLM V1 runs its engine: the core steps on its own (vLLM: in its own process, a busy
+    loop that schedules and runs a step whenever it has requests, and queues each step's outputs), and
+    ``step()`` in overnight's loop waits for the outputs queued since it last asked. The loop's own work then
+    overlaps the engine's steps; what it costs the engine is the time the core sat with nothing to run, or ran
+    fewer rows than it could because the loop had not refilled it yet. Here the core is a thread (its steps
+    sleep, so the GIL is free while they run); its bookkeeping counts as the engine's time."""
+
+    def __init__(self, engine):
+        import threading
+
+        self.engine = engine
+        self.max_num_seqs, self.max_model_len = engine.max_num_seqs, engine.max_model_len
+        self.kv_cache_tokens, self.num_preemptions, self.supports_priority = None, 0, True
+        self.cond = threading.Condition()
+        self.outbox: list = []
+        self.num_batches = 0
+        self.busy = 0.0  # seconds the core spent in steps
+        self.steps: list[tuple[float, float, int]] = []  # (start, end, free slots) of each step
+        self.idle: list[tuple[float, float]] = []  # when the core had nothing to run
+        self.last_add = 0.0
+        self.closed = False
+        self.thread = threading.Thread(target=self._core, name="engine-core", daemon=True)
+        self.thread.start()
+
+    def _core(self) -> None:
+        while True:
+            with self.cond:
+                if not self.engine.has_unfinished():
+                    i0 = time.perf_counter()
+                    while not self.closed and not self.engine.has_unfinished():
+                        self.cond.wait()
+                    self.idle.append((i0, time.perf_counter()))
+                if self.closed:
+                    return
+            t0 = time.perf_counter()
+            with self.cond:  # the core takes new requests between steps
+                self.engine._step_begin()
+                free = self.max_num_seqs - len(self.engine.running)
+            time.sleep(self.engine.step_sleep)
+            with self.cond:
+                out = self.engine._step_end()
+                t1 = time.perf_counter()
+                self.busy += t1 - t0
+                self.steps.append((t0, t1, free))
+                self.outbox.extend(out)
+                self.num_batches += 1
+                self.cond.notify_all()
+
+    def add(self, *a, **kw):
+        with self.cond:
+            self.engine.add(*a, **kw)
+            self.last_add = time.perf_counter()
+            self.cond.notify_all()
+
+    def lost(self, t_start: float, t_end: float) -> dict:
+        """Where the wall time went besides the engine's steps: before its first step (opening the job, the first
+        rows), idle or with free slots while overnight still had rows to give it (until the last row went in;
+        after that the engine drains, as it would under LLM.generate), and after its last step."""
+        first, last = self.steps[0][0], self.steps[-1][1]
+        idle = sum(min(b, self.last_add) - a for a, b in self.idle if a < self.last_add and a > first)
+        starved = sum((e - b) * free / self.max_num_seqs for b, e, free in self.steps if e <= self.last_add)
+        return {"before": first - t_start, "idle": idle, "starved": starved, "after": t_end - last}
+
+    def abort(self, ids):
+        with self.cond:
+            self.engine.abort(ids)
+
+    def has_unfinished(self) -> bool:
+        with self.cond:
+            return self.engine.has_unfinished() or bool(self.outbox)
+
+    def step(self):
+        with self.cond:
+            seen = self.num_batches
+            while self.num_batches == seen and self.engine.has_unfinished():
+                self.cond.wait()
+            out, self.outbox = self.outbox, []
+            return out
+
+    def shutdown(self) -> None:
+        with self.cond:
+            self.closed = True
+            self.cond.notify_all()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", type=int, default=100_000)
@@ -37,6 +123,10 @@ def main() -> None:
     ap.add_argument("--predictor", default="online")
     ap.add_argument("--step-ms", type=float, default=5.0, help="Real time of one fake engine step.")
     ap.add_argument("--max-num-seqs", type=int, default=256)
+    ap.add_argument("--engine-core", choices=["inline", "process"], default="inline",
+                    help="inline: each step runs inside step(), so the loop's work adds to it (the default, an upper "
+                         "bound); process: the steps run on their own as vLLM V1's engine core does, and the loop's "
+                         "work overlaps them.")
     args = ap.parse_args()
 
     import pyarrow as pa
@@ -94,16 +184,20 @@ def main() -> None:
     from overnight.pipeline.tools.models import load_tokenizer, resolve as resolve_model
     load_tokenizer(resolve_model(cfg.engine.model))
     import overnight.buckets.trained  # noqa: F401
+    core = EngineCoreProcess(engine) if args.engine_core == "process" else None
     t0 = time.perf_counter()
-    summary = run_job(cfg, engine_factory=lambda job: engine, is_tty=False)
+    summary = run_job(cfg, engine_factory=lambda job: core or engine, is_tty=False)
     wall = time.perf_counter() - t0
+    t_end = t0 + wall
+    if core is not None:
+        core.shutdown()
     by_thread = summary.extra["scheduler"]["predictor_seconds_by_thread"]
     reader_s = by_thread["input"]  # predicting new rows, in the input thread
     predictor_s = by_thread["loop"]  # learning and refreshing, in the engine loop (none with a learner)
     learner_s = by_thread["learner"]  # learning and re-predicting the pool, in the learner thread
     sched_s = timers["scheduler"]
     ours = sched_s + predictor_s
-    engine_s = engine.step_total  # the fake's own bookkeeping is the engine's time, as vLLM's is
+    engine_s = core.busy if core is not None else engine.step_total  # the fake's bookkeeping is the engine's time, as vLLM's is
     n = summary.num_done
     print(f"{n} rows, {summary.num_output_tokens} output tokens, {engine.num_steps} fake steps of "
           f"{args.step_ms} ms ({summary.num_output_tokens / engine_s:.0f} tok/s of engine time), policy "
@@ -118,8 +212,18 @@ def main() -> None:
           f"({1e6 * reader_s / n:.1f} us per row)")
     print(f"in the learner thread, overlapping the engine: learning and re-predicting the pool {learner_s:.2f} s "
           f"({1e6 * learner_s / n:.1f} us per row)")
-    print(f"wall {wall:.1f} s, engine {engine_s:.1f} s: overnight's share of wall time (wall - engine) / wall = "
-          f"{100 * (wall - engine_s) / wall:.2f}%")
+    if core is None:
+        print(f"wall {wall:.1f} s, engine {engine_s:.1f} s: overnight's share of wall time (wall - engine) / wall = "
+              f"{100 * (wall - engine_s) / wall:.2f}%")
+        return
+    lost = core.lost(t0, t_end)
+    full = sum(1 for _, _, free in core.steps if free == 0)
+    print(f"engine core on its own: wall {wall:.1f} s, steps {core.busy:.1f} s ({len(core.steps)} steps, {full} of them "
+          f"full); lost to overnight: before the first step {lost['before']:.2f} s, idle {lost['idle']:.2f} s, "
+          f"free slots while rows were left {lost['starved']:.2f} s, after the last step {lost['after']:.2f} s")
+    per_row = lost["idle"] + lost["starved"]
+    print(f"overnight's share of wall time: per-row work (idle + free slots) {100 * per_row / wall:.2f}%, with the "
+          f"start and end {100 * sum(lost.values()) / wall:.2f}%")
 
 
 if __name__ == "__main__":

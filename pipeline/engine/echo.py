@@ -69,13 +69,21 @@ class EchoEngine:
             self.step_total += time.perf_counter() - t0
 
     def _step(self):
+        self._step_begin()
+        if self.step_sleep:
+            time.sleep(self.step_sleep)
+        return self._step_end()
+
+    def _step_begin(self) -> None:
+        """Start a step: waiting requests take the free slots, in priority and arrival order."""
         self.num_steps += 1
         while self._queue and len(self.running) < self.max_num_seqs:
             _, _, rid = heapq.heappop(self._queue)
             if rid in self.waiting:  # else aborted
                 self.running[rid] = self.waiting.pop(rid)
-        if self.step_sleep:
-            time.sleep(self.step_sleep)
+
+    def _step_end(self) -> list[Finished]:
+        """End a step: each running request has one more token; the ones done are returned."""
         out = []
         for rid in list(self.running):
             req = self.running[rid]

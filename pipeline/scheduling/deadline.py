@@ -274,9 +274,16 @@ class DeadlineTracker:
             slots = cap
         fill = np.concatenate([queued_p, pend_p])
         fill_n = np.concatenate([np.ones(len(queued_p)), pend_n])
+        # Rows taken as one group at their mean prediction (a policy blind to length; the rows not read yet) are
+        # expected to run the mean of what each prediction expects, not what the mean prediction expects: with
+        # lengths cut at max_tokens that is less (Jensen), and the mean's would over-count them.
+        hist_p, hist_n = (np.asarray(x, dtype=np.float64) for x in scheduler.pending_lengths())
+        blind = [len(queued_p)] if len(pend_p) == 1 and len(hist_p) > 1 else []
         if unread:
             mean_p = float(fill @ fill_n / fill_n.sum()) if fill_n.sum() else (mean_predicted or 1.0)
             fill, fill_n = np.append(fill, mean_p), np.append(fill_n, unread * k)
+            if len(hist_p):
+                blind.append(len(fill) - 1)
         sequences = float(len(run_p) + fill_n.sum())
         queued_rows = len(self.inflight.info) - len(self.inflight.start)
         rows = len(self.inflight.info) + int(round(float(np.sum(counts)))) + unread
@@ -285,9 +292,15 @@ class DeadlineTracker:
         step_full = a + b * slots
         within = left / step_full if step_full > 0 and left < math.inf else math.inf
 
+        def expected_fill(shift: float) -> np.ndarray:
+            e = model.expected(fill, None, shift)
+            if blind:
+                e[blind] = float(model.expected(hist_p, None, shift) @ hist_n) / float(hist_n.sum())
+            return e
+
         def eta(shift: float, tail: bool):
             run_e = model.expected(run_p, run_g, shift)
-            fill_e, fill_k = chunks(model.expected(fill, None, shift), fill_n)
+            fill_e, fill_k = chunks(expected_fill(shift), fill_n)
             group_p = chunks(fill, fill_n)[0] if tail else None
             d = drain(slots, run_e, fill_e, fill_k, within, (model, run_p, run_g, group_p, shift) if tail else None)
             return a * (d.steps + d.tail_steps) + b * d.tokens + c * prefill, d
@@ -298,7 +311,7 @@ class DeadlineTracker:
         high, _ = eta(spread, False)
         # the rows' own spread: the sum of many rows' lengths varies less than each
         var = (math.exp(model.sigma ** 2) - 1.0)
-        rel = Z80 * math.sqrt(var * float(np.sum(model.expected(fill, None) ** 2 * fill_n)) +
+        rel = Z80 * math.sqrt(var * float(np.sum(expected_fill(0.0) ** 2 * fill_n)) +
                               var * float(np.sum(model.expected(run_p, run_g) ** 2))) / max(d.tokens, 1.0)
         tail = eta_s - (a * d.steps + b * d.tokens + c * prefill)
         low = max(0.0, low * (1 - rel))
