@@ -242,12 +242,13 @@ def test_on_a_gpu_the_cap_keeps_the_engine_full_until_the_end():
 def test_rows_of_several_samples_are_forecast_as_that_many_sequences():
     """n = 4: each row's samples run as 4 sequences, each freeing its slot when it is done (vLLM's parallel
     sampling), and the row is done with its longest. overnight sees a row only when all its samples are done, so
-    it holds the row's 4 slots until then: the ETA errs long (from +22% to +72% over 4 seeds; counted as one
-    sequence, as before, it was 43-54% short). The deadline's warning and its rows left hold."""
+    it holds the row's 4 slots until then, and a row still running tells the length model only that its longest
+    sample has run this long: the ETA errs long (from -2% to +24% over 4 seeds; counted as one sequence, as
+    before, it was 42-54% short). The deadline's warning and its rows left hold."""
     story = simulate("fifo", CPU, n_rows=200, n_samples=4)
     for share in (0.10, 0.25, 0.50):
         err, f, actual = eta_error(story, share)
-        assert -0.10 <= err <= 0.80, (share, err, f.eta_s, actual)
+        assert -0.10 <= err <= 0.30, (share, err, f.eta_s, actual)
     full = story
     story = simulate("fifo", CPU, n_rows=200, n_samples=4, deadline_share=0.3, makespan=full.end)
     t, done, f = next(s for s in story.samples if s[2].will_miss)

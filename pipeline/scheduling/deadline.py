@@ -259,7 +259,7 @@ class DeadlineTracker:
         run_p, run_g = self.inflight.running()
         self._learn()
         model = self.lengths
-        model.fit(run_p, run_g)
+        model.fit(*self.inflight.running(per_sequence=False))
         queued_p = self.inflight.queued()
         # auto near a deadline runs at most `cap` rows at once; every other case keeps the engine full
         slots = max_num_seqs

@@ -183,14 +183,16 @@ class InFlight:
     def mean_prompt_tokens(self) -> float:
         return self.prompt_total / self.num_admitted if self.num_admitted else 0.0
 
-    def running(self) -> tuple[np.ndarray, np.ndarray]:
-        """(predicted tokens, tokens generated so far) of the sequences running (a row of n samples: n times)."""
+    def running(self, per_sequence: bool = True) -> tuple[np.ndarray, np.ndarray]:
+        """(predicted tokens, tokens generated so far) of the sequences running (a row of n samples: n times), or
+        of the rows running (per_sequence=False: what a row that is still running says of its lengths is only
+        that its longest sample has run this long)."""
         if not self.start:
             return np.zeros(0), np.zeros(0)
         info = [self.info[r] for r in self.start]
         p = np.fromiter((i[0] for i in info), np.float64, len(info))
         g = np.fromiter((self.step - s for s in self.start.values()), np.float64, len(info))
-        if self.num_seqs != len(info):
+        if per_sequence and self.num_seqs != len(info):
             k = np.fromiter((i[2] for i in info), np.int64, len(info))
             p, g = np.repeat(p, k), np.repeat(g, k)
         return p, g
