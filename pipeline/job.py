@@ -17,9 +17,10 @@ from overnight.pipeline.input.shards import parse_shard
 from overnight.pipeline.input.source import ParquetSource, open_source
 from overnight.pipeline.input.stage import OpenModel, open_model
 from overnight.pipeline.output import manifest as mf
-from overnight.pipeline.output.checkpoint import OutputDir, OutputError, OutputSchema, Scan
+from overnight.pipeline.output.checkpoint import OutputDir, OutputError, Scan
 from overnight.pipeline.output.layout import check_layout, job_out, read_manifests
 from overnight.pipeline.output.lock import RunLock
+from overnight.pipeline.output.schema import OutputSchema
 from overnight.pipeline.output.storage import redact
 
 log = logging.getLogger("overnight")
@@ -60,7 +61,7 @@ def open_job(cfg: JobConfig, fresh: bool = False, now: Optional[float] = None) -
     if not cfg.output.path:
         raise OutputError("No output folder given. Pass --out OUT (or output.path in the config).")
     deadline_at, margin_s = resolve_deadline(cfg.scheduler, time.time() if now is None else now)
-    from overnight.pipeline.input.validate import job_structured
+    from overnight.pipeline.input.checks import job_structured
     job_structured(cfg.sampling)  # a bad --json-schema / --regex fails now, not after the engine started
     from overnight.pipeline.engine.lora import check_adapters
     check_adapters(cfg.engine)  # and so does a --lora folder that is not an adapter

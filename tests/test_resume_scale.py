@@ -14,7 +14,8 @@ from overnight.pipeline.idkeys import KeyTable, first_of_each, hex16_to_u64, key
 from overnight.pipeline.input.resume import ResumeFilter
 from overnight.pipeline.input.source import InputFile, SourceBatch
 from overnight.pipeline.input.validate import prompt_hash
-from overnight.pipeline.output.checkpoint import OutputDir, OutputSchema, Scan
+from overnight.pipeline.output.checkpoint import OutputDir, Scan
+from overnight.pipeline.output.schema import OutputSchema
 from overnight.pipeline.records import Result
 from overnight.pipeline.tally import Tally
 

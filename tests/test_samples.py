@@ -349,7 +349,7 @@ def test_vllm_logprobs_become_the_column_shape():
 
 
 def test_samples_share_the_rows_engine_time_in_the_table():
-    from overnight.pipeline.output.checkpoint import OutputSchema
+    from overnight.pipeline.output.schema import OutputSchema
 
     row = SimpleNamespace(id="a", passthrough={}, predicted_tokens=4, bucket=1, prompt_hash="h")
     fin = Finished("r", "x", "stop", 3, 7, None, 1.0,

@@ -161,7 +161,7 @@ def test_bad_request_columns_become_error_rows(column, value, message):
 
 def test_a_bad_job_schema_fails_the_job_before_it_starts(tmp_path):
     from overnight.pipeline.config import ConfigError
-    from overnight.pipeline.input.validate import job_structured
+    from overnight.pipeline.input.checks import job_structured
 
     with pytest.raises(ConfigError, match="--json-schema .*cannot read it"):
         job_structured(SamplingConfig(json_schema=str(tmp_path / "missing.json")))

@@ -12,8 +12,8 @@ send it), ``lora`` (filled by ModelRoute: the adapter a line's ``body.model`` na
 columns ``max_tokens`` (or ``max_completion_tokens``), ``temperature``, ``top_p``, ``seed``, ``stop``,
 ``presence_penalty``, ``frequency_penalty``, ``min_tokens``, ``stop_token_ids``, ``response_format`` (as JSON
 text), ``n`` and ``logprobs`` (the number of top alternatives: ``logprobs: true`` with ``top_logprobs: K`` is
-K, without it 0; a completions request's integer ``logprobs`` is K itself). ``validate`` checks their values as
-for any input.
+K, without it 0; a completions request's integer ``logprobs`` is K itself), read from the body by
+``openai_body``. ``validate`` checks their values as for any input.
 
 A line that cannot be a request (not JSON, no ``custom_id``, a ``method`` other than POST, an unsupported
 ``url``, a body without ``messages`` / ``prompt``, a value of the wrong type) becomes a row whose
@@ -35,13 +35,14 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import posixpath
 from dataclasses import dataclass
-from typing import Any, ClassVar, Collection, Iterator, Optional
+from typing import ClassVar, Collection, Iterator, Optional
 
 import pyarrow as pa
 
+from overnight.pipeline.input.openai_body import (_COLUMNS, LineError, _is_text, _messages, _parameters, _prompt,
+                                                  _short)
 from overnight.pipeline.input.source import (INPUT_ERROR_COLUMN, MODEL_COLUMN, RAW_PROMPT_COLUMN, InputError,
                                              InputFile, ParquetSource, SourceBatch, _first_line)
 from overnight.pipeline.output.faults import failpoint
@@ -61,16 +62,8 @@ HONOURED = ("max_tokens", "max_completion_tokens", "temperature", "top_p", "seed
 SILENT = ("model", "user", "metadata", "store", "stream", "stream_options", "service_tier")
 # The columns only this source writes: honoured from its batches alone, never passed through.
 INTERNAL_COLUMNS = frozenset({INPUT_ERROR_COLUMN, RAW_PROMPT_COLUMN, MODEL_COLUMN})
-ROLE_ALIASES = {"developer": "system"}  # OpenAI's newer name for the system message
 
 MESSAGES_TYPE = pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))
-# Per-row columns and their types; each is read from the body key of the same name (see _row for the others).
-_COLUMNS = (("max_tokens", pa.int64()), ("temperature", pa.float64()), ("top_p", pa.float64()),
-            ("seed", pa.int64()), ("stop", pa.list_(pa.string())), ("presence_penalty", pa.float64()),
-            ("frequency_penalty", pa.float64()), ("min_tokens", pa.int64()),
-            ("stop_token_ids", pa.list_(pa.int64())), ("response_format", pa.string()), ("n", pa.int64()),
-            ("logprobs", pa.int64()))
-_INT64 = (-2 ** 63, 2 ** 63 - 1)
 
 
 def is_jsonl_input(path: Optional[str]) -> bool:
@@ -110,10 +103,6 @@ class JsonlFile(InputFile):
     # Lines per chunk when the file was counted (chunk g starts at line g * chunk_lines + 1).
     chunk_lines: int = CHUNK_LINES
     internal_columns: ClassVar[frozenset] = INTERNAL_COLUMNS
-
-
-class LineError(ValueError):
-    "One line is not a request overnight can run; the message says what and how to fix it."
 
 
 class OpenAIBatchSource(ParquetSource):
@@ -361,120 +350,7 @@ def line_ids(url: str) -> Iterator[Optional[str]]:
                 yield cid if isinstance(cid, str) and cid and _is_text(cid) else None
 
 
-# -- one line's values ---------------------------------------------------------------------------
-
-def _messages(value, line_no: int) -> list:
-    """OpenAI's messages as [{role, content}]: text content parts are joined with newlines."""
-    if not isinstance(value, list):
-        raise LineError(f"line {line_no}: body.messages is {_short(value)}; give a list of {{role, content}}")
-    out = []
-    for j, m in enumerate(value):
-        where = f"line {line_no}: body.messages[{j}]"
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise LineError(f"{where} is {_short(m)}; give {{\"role\": ..., \"content\": ...}}")
-        content = m.get("content")
-        if isinstance(content, list):
-            texts = []
-            for k, part in enumerate(content):
-                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                    kind = part.get("type") if isinstance(part, dict) else None
-                    raise LineError(f"{where}.content[{k}] is {_short(kind or part)}; only text parts "
-                                    f"({{\"type\": \"text\", \"text\": ...}}) are supported")
-                texts.append(part["text"])
-            content = "\n".join(texts)
-        elif not isinstance(content, str):
-            raise LineError(f"{where}.content is {_short(content)}; give a string or a list of text parts "
-                            f"(tool calls are not supported)")
-        out.append({"role": ROLE_ALIASES.get(m["role"], m["role"]), "content": content})
-    return out
-
-
-def _prompt(value, line_no: int) -> str:
-    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], str):
-        return value[0]
-    if isinstance(value, str):
-        return value
-    if isinstance(value, list) and all(isinstance(p, str) for p in value):
-        raise LineError(f"line {line_no}: body.prompt is a list of {len(value)} prompts; give one prompt per "
-                        f"line, each with its own custom_id")
-    raise LineError(f"line {line_no}: body.prompt is {_short(value)}; give the prompt as text (token ids are "
-                    f"not supported)")
-
-
-def _parameters(body: dict, line_no: int) -> dict:
-    """The per-row columns, type-checked; ranges are validate's to check."""
-    out: dict[str, Any] = {}
-    for name, t in _COLUMNS:
-        value = body.get(name)
-        if name == "max_tokens" and body.get("max_completion_tokens") is not None:
-            name, value = "max_completion_tokens", body["max_completion_tokens"]
-        if name == "logprobs":
-            value = _logprobs(body, line_no)
-        if value is None:
-            continue
-        where = f"line {line_no}: body.{name}"
-        column = "max_tokens" if name == "max_completion_tokens" else name
-        if name == "response_format":
-            out[column] = json.dumps(value)
-        elif name == "stop":
-            if isinstance(value, str):
-                value = [value]
-            if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
-                raise LineError(f"{where} is {_short(value)}; give a string or a list of strings")
-            out[column] = value
-        elif name == "stop_token_ids":
-            if not isinstance(value, list) or not all(_is_int(v) for v in value):
-                raise LineError(f"{where} is {_short(value)}; give a list of token ids (integers)")
-            out[column] = [int(v) for v in value]
-        elif pa.types.is_integer(t):
-            if not _is_int(value):
-                raise LineError(f"{where} is {_short(value)} ({type(value).__name__}); it must be an integer")
-            out[column] = int(value)
-        else:
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(float(value)):
-                raise LineError(f"{where} is {_short(value)} ({type(value).__name__}); it must be a number")
-            out[column] = float(value)
-    return out
-
-
-def _logprobs(body: dict, line_no: int) -> Optional[int]:
-    """Top alternatives per token: chat's logprobs=true with top_logprobs=K (0 without), or completions' K."""
-    value, top = body.get("logprobs"), body.get("top_logprobs")
-    if value is None or value is False:
-        if top is not None:
-            raise LineError(f"line {line_no}: body.top_logprobs is set but body.logprobs is not true; add "
-                            f"\"logprobs\": true")
-        return None
-    if value is True:
-        if top is None:
-            return 0
-        if not _is_int(top):
-            raise LineError(f"line {line_no}: body.top_logprobs is {_short(top)}; it must be an integer")
-        return int(top)
-    if _is_int(value):
-        return int(value)
-    raise LineError(f"line {line_no}: body.logprobs is {_short(value)}; give true (with top_logprobs: K) or, "
-                    f"for /v1/completions, an integer")
-
-
-def _is_int(value) -> bool:
-    if isinstance(value, float) and value.is_integer():
-        value = int(value)
-    return isinstance(value, int) and not isinstance(value, bool) and _INT64[0] <= value <= _INT64[1]
-
-
-def _is_text(value) -> bool:
-    try:
-        return isinstance(value, str) and bool(value.encode("utf-8"))
-    except UnicodeError:
-        return False
-
 
 def _to_batch(rows: list[dict], schema: pa.Schema) -> pa.RecordBatch:
     return pa.RecordBatch.from_arrays([pa.array([r.get(f.name) for r in rows], f.type) for f in schema],
                                       schema=schema)
-
-
-def _short(value, limit: int = 60) -> str:
-    text = json.dumps(value) if not isinstance(value, (bytes, set)) else repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -2,21 +2,23 @@
 
 A row with a null or empty prompt, a malformed chat, or a per-row column of
 the wrong type becomes an error result whose message names the file, the row
-and the column, and says what a valid value looks like.
+and the column, and says what a valid value looks like. The per-row columns'
+checks are ``checks``'s.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import math
 from dataclasses import dataclass
 from typing import Any, Collection, Optional
 
 import pyarrow as pa
 
-from overnight.pipeline.config import MAX_LOGPROBS, MAX_N, ConfigError, InputConfig, SamplingConfig
+from overnight.pipeline.config import InputConfig, SamplingConfig
 from overnight.pipeline.records import Result
+from overnight.pipeline.input.checks import (_OVERRIDE_CHECKS, _SCHEDULING_CHECKS, RowError, _check_request,
+                                             _short, job_structured)
 from overnight.pipeline.input.source import (INPUT_ERROR_COLUMN, OVERRIDE_COLUMNS, RAW_PROMPT_COLUMN,
                                              SCHEDULING_COLUMNS, SourceBatch)
 
@@ -39,10 +41,6 @@ class Parsed:
     prompt_hash: str
     # The prompt goes to the model as given, without the chat template (an OpenAI Batch /v1/completions line).
     raw: bool = False
-
-
-class RowError(ValueError):
-    "One row's value is invalid; becomes that row's error message."
 
 
 def prompt_hash(prompt, messages) -> str:
@@ -163,7 +161,7 @@ def _decode(raw: bytes):
         return _BadText(f"byte {e.start} is not valid UTF-8 ({raw[e.start:e.start + 1]!r})")
 
 
-# -- checks --------------------------------------------------------------------------------------
+# -- prompt and chat ---------------------------------------------------------------------------
 
 def _prompt(value, column: str) -> str:
     if value is None:
@@ -196,253 +194,3 @@ def _messages(value) -> list:
     if not any(m["content"].strip() for m in out):
         raise RowError("messages has no content; give at least one non-empty message")
     return out
-
-
-def _number(value, name: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
-        raise RowError(f"{name} is {_short(value)} ({type(value).__name__}); it must be a number")
-    return float(value)
-
-
-def _integer(value, name: str) -> int:
-    if isinstance(value, float) and value.is_integer():
-        return int(value)
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise RowError(f"{name} is {_short(value)} ({type(value).__name__}); it must be an integer")
-    return value
-
-
-def _max_tokens(value) -> int:
-    v = _integer(value, "max_tokens")
-    if v < 1:
-        raise RowError(f"max_tokens is {v}; it must be at least 1 (or null for the job default)")
-    return v
-
-
-def _temperature(value) -> float:
-    v = _number(value, "temperature")
-    if v < 0:
-        raise RowError(f"temperature is {v}; it must be 0 (greedy) or more")
-    return v
-
-
-def _top_p(value) -> float:
-    v = _number(value, "top_p")
-    if not 0 < v <= 1:
-        raise RowError(f"top_p is {v}; it must be in (0, 1]")
-    return v
-
-
-def _seed(value) -> int:
-    return _integer(value, "seed")
-
-
-def _stop(value) -> list:
-    if isinstance(value, str):
-        return [value] if value else []
-    if isinstance(value, list) and all(isinstance(s, str) for s in value):
-        return [s for s in value if s]
-    raise RowError(f"stop is {_short(value)}; it must be a string or a list of strings")
-
-
-def _stop_token_ids(value) -> list:
-    if isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value):
-        return value
-    raise RowError(f"stop_token_ids is {_short(value)}; it must be a list of token ids (non-negative integers)")
-
-
-def _penalty(name: str):
-    def check(value) -> float:
-        v = _number(value, name)
-        if not -2 <= v <= 2:
-            raise RowError(f"{name} is {v}; it must be between -2 and 2")
-        return v
-    return check
-
-
-def _min_tokens(value) -> int:
-    v = _integer(value, "min_tokens")
-    if v < 0:
-        raise RowError(f"min_tokens is {v}; it must be 0 or more")
-    return v
-
-
-def _schema(value, what: str = "json_schema") -> dict:
-    """A JSON schema given as a JSON string or a struct, checked to be a valid schema."""
-    import jsonschema
-
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except ValueError as e:
-            raise RowError(f"{what} is not valid JSON ({e}); give the schema as a JSON object") from None
-    if not isinstance(value, dict):
-        raise RowError(f"{what} is {_short(value)}; it must be a JSON schema object")
-    try:
-        jsonschema.validators.validator_for(value).check_schema(value)
-    except jsonschema.exceptions.SchemaError as e:
-        raise RowError(f"{what} is not a valid JSON schema: {e.message}") from None
-    return value
-
-
-def _response_format(value) -> dict:
-    """OpenAI's response_format: {"type": "json_schema", "json_schema": {"schema": {...}}} or {"type": "json_object"}."""
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except ValueError as e:
-            raise RowError(f"response_format is not valid JSON ({e})") from None
-    kind = value.get("type") if isinstance(value, dict) else None
-    if kind == "json_schema" and isinstance(value.get("json_schema"), dict) and "schema" in value["json_schema"]:
-        return {"json": _schema(value["json_schema"]["schema"], "response_format.json_schema.schema")}
-    if kind == "json_object":
-        return {"json_object": True}
-    if kind == "text":
-        return {}
-    raise RowError(f"response_format is {_short(value)}; use OpenAI's shape: {{\"type\": \"json_schema\", "
-                   f"\"json_schema\": {{\"schema\": {{...}}}}}}, {{\"type\": \"json_object\"}} or {{\"type\": \"text\"}}")
-
-
-def _regex(value) -> dict:
-    import re
-
-    if not isinstance(value, str) or not value:
-        raise RowError(f"regex is {_short(value)}; it must be a regular expression")
-    try:
-        re.compile(value)
-    except re.error as e:
-        raise RowError(f"regex {value!r} is not a valid regular expression: {e}") from None
-    return {"regex": value}
-
-
-def _choice(value) -> dict:
-    if isinstance(value, list) and value and all(isinstance(c, str) for c in value):
-        return {"choice": value}
-    raise RowError(f"choice is {_short(value)}; it must be a non-empty list of strings")
-
-
-def _n(value) -> int:
-    v = _integer(value, "n")
-    if not 1 <= v <= MAX_N:
-        raise RowError(f"n is {v}; it must be 1 to {MAX_N} (completions of the row)")
-    return v
-
-
-def _logprobs(value) -> int:
-    v = _integer(value, "logprobs")
-    if not 0 <= v <= MAX_LOGPROBS:
-        raise RowError(f"logprobs is {v}; it must be 0 to {MAX_LOGPROBS} (top alternatives per token), or null for "
-                       f"none")
-    return v
-
-
-def _lora(value) -> str:
-    if not isinstance(value, str) or not value.strip():
-        raise RowError(f"lora is {_short(value)}; it must be the name of an adapter registered with --lora "
-                       f"NAME=PATH, or null for the base model")
-    return value.strip()
-
-
-def _check_request(sampling: dict, loras: Optional[Collection[str]]) -> None:
-    """What a row's columns ask for together: n > 1 needs sampling, and its adapter must be registered."""
-    n = sampling.get("n", 1)
-    if n > 1 and sampling.get("temperature", 1.0) == 0:
-        raise RowError(f"n is {n} but the temperature is 0 (greedy), which gives the same completion each time; "
-                       f"set the row's temperature above 0, or n to 1")
-    name = sampling.get("lora")
-    if name is not None and loras is not None and name not in loras:
-        known = f"registered: {', '.join(sorted(loras))}" if loras else "none is registered"
-        raise RowError(f"lora is {name!r}, which is not a registered adapter ({known}); register it with "
-                       f"--lora {name}=PATH, or set the row's lora to null for the base model")
-
-
-def job_structured(cfg: SamplingConfig) -> Optional[dict]:
-    """The job's structured output (--json-schema FILE or JSON, --regex, --choice) as vLLM's parameters."""
-    if cfg.json_schema is not None:
-        text = cfg.json_schema
-        if not text.lstrip().startswith("{"):
-            try:
-                with open(text) as f:
-                    text = f.read()
-            except OSError as e:
-                raise ConfigError(f"--json-schema {cfg.json_schema}: cannot read it ({e.strerror}). Give a JSON "
-                                  f"schema file, or the schema itself as JSON.") from None
-        try:
-            return {"json": _schema(text)}
-        except RowError as e:
-            raise ConfigError(f"--json-schema {cfg.json_schema}: {e}") from None
-    if cfg.regex is not None:
-        try:
-            return _regex(cfg.regex)
-        except RowError as e:
-            raise ConfigError(f"--regex: {e}") from None
-    if cfg.choice is not None:
-        return {"choice": list(cfg.choice)}
-    return None
-
-
-def _named(key: str, check):
-    return lambda value: (key, check(value))
-
-
-_OVERRIDE_CHECKS = {
-    "max_tokens": _named("max_tokens", _max_tokens),
-    "temperature": _named("temperature", _temperature),
-    "top_p": _named("top_p", _top_p),
-    "seed": _named("seed", _seed),
-    "stop": _named("stop", _stop),
-    "stop_token_ids": _named("stop_token_ids", _stop_token_ids),
-    "presence_penalty": _named("presence_penalty", _penalty("presence_penalty")),
-    "frequency_penalty": _named("frequency_penalty", _penalty("frequency_penalty")),
-    "min_tokens": _named("min_tokens", _min_tokens),
-    # a row's structured output replaces the job's
-    "json_schema": _named("structured", lambda v: {"json": _schema(v)}),
-    "response_format": _named("structured", _response_format),
-    "regex": _named("structured", _regex),
-    "choice": _named("structured", _choice),
-    "n": _named("n", _n),
-    "logprobs": _named("logprobs", _logprobs),
-    "lora": _named("lora", _lora),
-}
-
-
-def _priority(value) -> tuple[str, int]:
-    return "priority", _integer(value, "priority")
-
-
-def _value(value) -> tuple[str, float]:
-    v = _number(value, "value")
-    if v < 0:
-        raise RowError(f"value is {v}; it must be 0 or more")
-    return "value", v
-
-
-def _deadline(value) -> tuple[str, float]:
-    return "deadline_at", parse_time(value, "deadline")
-
-
-def parse_time(value, name: str) -> float:
-    """Seconds since the epoch from a datetime (naive: UTC, as Arrow stores it) or an ISO string
-    (naive: local time, as a person writes it)."""
-    import datetime as dt
-
-    if isinstance(value, dt.datetime):
-        if value.tzinfo is None:
-            value = value.replace(tzinfo=dt.timezone.utc)
-        return value.timestamp()
-    if isinstance(value, str):
-        try:
-            parsed = dt.datetime.fromisoformat(value.strip())
-        except ValueError:
-            raise RowError(f"{name} is {_short(value)}; use an ISO time such as 2026-11-23T06:00 or "
-                           f"2026-11-23T06:00+01:00") from None
-        return parsed.timestamp()  # naive: local time
-    raise RowError(f"{name} is {_short(value)} ({type(value).__name__}); use a timestamp or an ISO time string")
-
-
-_SCHEDULING_CHECKS = {"priority": _priority, "value": _value, "deadline": _deadline}
-
-
-def _short(value, limit: int = 60) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
