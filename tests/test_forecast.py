@@ -11,7 +11,8 @@ from fakes import FakeClock
 from overnight.pipeline.config import Policy
 from overnight.pipeline.records import Row
 from overnight.pipeline.scheduling.deadline import DeadlineTracker
-from overnight.pipeline.scheduling.forecast import InFlight, LengthModel, StepCost, best_cap, drain, norm_cdf
+from overnight.pipeline.scheduling.forecast import InFlight, StepCost, best_cap, drain
+from overnight.pipeline.scheduling.lengths import LengthModel, norm_cdf
 from overnight.pipeline.scheduling.scheduler import Scheduler
 
 CPU = (0.038, 0.0034)  # seconds per step: fixed, per sequence (docs/BENCHMARKS.md, "Engine step cost")

@@ -27,7 +27,8 @@ import numpy as np
 
 from overnight.pipeline.config import ConfigError, Policy
 from overnight.pipeline.progress import Rate, fmt_duration
-from overnight.pipeline.scheduling.forecast import InFlight, LengthModel, StepCost, best_cap, chunks, drain
+from overnight.pipeline.scheduling.forecast import InFlight, StepCost, best_cap, chunks, drain
+from overnight.pipeline.scheduling.lengths import LengthModel
 from overnight.pipeline.scheduling.scheduler import Mode
 
 
