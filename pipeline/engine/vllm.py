@@ -241,7 +241,9 @@ class VllmEngine:
     def has_unfinished(self) -> bool:
         return self.engine.has_unfinished_requests()
 
-    def shutdown(self) -> None:
+    def shutdown(self, timeout: Optional[float] = None) -> None:
+        """Stop the engine's processes; ``timeout``: seconds they get to exit on their own before they are killed
+        (None: vLLM's default, 5 s)."""
         for key, engine in list(_ENGINES.items()):
             if engine is self:  # a dead or replaced engine must not be handed out again
                 del _ENGINES[key]
@@ -251,7 +253,7 @@ class VllmEngine:
         ours = own_engine_pids()
         core = getattr(self.engine, "engine_core", None)
         if core is not None and hasattr(core, "shutdown"):
-            core.shutdown()
+            core.shutdown(timeout=timeout)
         reap_engine_children(ours)
 
 
@@ -345,9 +347,9 @@ def get_engine(cfg: EngineConfig, model_path: str, scheduling_policy: str = "fcf
     return engine
 
 
-def shutdown_engines() -> None:
+def shutdown_engines(timeout: Optional[float] = None) -> None:
     for engine in list(_ENGINES.values()):
         try:
-            engine.shutdown()
+            engine.shutdown(timeout)
         except Exception as e:  # pragma: no cover - best effort at teardown
             log.debug("engine shutdown failed: %s", e)

@@ -132,6 +132,7 @@ class DeadlineTracker:
         self.is_warned = False  # the at-risk warning was given (and the deadline is not back on track)
         self.warned_left = 0  # the rows the last warning expected to be left undone
         self.steps = StepCost()
+        self.early_steps = StepCost()  # the engine's first seconds (settle_s): the forecast's until steps has some
         self.inflight = InFlight(1)
         self.lengths = LengthModel(max_tokens or 256)
         self.probe_done = False
@@ -161,6 +162,8 @@ class DeadlineTracker:
         if seconds is not None and now - self._first_step_at >= self.settle_s:
             self.steps.observe(self._step_n, self._step_prefill, seconds)
             self._measured += 1
+        elif seconds is not None:
+            self.early_steps.observe(self._step_n, self._step_prefill, seconds)
         self.inflight.after_step(finished_ids)
 
     def finished(self, predicted, actual, finish_reasons) -> None:
@@ -250,6 +253,12 @@ class DeadlineTracker:
                 done += min(num_unread, int(spare // mean_tokens_per_row))
         return Forecast(tps, remaining, rows, eta, left, eta > left, max(0, rows - done))
 
+    @property
+    def step_cost(self) -> StepCost:
+        """The steps measured since the engine settled, once there are a few; until then its first seconds' (slow,
+        so the first forecasts err long, not short)."""
+        return self.steps if self.steps.num_steps >= MIN_STEPS else self.early_steps
+
     def forecast_job(self, scheduler, tally, num_done_before: int, max_num_seqs: int) -> Forecast:
         """The forecast from the job's state. With a few engine steps measured: the learned model (below).
         Before: the token rate, rows in flight assumed half done, the pending pool in the order the policy runs
@@ -257,7 +266,7 @@ class DeadlineTracker:
         # Rows not read yet, less those an earlier attempt finished (not met yet in this pass).
         unread = max(0, tally.num_rows - tally.num_read - (num_done_before - tally.num_resumed))
         lengths, counts = scheduler.pending_in_run_order()
-        if self.steps.num_steps >= MIN_STEPS and self.inflight.max_num_seqs > 0:
+        if self.step_cost.num_steps >= MIN_STEPS and self.inflight.max_num_seqs > 0:
             f = self._model_forecast(scheduler, lengths, counts, unread, tally.mean_predicted, max_num_seqs)
             self.last = f
         else:
@@ -271,7 +280,7 @@ class DeadlineTracker:
 
     def _model_forecast(self, scheduler, lengths, counts, unread: int, mean_predicted: float,
                         max_num_seqs: int) -> Forecast:
-        a, b, c = self.steps.fit()
+        a, b, c = self.step_cost.fit()
         run_p, run_g = self.inflight.running()
         self._learn()
         model = self.lengths
@@ -355,8 +364,8 @@ class DeadlineTracker:
         if not len(nxt):
             return max_num_seqs
         mean = float(model.expected(nxt).mean())
-        per_seq = b if self.steps.knows_per_seq else 0.0
-        fixed = a if self.steps.knows_per_seq else a + b * max_num_seqs
+        per_seq = b if self.step_cost.knows_per_seq else 0.0
+        fixed = a if self.step_cost.knows_per_seq else a + b * max_num_seqs
         prefill_per_row = c * self.inflight.mean_prompt_tokens
         return best_cap(max_num_seqs, fixed, per_seq, left, mean, prefill_per_row)
 
