@@ -119,7 +119,9 @@ def test_one_job_through_kill_sigterm_and_engine_death(tmp_path, model_path):
 
     # 2. SIGTERM, as Airflow or Kubernetes sends: stop admitting, drain for the grace period, abort the rest,
     #    save, exit 75
-    proc = start([*args, "--grace", "3s"])
+    # a short grace: the rows in flight at the signal (as few as 16 while the step cost is probed, of 8 to 64
+    # tokens) must not all drain within it
+    proc = start([*args, "--grace", "1s"])
     wait_for_new_parts(proc, out, count_parts(out))
     t = time.monotonic()
     proc.send_signal(signal.SIGTERM)
@@ -134,7 +136,7 @@ def test_one_job_through_kill_sigterm_and_engine_death(tmp_path, model_path):
     status = json.loads((out / "status.json").read_text())
     assert status["exit_code"] == 75 and status["rows"]["aborted"] > 0
     after_term = done_rows(out)
-    figure("SIGTERM --grace 3s: drained, aborted, exit 75", t, after_term)
+    figure("SIGTERM --grace 1s: drained, aborted, exit 75", t, after_term)
     assert after_kill < after_term < 120
 
     # 3. the engine's own process dies: finished rows are saved, exit 69 says so
