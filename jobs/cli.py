@@ -93,8 +93,8 @@ cli.add_command(models)
 
 
 # Seconds the engine's processes get to exit on their own when the command ends, before they are killed.
-# Everything is written by then; vLLM's own default (5 s, and its worker's graceful exit) kept a finished job's
-# process alive 7 s after its summary on this machine, 2-3 s with this.
+# Everything is written by then. With vLLM's own default (5 s, after its worker's graceful exit) a finished job's
+# process exited 8.6 s after its last row on this machine; with this, 5.2 s (docs/BENCHMARKS.md).
 ENGINE_EXIT_S = 1.0
 
 
