@@ -363,11 +363,13 @@ class DeadlineTracker:
         nxt = nxt[:2 * max_num_seqs]
         if not len(nxt):
             return max_num_seqs
-        mean = float(model.expected(nxt).mean())
+        m1, m2 = model.moments(nxt)
+        mean = float(m1.mean())
+        spread = float(m2.mean()) / max(mean * mean, 1e-9)  # E[L^2] / E[L]^2 over the next rows, as one pool
         per_seq = b if self.step_cost.knows_per_seq else 0.0
         fixed = a if self.step_cost.knows_per_seq else a + b * max_num_seqs
         prefill_per_row = c * self.inflight.mean_prompt_tokens
-        return best_cap(max_num_seqs, fixed, per_seq, left, mean, prefill_per_row)
+        return best_cap(max_num_seqs, fixed, per_seq, left, mean, prefill_per_row, spread)
 
     def start(self, scheduler) -> None:
         """Throughput-first needs evidence that the deadline is safe: until a forecast shows it, auto runs the

@@ -305,20 +305,24 @@ def chunks(values: np.ndarray, counts: np.ndarray, k: int = 48) -> tuple[np.ndar
 
 
 def best_cap(max_seqs: int, fixed_s: float, per_seq_s: float, time_left_s: float, mean_tokens: float,
-             prefill_s_per_row: float = 0.0) -> int:
+             prefill_s_per_row: float = 0.0, spread: float = 1.0) -> int:
     """Rows in flight that finish the most rows in ``time_left_s``: with c rows running, a step takes
-    fixed + per_seq * c (plus their share of prefill), each running row gains a token per step, and the c rows
-    still running at the stop are lost, half done on average:
+    fixed + per_seq * c (plus their share of prefill), and each of the c slots runs rows one after another, a
+    token per step. A slot's rows finished within S steps are, by renewal theory,
 
-        rows(c) = (c * steps(c) - c * mean / 2) / mean,  steps(c) = time_left / step(c)
+        S / mean + E[L^2] / (2 mean^2) - 1,      rows(c) = c * (steps(c) / mean + spread / 2 - 1)
 
-    Where a step's cost barely grows with c (a GPU) this is the full engine until the last half row's worth of
-    steps; where it grows (a CPU), fewer rows near the stop finish more."""
+    with steps(c) = time_left / step(c) and spread = E[L^2] / mean^2 of the rows' lengths as the forecast knows
+    them. Lengths known exactly (spread 1) lose the row still running at the stop, half done on average; the less
+    the predictions tell, the more often a slot's last row is a short one that finishes, and from spread 2 on
+    more slots always finish more. Where a step's cost barely grows with c (a GPU) this is the full engine until
+    the last half row's worth of steps; where it grows (a CPU) and lengths are well predicted, fewer rows near
+    the stop finish more."""
     m = max(1, int(max_seqs))
     if mean_tokens <= 0 or time_left_s <= 0:
         return m
     c = np.arange(1, m + 1, dtype=np.float64)
     step = fixed_s + per_seq_s * c + prefill_s_per_row * c / max(mean_tokens, 1.0)
-    rows = (c * time_left_s / np.maximum(step, 1e-9) - c * mean_tokens / 2) / mean_tokens
+    rows = c * (time_left_s / np.maximum(step, 1e-9) / mean_tokens + max(spread, 1.0) / 2 - 1)
     best = int(c[int(np.argmax(rows))])
     return best if rows.max() > 0 else 1

@@ -127,6 +127,17 @@ class LengthModel:
         cond = np.where(g > 0, part / survive, part)
         return np.clip(cond - g, 1.0, self.cap - g)
 
+    def moments(self, predicted, shift: float = 0.0) -> tuple[np.ndarray, np.ndarray]:
+        """E[min(L, cap)] and E[min(L, cap)^2] of rows with these predictions, not started."""
+        p = np.maximum(np.asarray(predicted, dtype=np.float64), 1.0)
+        m = np.log(p) + self.mu + shift
+        s = self.sigma
+        lc = math.log(self.cap)
+        above = 1.0 - norm_cdf((lc - m) / s)
+        m1 = np.exp(m + s * s / 2) * norm_cdf((lc - m - s * s) / s) + self.cap * above
+        m2 = np.exp(2 * m + 2 * s * s) * norm_cdf((lc - m - 2 * s * s) / s) + self.cap ** 2 * above
+        return m1, m2
+
     def quantile_cdf(self, x, predicted, generated, shift: float = 0.0) -> np.ndarray:
         """P(remaining <= x) for rows (predicted, generated) at remaining lengths x (broadcast)."""
         p = np.maximum(np.asarray(predicted, dtype=np.float64), 1.0)
