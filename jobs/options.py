@@ -43,7 +43,7 @@ def passthrough_value(text: str):
 
 
 def duration_s(text: str) -> float:
-    from overnight.pipeline.scheduling.deadline import parse_budget
+    from overnight.pipeline.scheduling.when import parse_budget
     return parse_budget(text)
 
 

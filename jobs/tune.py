@@ -41,7 +41,7 @@ def tune(input_path, config_file, batched_tokens, seqs, sample, time_limit, save
         overnight tune prompts.parquet --seqs 64,128,256 --batched-tokens 4096,8192 --time-limit 20m
         overnight run prompts.parquet --out results/ --config configs/tuned.yaml
     """
-    from overnight.pipeline.scheduling.deadline import parse_budget
+    from overnight.pipeline.scheduling.when import parse_budget
     from overnight.pipeline.output.storage import url_to_fs, write_atomic
     from overnight.pipeline.tools.tune import preset_yaml, tune as run_tune
 

@@ -157,7 +157,7 @@ def _check_other_shards(cfg, source, out, fields) -> None:
 
 def resolve_deadline(sc, now: float) -> tuple[Optional[float], float]:
     """(deadline as seconds since the epoch, safety margin in seconds), or (None, 0) without one."""
-    from overnight.pipeline.scheduling.deadline import parse_budget, parse_deadline
+    from overnight.pipeline.scheduling.when import parse_budget, parse_deadline
 
     if sc.deadline:
         at = parse_deadline(sc.deadline, now)

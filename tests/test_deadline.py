@@ -7,7 +7,8 @@ import pytest
 
 from fakes import FakeClock
 from overnight.pipeline.config import ConfigError
-from overnight.pipeline.scheduling.deadline import DeadlineTracker, parse_budget, parse_deadline
+from overnight.pipeline.scheduling.deadline import DeadlineTracker
+from overnight.pipeline.scheduling.when import parse_budget, parse_deadline
 from overnight.pipeline.job import resolve_deadline
 from overnight.pipeline.config import SchedulerConfig
 

@@ -145,7 +145,7 @@ class ReportingOutputDir(OutputDir):
 
 def jobmod_deadline(sc) -> float:
     """The job's absolute deadline (the driver made it one), as seconds since the epoch."""
-    from overnight.pipeline.scheduling.deadline import parse_deadline
+    from overnight.pipeline.scheduling.when import parse_deadline
     return parse_deadline(sc.deadline, 0.0)
 
 
