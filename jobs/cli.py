@@ -94,8 +94,9 @@ cli.add_command(models)
 
 # Seconds the engine's processes get to exit on their own when the command ends, before they are killed.
 # Everything is written by then. With vLLM's own default (5 s, after its worker's graceful exit) a finished job's
-# process exited 8.6 s after its last row on this machine; with this, 5.2 s (docs/BENCHMARKS.md).
-ENGINE_EXIT_S = 1.0
+# process exited 8.6 s after its last row on this machine; with 1 s, 5.2 s; with 0.5 s (and the stderr filter not
+# waiting on the engine), about 3 s (docs/BENCHMARKS.md).
+ENGINE_EXIT_S = 0.5
 
 
 def main() -> None:

@@ -92,6 +92,9 @@ def reserved_stdout() -> Iterator[TextIO]:
         out.close()
 
 
+JOIN_S = 0.25  # seconds the reader gets to pass on what is left in the pipe when the command ends
+
+
 @contextlib.contextmanager
 def filtered_stderr(verbose: bool) -> Iterator[None]:
     """Point file descriptor 2 (what the engine's processes inherit) at a pipe whose lines are passed on to the
@@ -118,7 +121,10 @@ def filtered_stderr(verbose: bool) -> Iterator[None]:
     finally:
         sys.stderr.flush()
         os.dup2(saved, 2)  # closes our end of the pipe; the reader ends once the engine's processes are gone
-        thread.join(timeout=2)
+        # A crashed engine's last lines are already in the pipe. A live engine keeps the pipe open until the
+        # command's end shuts it down (jobs/cli.py main()); the reader, a daemon, passes its lines on meanwhile.
+        # Waiting here for that cost 2 s at every finished job's exit.
+        thread.join(timeout=JOIN_S)
         sys.stderr.close()
         sys.stderr = previous
 

@@ -1,0 +1,28 @@
+"""The stderr filter at the command's end: it must not wait for the engine's processes, which hold the pipe open
+until the command shuts them down, and what they print meanwhile still comes through, without the noise."""
+
+import subprocess
+import sys
+import textwrap
+
+
+def test_leaving_the_filter_does_not_wait_for_a_child_that_holds_the_pipe(tmp_path):
+    script = textwrap.dedent("""
+        import subprocess, sys, time
+        from overnight.pipeline.streams import filtered_stderr
+        child = "import sys, time; time.sleep(0.6); print('child line', file=sys.stderr, flush=True); " \\
+                "print('Triton is not installed, so some kernels are slow', file=sys.stderr, flush=True); time.sleep(2)"
+        with filtered_stderr(False):
+            p = subprocess.Popen([sys.executable, "-c", child])  # inherits file descriptor 2: the pipe
+            time.sleep(0.2)
+            t0 = time.monotonic()
+        print(f"left after {time.monotonic() - t0:.2f}", flush=True)
+        p.wait()
+        time.sleep(0.3)
+    """)
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    left = float(r.stdout.split("left after ")[1])
+    assert left < 1.0  # it used to wait 2 s for the pipe to close
+    assert "child line" in r.stderr  # passed on after the filter was left
+    assert "Triton" not in r.stderr
