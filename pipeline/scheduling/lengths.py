@@ -48,6 +48,7 @@ class LengthModel:
         self.n = 0
         self.s1 = 0.0
         self.s2 = 0.0
+        self.log_a = 0.0  # sum of log(actual) of those rows, for the likelihood (the density of L, not of r)
         self.capped: dict[int, int] = {}
         self.mu, self.sigma = 0.0, prior_sigma
         self.num_events = 0.0  # rows whose r is known exactly, for the fit's standard error
@@ -66,6 +67,7 @@ class LengthModel:
         self.n += len(free)
         self.s1 += float(free.sum())
         self.s2 += float(free @ free)
+        self.log_a += float(np.log(a[keep][~cut]).sum())
 
     def fit(self, running_p: np.ndarray, running_g: np.ndarray, iterations: int = 25) -> tuple[float, float]:
         """Refit on the finished rows and the rows running now (predicted p, g tokens so far)."""
@@ -109,6 +111,17 @@ class LengthModel:
     def mu_stderr(self) -> float:
         return self.sigma / math.sqrt(self.num_events + self.prior_weight)
 
+    def loglik(self, running_p: np.ndarray, running_g: np.ndarray) -> float:
+        """Log-likelihood of the lengths seen (as densities of the length itself) and of the censored rows."""
+        mu, s = self.mu, self.sigma
+        ll = (-self.n * math.log(s * math.sqrt(2 * math.pi)) - self.log_a
+              - (self.s2 - 2 * mu * self.s1 + self.n * mu * mu) / (2 * s * s))
+        if self.capped:
+            ks = np.fromiter(self.capped.keys(), np.float64) * self.BIN
+            ll += float(np.fromiter(self.capped.values(), np.float64) @ _log_tail((ks - mu) / s))
+        keep = (running_p > 0) & (running_g > 0)
+        return ll + float(_log_tail((np.log(running_g[keep] / running_p[keep]) - mu) / s).sum())
+
     def expected(self, predicted, generated=None, shift: float = 0.0) -> np.ndarray:
         """Expected tokens still to come for rows with these predictions that have generated ``generated`` so far
         (0: not started): E[min(L, cap) - g | L > g]."""
@@ -148,3 +161,170 @@ class LengthModel:
         total = g + np.maximum(x, 0.0)
         f_x = np.where(total >= self.cap, 1.0, norm_cdf((np.log(np.maximum(total, 1e-9)) - m) / s))
         return np.clip((f_x - f_g) / np.clip(1.0 - f_g, 1e-12, None), 0.0, 1.0)
+
+
+def _log_tail(z) -> np.ndarray:
+    return np.log(np.clip(1.0 - norm_cdf(z), 1e-300, None))
+
+
+class NormalLengthModel:
+    """Actual output lengths L ~ Normal(m, s), whatever their predictions; the same interface as LengthModel.
+
+    Where predictions barely tell lengths apart, as the embedded model's do (docs/BENCHMARKS.md), scaling each
+    row's length by its prediction over-counts: rows predicted long run about as long as the others, and log
+    lengths are skewed to the left (a few answers of a handful of tokens widen a log-normal's fit, and with it
+    the tail it gives the rows still running). Finished rows give L, rows that hit max_tokens and rows still
+    running give "L is at least this" (an EM fit of a censored normal). A prior of prior_weight rows at the
+    mean prediction (sd prior_cv of it) holds the fit until rows finish. ``mu`` and ``sigma`` are the log-normal
+    ones of the same mean and spread (against the mean prediction), so that they mean what LengthModel's do;
+    ``shift`` scales lengths by exp(shift)."""
+
+    def __init__(self, max_tokens: int, prior_cv: float = 0.8, prior_weight: float = 3.0):
+        self.cap = float(max_tokens)
+        self.prior_cv, self.prior_weight = prior_cv, prior_weight
+        self.n, self.s1, self.s2 = 0, 0.0, 0.0  # rows finished below the cap: count, sum and sum of squares of L
+        self.n_cap = 0  # rows that hit it
+        self.p_sum, self.p_n = 0.0, 0  # predictions of the finished rows, for the prior
+        self.m, self.s = self.cap / 2, self.prior_cv * self.cap / 2
+        self.p_mean = self.cap / 2
+        self.num_events = 0.0
+        self._fitted = False
+
+    def observe(self, predicted, actual, hit_cap) -> None:
+        p = np.asarray([x or 0 for x in predicted], dtype=np.float64)
+        a = np.asarray([x or 0 for x in actual], dtype=np.float64)
+        keep = (p > 0) & (a > 0)
+        if not keep.any():
+            return
+        cut = (np.asarray(hit_cap, dtype=bool)[keep]) | (a[keep] >= self.cap)
+        free = a[keep][~cut]
+        self.n += len(free)
+        self.s1 += float(free.sum())
+        self.s2 += float(free @ free)
+        self.n_cap += int(cut.sum())
+        self.p_sum += float(p[keep].sum())
+        self.p_n += int(keep.sum())
+
+    def fit(self, running_p: np.ndarray, running_g: np.ndarray, iterations: int = 50) -> tuple[float, float]:
+        keep = (running_p > 0) & (running_g > 0)
+        total_p, count_p = self.p_sum + float(running_p[keep].sum()), self.p_n + int(keep.sum())
+        self.p_mean = min(max(total_p / count_p, 1.0), self.cap) if count_p else self.cap / 2
+        m0, s0 = self.p_mean, self.prior_cv * self.p_mean
+        c, w = running_g[keep], np.ones(int(keep.sum()))
+        if self.n_cap:
+            c, w = np.append(c, self.cap), np.append(w, float(self.n_cap))
+        w0 = self.prior_weight
+        total = self.n + float(w.sum()) + w0
+        m, s = (self.m, self.s) if self._fitted else (m0, s0)
+        for _ in range(iterations):
+            s = max(s, 1.0)
+            if len(c):
+                z = (c - m) / s
+                lam = _mills(z)
+                e1 = float(w @ (m + s * lam))
+                e2 = float(w @ (m * m + s * s + s * (c + m) * lam))
+            else:
+                e1 = e2 = 0.0
+            new_m = (self.s1 + e1 + w0 * m0) / total
+            new_s = math.sqrt(max((self.s2 + e2 + w0 * (s0 * s0 + m0 * m0)) / total - new_m * new_m, 1.0))
+            done = abs(new_m - m) < 1e-2 and abs(new_s - s) < 1e-2
+            m, s = new_m, new_s
+            if done:
+                break
+        self.m, self.s, self._fitted = m, s, True
+        self.num_events = self.n + (float(w @ norm_cdf((c - m) / s)) if len(c) else 0.0)
+        return self.mu, self.sigma
+
+    def loglik(self, running_p: np.ndarray, running_g: np.ndarray) -> float:
+        m, s = self.m, self.s
+        ll = -self.n * math.log(s * math.sqrt(2 * math.pi)) - (self.s2 - 2 * m * self.s1 + self.n * m * m) / (2 * s * s)
+        if self.n_cap:
+            ll += self.n_cap * float(_log_tail((self.cap - m) / s))
+        keep = (running_p > 0) & (running_g > 0)
+        return ll + float(_log_tail((running_g[keep] - m) / s).sum())
+
+    @property
+    def sigma(self) -> float:
+        return math.sqrt(math.log1p((self.s / max(self.m, 1.0)) ** 2))
+
+    @property
+    def mu(self) -> float:
+        return math.log(max(self.m, 1.0) / self.p_mean) - self.sigma ** 2 / 2
+
+    @property
+    def mu_stderr(self) -> float:
+        return (self.s / max(self.m, 1.0)) / math.sqrt(self.num_events + self.prior_weight)
+
+    def _params(self, predicted, shift: float):
+        p = np.asarray(predicted, dtype=np.float64)
+        k = math.exp(shift)
+        return np.full(p.shape, self.m * k), np.full(p.shape, self.s * k)
+
+    def expected(self, predicted, generated=None, shift: float = 0.0) -> np.ndarray:
+        """E[min(L, cap) - g | L > g] (g = 0: not started, and then L is at least 1)."""
+        mm, ss = self._params(predicted, shift)
+        g = np.zeros_like(mm) if generated is None else np.minimum(np.asarray(generated, dtype=np.float64),
+                                                                     self.cap - 1)
+        lo = np.maximum(g, 1.0)
+        za, zb = (lo - mm) / ss, (self.cap - mm) / ss
+        fa, fb = norm_cdf(za), norm_cdf(zb)
+        body = np.maximum(mm * (fb - fa) + ss * (norm_pdf(za) - norm_pdf(zb)), 0.0) + self.cap * (1.0 - fb)
+        surv = 1.0 - fa
+        cond = np.where(surv > 1e-12, body / np.maximum(surv, 1e-300), lo)  # past the whole tail: about g
+        return np.clip(np.where(g > 0, cond, fa + body) - g, 1.0, self.cap - g)
+
+    def moments(self, predicted, shift: float = 0.0) -> tuple[np.ndarray, np.ndarray]:
+        """E[min(L, cap)] and E[min(L, cap)^2] of rows not started (L at least 1)."""
+        mm, ss = self._params(predicted, shift)
+        za, zb = (1.0 - mm) / ss, (self.cap - mm) / ss
+        fa, fb = norm_cdf(za), norm_cdf(zb)
+        pa, pb = norm_pdf(za), norm_pdf(zb)
+        d = fb - fa
+        m1 = fa + mm * d + ss * (pa - pb) + self.cap * (1.0 - fb)
+        m2 = (fa + mm * mm * d + 2 * mm * ss * (pa - pb) + ss * ss * (d + za * pa - zb * pb)
+              + self.cap ** 2 * (1.0 - fb))
+        return m1, np.maximum(m2, m1 * m1)
+
+    def quantile_cdf(self, x, predicted, generated, shift: float = 0.0) -> np.ndarray:
+        """P(remaining <= x) for rows (predicted, generated) at remaining lengths x (broadcast)."""
+        mm, ss = self._params(predicted, shift)
+        g = np.asarray(generated, dtype=np.float64)
+        f_g = np.where(g > 0, norm_cdf((g - mm) / ss), 0.0)
+        total = g + np.maximum(x, 0.0)
+        f_x = np.where(total >= self.cap, 1.0, norm_cdf((total - mm) / ss))
+        return np.clip((f_x - f_g) / np.clip(1.0 - f_g, 1e-12, None), 0.0, 1.0)
+
+
+def _mills(z) -> np.ndarray:
+    """phi(z) / (1 - Phi(z)), with its asymptote far in the tail."""
+    z = np.asarray(z, dtype=np.float64)
+    far = z > 6.0
+    zz = np.where(far, z, 1.0)
+    return np.where(far, zz + 1.0 / zz, norm_pdf(z) / np.clip(1.0 - norm_cdf(z), 1e-300, None))
+
+
+class BestFit:
+    """Both length models fitted on the same rows; the forecast asks the one under which what the run has seen
+    (finished lengths, and rows still running or cut at max_tokens as "at least") is the more likely. Both have
+    two parameters. Until min_rows rows have finished, LengthModel."""
+
+    def __init__(self, max_tokens: int, min_rows: int = 10):
+        self.ratio, self.normal = LengthModel(max_tokens), NormalLengthModel(max_tokens)
+        self.best = self.ratio
+        self.min_rows = min_rows
+
+    def observe(self, predicted, actual, hit_cap) -> None:
+        self.ratio.observe(predicted, actual, hit_cap)
+        self.normal.observe(predicted, actual, hit_cap)
+
+    def fit(self, running_p: np.ndarray, running_g: np.ndarray) -> tuple[float, float]:
+        running_p, running_g = np.asarray(running_p, np.float64), np.asarray(running_g, np.float64)
+        self.ratio.fit(running_p, running_g)
+        self.normal.fit(running_p, running_g)
+        if self.ratio.n >= self.min_rows:
+            lr, ln = self.ratio.loglik(running_p, running_g), self.normal.loglik(running_p, running_g)
+            self.best = self.normal if ln > lr else self.ratio
+        return self.best.mu, self.best.sigma
+
+    def __getattr__(self, name):  # cap, mu, sigma, mu_stderr, num_events, expected, moments, quantile_cdf
+        return getattr(self.__dict__["best"], name)

@@ -1,0 +1,117 @@
+"""How well does the forecast's length model predict the output tokens still to come? Replayed from finished runs.
+
+For each finished `overnight run` folder given (the full runs of benchmarks/forecast.py, say), at the moments 5%,
+10%, 25%, 50% and 75% of its rows had finished, this rebuilds what the deadline tracker saw: the finished rows
+(prediction, length, whether max_tokens cut them), the rows running (prediction, tokens so far) and the rows not
+started (prediction). Tokens so far come from a step clock: every running row gains one token a step, and the
+steps' rate over time is fitted to all rows' first-token and finish times (a straight line per row overstates the
+tokens of the rows still running late in a run, when the batch empties and steps get faster). It then fits a length
+model on what was seen and compares the tokens it expects still to come with the tokens that came.
+
+Models (pipeline/scheduling/lengths.py): LengthModel (log(actual / predicted) ~ Normal, censored),
+NormalLengthModel (the length itself ~ Normal, the prediction not used) and BestFit (the forecast's: whichever of
+the two makes what the run has seen the more likely, from 10 finished rows on).
+
+    python benchmarks/length_replay.py OUT [OUT ...] [--max-tokens 512]
+
+Prints, per run and share, expected / actual tokens to come, and per model the mean |log| of that ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+import numpy as np
+
+SHARES = (0.05, 0.10, 0.25, 0.50, 0.75)
+
+
+def load(out: str) -> dict:
+    import duckdb
+
+    rel = duckdb.sql(f"select predicted_tokens p, output_tokens a, finish_reason = 'length' cut, epoch(queued_at) q, "
+                     f"epoch(first_token_at) f, epoch(finished_at) e from read_parquet('{out}/**/parts/*.parquet') "
+                     f"where status = 'ok'")
+    rows = rel.fetchall()
+    d = {c: np.array([r[i] for r in rows], dtype=object) for i, c in enumerate(rel.columns)}
+    d["f"] = np.array([x if x is not None else np.nan for x in d["f"]], dtype=np.float64)
+    for c in ("p", "a", "q", "e"):
+        d[c] = d[c].astype(np.float64)
+    d["f"] = np.where(np.isnan(d["f"]), d["e"], d["f"])
+    d["cut"] = d["cut"].astype(bool)
+    return d
+
+
+def step_clock(d: dict, dt: float = 0.5, smooth: float = 3.0):
+    """Tokens a running row has gained by time t: the cumulative step rate, fitted by least squares so that each
+    row's tokens after its first are the steps between its first token and its finish (smoothed over time)."""
+    f, e, a = d["f"], d["e"], d["a"]
+    edges = np.arange(f.min(), e.max() + dt, dt)
+    k = len(edges) - 1
+    lo = np.clip(f[:, None], edges[None, :-1], edges[None, 1:])
+    hi = np.clip(e[:, None], edges[None, :-1], edges[None, 1:])
+    m = np.vstack([hi - lo, np.diff(np.eye(k), axis=0) * smooth])
+    y = np.concatenate([a - 1, np.zeros(k - 1)])
+    rate = np.maximum(np.linalg.lstsq(m, y, rcond=None)[0], 0.0)
+    cum = np.concatenate([[0.0], np.cumsum(rate * dt)])
+    return lambda t: np.interp(t, edges, cum)
+
+
+def state(d: dict, t: float, clock):
+    fin = d["e"] <= t
+    run = ~fin & (d["q"] <= t)
+    pool = ~fin & (d["q"] > t)
+    start = d["f"]
+    g = np.floor(np.clip(clock(np.full_like(start, t)) - clock(np.minimum(start, t)), 0, d["a"] - 1))
+    g = np.where(run & (start > t), 0.0, g)
+    actual = float(np.sum(d["a"][run] - g[run]) + np.sum(d["a"][pool]))
+    return fin, run, pool, g, actual
+
+
+def replay(d: dict, make, clock) -> list[float]:
+    order = np.sort(d["e"])
+    n = len(order)
+    ratios = []
+    for share in SHARES:
+        t = order[int(math.ceil(share * n)) - 1] + 0.01
+        fin, run, pool, g, actual = state(d, t, clock)
+        model = make()
+        model.observe(d["p"][fin], d["a"][fin], d["cut"][fin])
+        model.fit(d["p"][run], g[run])
+        expected = float(model.expected(d["p"][run], g[run]).sum())
+        if pool.any():
+            expected += float(model.expected(d["p"][pool]).sum())
+        ratios.append(expected / actual)
+    return ratios
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("outs", nargs="+")
+    ap.add_argument("--max-tokens", type=int, default=512)
+    args = ap.parse_args()
+    from overnight.pipeline.scheduling.lengths import BestFit, LengthModel, NormalLengthModel
+
+    models = {"log ratio (LengthModel)": lambda: LengthModel(args.max_tokens),
+              "normal on length": lambda: NormalLengthModel(args.max_tokens),
+              "the likelier (BestFit)": lambda: BestFit(args.max_tokens)}
+    table = {name: [] for name in models}
+    print("expected / actual output tokens to come, at " + " / ".join(f"{s:.0%}" for s in SHARES) + " of rows")
+    for out in args.outs:
+        d = load(out)
+        clock = step_clock(d)
+        for name, make in models.items():
+            r = replay(d, make, clock)
+            table[name].append(r)
+            print(f"  {out}  {name:22s} " + " ".join(f"{x:.2f}" for x in r))
+    print("mean |log(expected / actual)| at each share; at 10-50%; share of points within 10%:")
+    for name, rows in table.items():
+        le = np.abs(np.log(np.array(rows)))
+        core = le[:, 1:4]
+        print(f"  {name:22s} " + " ".join(f"{x:.3f}" for x in le.mean(0)) + f"; {core.mean():.3f}; "
+              f"{np.mean(le < math.log(1.1)):.0%}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,85 @@
+"""The forecast's length models (pipeline/scheduling/lengths.py): the normal on the length itself, and the choice
+between it and the log-ratio model by the likelihood of what a run has seen. No engine, no clock."""
+
+import numpy as np
+import pytest
+
+from overnight.pipeline.scheduling.lengths import BestFit, LengthModel, NormalLengthModel
+
+CAP = 512
+
+
+def snapshot(predicted, lengths, at):
+    """Every row started together; at `at` tokens the rows no longer than that have finished, the rest run."""
+    actual = np.minimum(lengths, CAP)
+    done = actual <= at
+    model = BestFit(CAP)
+    model.observe(predicted[done], actual[done], actual[done] >= CAP)
+    g = np.full(int((~done).sum()), float(at))
+    model.fit(predicted[~done], g)
+    truth = float((actual[~done] - at).sum())
+    return model, predicted[~done], g, truth
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_lengths_that_follow_their_predictions_keep_the_log_ratio_model(seed):
+    rng = np.random.default_rng(seed)
+    p = np.round(np.exp(rng.normal(np.log(180), 0.6, 256)))
+    lengths = np.maximum(np.round(p * np.exp(rng.normal(0.2, 0.5, 256))), 1)
+    model, rp, g, truth = snapshot(p, lengths, 150)
+    assert model.best is model.ratio
+    assert model.expected(rp, g).sum() == pytest.approx(truth, rel=0.10)
+    # the normal, blind to the predictions, would have said less than half
+    assert model.normal.expected(rp, g).sum() < 0.6 * truth
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_lengths_the_predictions_do_not_tell_apart_take_the_normal_model(seed):
+    """As the embedded model's: lengths about normal, predictions that barely rank them (docs/BENCHMARKS.md)."""
+    rng = np.random.default_rng(seed)
+    lengths = np.clip(np.round(rng.normal(290, 130, 256)), 1, None)
+    p = np.round(np.exp(rng.normal(np.log(180), 0.5, 256)))
+    model, rp, g, truth = snapshot(p, lengths, 250)
+    assert model.best is model.normal
+    assert model.expected(rp, g).sum() == pytest.approx(truth, rel=0.15)
+    assert model.ratio.expected(rp, g).sum() > 1.5 * truth  # the log-ratio model's tail: twice the truth
+
+
+def test_few_finished_rows_keep_the_log_ratio_model():
+    rng = np.random.default_rng(0)
+    lengths = np.clip(np.round(rng.normal(290, 130, 256)), 1, None)
+    p = np.full(256, 200.0)
+    model, *_ = snapshot(p, lengths, 40)  # a handful finished
+    assert model.ratio.n < model.min_rows and model.best is model.ratio
+    model, *_ = snapshot(p, lengths, 250)  # the same rows, later
+    assert model.best is model.normal
+
+
+def test_normal_length_model_against_a_simulation():
+    rng = np.random.default_rng(1)
+    m = NormalLengthModel(CAP)
+    m.m, m.s, m.p_mean = 300.0, 120.0, 200.0
+    draws = np.minimum(np.maximum(rng.normal(300, 120, 2_000_000), 1.0), CAP)
+    m1, m2 = m.moments(np.array([200.0]))
+    assert m1[0] == pytest.approx(draws.mean(), rel=2e-3)
+    assert m2[0] == pytest.approx((draws ** 2).mean(), rel=4e-3)
+    for g in (100.0, 300.0, 450.0):
+        alive = draws[draws > g]
+        assert m.expected(np.array([200.0]), np.array([g]))[0] == pytest.approx((alive - g).mean(), rel=5e-3)
+        assert m.quantile_cdf(50.0, np.array([200.0]), np.array([g]))[0] == pytest.approx(
+            np.mean(alive - g <= 50), abs=3e-3)
+    # shift scales the lengths; mu and sigma are the log-normal ones of the same mean and spread
+    assert m.expected(np.array([200.0]), None, 0.1)[0] > m.expected(np.array([200.0]))[0]
+    assert np.exp(m.mu + m.sigma ** 2 / 2) == pytest.approx(300.0 / 200.0)
+
+
+def test_the_censored_fit_finds_the_mean_from_rows_still_running():
+    rng = np.random.default_rng(2)
+    lengths = np.clip(np.round(rng.normal(280, 100, 2000)), 1, None)
+    done = lengths <= 220
+    m = NormalLengthModel(CAP)
+    m.observe(np.full(done.sum(), 100.0), lengths[done], np.zeros(done.sum(), bool))
+    m.fit(np.full((~done).sum(), 100.0), np.full((~done).sum(), 220.0))
+    assert m.m == pytest.approx(280, rel=0.03) and m.s == pytest.approx(100, rel=0.08)
+    # LengthModel keeps working as before beside it
+    assert isinstance(BestFit(CAP).ratio, LengthModel)
