@@ -9,8 +9,8 @@ tokens of the rows still running late in a run, when the batch empties and steps
 model on what was seen and compares the tokens it expects still to come with the tokens that came.
 
 Models (pipeline/scheduling/lengths.py): LengthModel (log(actual / predicted) ~ Normal, censored),
-NormalLengthModel (the length itself ~ Normal, the prediction not used) and BestFit (the forecast's: whichever of
-the two makes what the run has seen the more likely, from 10 finished rows on).
+NormalLengthModel (the length itself ~ Normal, the prediction not used) and LengthMixture (the forecast's: the two
+weighed by how likely each makes what the run has seen, from 10 finished rows on).
 
     python benchmarks/length_replay.py OUT [OUT ...] [--max-tokens 512]
 
@@ -91,11 +91,11 @@ def main() -> None:
     ap.add_argument("outs", nargs="+")
     ap.add_argument("--max-tokens", type=int, default=512)
     args = ap.parse_args()
-    from overnight.pipeline.scheduling.lengths import BestFit, LengthModel, NormalLengthModel
+    from overnight.pipeline.scheduling.lengths import LengthMixture, LengthModel, NormalLengthModel
 
     models = {"log ratio (LengthModel)": lambda: LengthModel(args.max_tokens),
               "normal on length": lambda: NormalLengthModel(args.max_tokens),
-              "the likelier (BestFit)": lambda: BestFit(args.max_tokens)}
+              "both, weighed (LengthMixture)": lambda: LengthMixture(args.max_tokens)}
     table = {name: [] for name in models}
     print("expected / actual output tokens to come, at " + " / ".join(f"{s:.0%}" for s in SHARES) + " of rows")
     for out in args.outs:

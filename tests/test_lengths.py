@@ -4,7 +4,7 @@ between it and the log-ratio model by the likelihood of what a run has seen. No 
 import numpy as np
 import pytest
 
-from overnight.pipeline.scheduling.lengths import BestFit, LengthModel, NormalLengthModel
+from overnight.pipeline.scheduling.lengths import LengthMixture, LengthModel, NormalLengthModel
 
 CAP = 512
 
@@ -13,7 +13,7 @@ def snapshot(predicted, lengths, at):
     """Every row started together; at `at` tokens the rows no longer than that have finished, the rest run."""
     actual = np.minimum(lengths, CAP)
     done = actual <= at
-    model = BestFit(CAP)
+    model = LengthMixture(CAP)
     model.observe(predicted[done], actual[done], actual[done] >= CAP)
     g = np.full(int((~done).sum()), float(at))
     model.fit(predicted[~done], g)
@@ -82,4 +82,4 @@ def test_the_censored_fit_finds_the_mean_from_rows_still_running():
     m.fit(np.full((~done).sum(), 100.0), np.full((~done).sum(), 220.0))
     assert m.m == pytest.approx(280, rel=0.03) and m.s == pytest.approx(100, rel=0.08)
     # LengthModel keeps working as before beside it
-    assert isinstance(BestFit(CAP).ratio, LengthModel)
+    assert isinstance(LengthMixture(CAP).ratio, LengthModel)

@@ -26,7 +26,7 @@ import numpy as np
 from overnight.pipeline.config import Policy
 from overnight.pipeline.progress import Rate, fmt_duration
 from overnight.pipeline.scheduling.forecast import InFlight, StepCost, best_cap, chunks, drain
-from overnight.pipeline.scheduling.lengths import BestFit
+from overnight.pipeline.scheduling.lengths import LengthMixture
 from overnight.pipeline.scheduling.scheduler import Mode
 
 
@@ -105,7 +105,7 @@ class DeadlineTracker:
         self.steps = StepCost()
         self.early_steps = StepCost()  # the engine's first seconds (settle_s): the forecast's until steps has some
         self.inflight = InFlight(1)
-        self.lengths = BestFit(max_tokens or 256)
+        self.lengths = LengthMixture(max_tokens or 256)
         self.probe_done = False
         self.settle_s = settle_s
         self._first_step_at: Optional[float] = None

@@ -303,15 +303,18 @@ def _mills(z) -> np.ndarray:
     return np.where(far, zz + 1.0 / zz, norm_pdf(z) / np.clip(1.0 - norm_cdf(z), 1e-300, None))
 
 
-class BestFit:
-    """Both length models fitted on the same rows; the forecast asks the one under which what the run has seen
-    (finished lengths, and rows still running or cut at max_tokens as "at least") is the more likely. Both have
-    two parameters. Until min_rows rows have finished, LengthModel."""
+class LengthMixture:
+    """Both length models fitted on the same rows, weighed by how likely each makes what the run has seen
+    (finished lengths, and rows still running or cut at max_tokens as "at least"): the posterior of two models
+    of two parameters each, equal a priori. The forecast's expected lengths, moments and tail are the mixture;
+    its summaries (mu, sigma, their standard error) the weightier model's. Until min_rows rows have finished,
+    LengthModel alone. Early on, when the evidence is thin, the two are averaged rather than flipped between."""
 
     def __init__(self, max_tokens: int, min_rows: int = 10):
         self.ratio, self.normal = LengthModel(max_tokens), NormalLengthModel(max_tokens)
-        self.best = self.ratio
         self.min_rows = min_rows
+        self.weight = 0.0  # the normal model's
+        self.best = self.ratio
 
     def observe(self, predicted, actual, hit_cap) -> None:
         self.ratio.observe(predicted, actual, hit_cap)
@@ -321,10 +324,28 @@ class BestFit:
         running_p, running_g = np.asarray(running_p, np.float64), np.asarray(running_g, np.float64)
         self.ratio.fit(running_p, running_g)
         self.normal.fit(running_p, running_g)
+        self.weight = 0.0
         if self.ratio.n >= self.min_rows:
-            lr, ln = self.ratio.loglik(running_p, running_g), self.normal.loglik(running_p, running_g)
-            self.best = self.normal if ln > lr else self.ratio
+            diff = self.normal.loglik(running_p, running_g) - self.ratio.loglik(running_p, running_g)
+            self.weight = 1.0 / (1.0 + math.exp(-min(max(diff, -50.0), 50.0)))
+        self.best = self.normal if self.weight > 0.5 else self.ratio
         return self.best.mu, self.best.sigma
 
-    def __getattr__(self, name):  # cap, mu, sigma, mu_stderr, num_events, expected, moments, quantile_cdf
+    def _mix(self, a, b):
+        w = self.weight
+        return a if w == 0.0 else b if w == 1.0 else (1.0 - w) * a + w * b
+
+    def expected(self, predicted, generated=None, shift: float = 0.0) -> np.ndarray:
+        return self._mix(self.ratio.expected(predicted, generated, shift),
+                         self.normal.expected(predicted, generated, shift) if self.weight else 0.0)
+
+    def moments(self, predicted, shift: float = 0.0) -> tuple[np.ndarray, np.ndarray]:
+        (r1, r2), (n1, n2) = self.ratio.moments(predicted, shift), self.normal.moments(predicted, shift)
+        return self._mix(r1, n1), self._mix(r2, n2)
+
+    def quantile_cdf(self, x, predicted, generated, shift: float = 0.0) -> np.ndarray:
+        return self._mix(self.ratio.quantile_cdf(x, predicted, generated, shift),
+                         self.normal.quantile_cdf(x, predicted, generated, shift))
+
+    def __getattr__(self, name):  # cap, mu, sigma, mu_stderr, num_events
         return getattr(self.__dict__["best"], name)
