@@ -39,7 +39,7 @@ log = logging.getLogger("overnight")
 
 TICK_S, FORECAST_S = 1.0, 2.0  # how often the loop measures, and how often it forecasts
 # Seconds from the last row to `overnight run`'s return: the last writes, the engine's processes' exit (jobs/cli.py
-# ENGINE_EXIT_S) and the interpreter's (about 1 s after importing vLLM). 2.9-3.9 s on this 2-core machine
+# ENGINE_EXIT_S) and the interpreter's (about 1 s after importing vLLM). 2.7-3.3 s on this 2-core machine
 # (docs/BENCHMARKS.md); the ETA shown counts them, the deadline's forecast (rows done by the stop) does not.
 FINISH_S = 3.0
 

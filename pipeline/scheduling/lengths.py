@@ -1,8 +1,10 @@
-"""How long rows really run, against their predictions: a log-normal ratio, fitted during a run.
+"""How long rows really run, against their predictions, fitted during a run.
 
-    LengthModel  log(actual / predicted) ~ Normal(mu, sigma), fitted on finished rows and on rows still running,
-                 which count as "at least this long" (censored), so the long rows still running early in a job
-                 are not missed; a row that hit max_tokens is censored at it too
+    LengthModel        log(actual / predicted) ~ Normal(mu, sigma), fitted on finished rows and on rows still
+                       running, which count as "at least this long" (censored), so the long rows still running
+                       early in a job are not missed; a row that hit max_tokens is censored at it too
+    NormalLengthModel  the length itself ~ Normal(m, s), censored the same way, blind to the predictions
+    LengthMixture      the forecast's: both, weighed by how likely each makes what the run has seen
 
 Pure numpy; the deadline tracker (scheduling/deadline.py) feeds it finished rows and asks it what the rows left
 will generate. The drain that uses it is in scheduling/forecast.py.
