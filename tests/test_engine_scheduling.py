@@ -115,7 +115,7 @@ def test_tune_tiny_grid_writes_a_preset(warm, tmp_path):
     assert cfg.engine.max_num_seqs in (4, 8) and cfg.scheduler.tokens_per_second > 0
 
 
-def test_early_warning_comes_before_five_percent_of_rows(warm, tmp_path):
+def test_early_warning_comes_before_five_percent_of_rows(warm, tmp_path, monkeypatch):
     """A budget no machine meets: 200 real prompts of up to 128 tokens (about 20,000 output tokens) in 20 s. The
     warning must come before 10 rows (5%) are done, from the step cost and the rows running, and say how many
     rows will be left."""
@@ -125,6 +125,8 @@ def test_early_warning_comes_before_five_percent_of_rows(warm, tmp_path):
     # The default policy, as the warm run: an engine of another scheduling policy would start within the budget.
     # A two-row job first, so that the engine is running (the tests before may have replaced the module's).
     invoke("run", inp, "--out", tmp_path / "warm", "--limit", "2", "--max-tokens", "4")
+    # The ETA shown counts the job's end after the last row (runner.FINISH_S); made large here to be seen.
+    monkeypatch.setattr("overnight.pipeline.runner.FINISH_S", 1000.0)
     result = invoke("run", inp, "--out", out, "--max-tokens", "128", "--time-budget", "20s",
                     code=75)
     timeline = json.loads((out / "timeline.json").read_text())
@@ -132,6 +134,8 @@ def test_early_warning_comes_before_five_percent_of_rows(warm, tmp_path):
     assert warned, timeline
     assert warned[0]["rows_done"] <= 10, warned[0]
     assert warned[0]["rows_expected_left"] > 0
+    ranged = [s for s in timeline if s.get("eta_low_s") is not None]
+    assert ranged and all(s["eta_low_s"] >= 1000 and s["eta_s"] >= 1000 for s in ranged), ranged
     assert "deadline at risk" in result.output and "remaining rows to be left undone" in result.output
     done = json.loads((out / "status.json").read_text())["rows"]["done"]
     left = 200 - done

@@ -34,6 +34,14 @@ def norm_pdf(x):
     return np.exp(-0.5 * x * x) / math.sqrt(2 * math.pi)
 
 
+def finished_rows(predicted, actual, hit_cap, cap: float):
+    """Finished rows' predictions and lengths (rows without either left out), and whether max_tokens cut each."""
+    p = np.asarray([x or 0 for x in predicted], dtype=np.float64)
+    a = np.asarray([x or 0 for x in actual], dtype=np.float64)
+    keep = (p > 0) & (a > 0)
+    return p[keep], a[keep], np.asarray(hit_cap, dtype=bool)[keep] | (a[keep] >= cap)
+
+
 # -- lengths -----------------------------------------------------------------------------------------
 class LengthModel:
     """Actual output lengths against predicted ones: r = log(actual / predicted) ~ Normal(mu, sigma).
@@ -56,20 +64,17 @@ class LengthModel:
         self.num_events = 0.0  # rows whose r is known exactly, for the fit's standard error
 
     def observe(self, predicted, actual, hit_cap) -> None:
-        p = np.asarray([x or 0 for x in predicted], dtype=np.float64)
-        a = np.asarray([x or 0 for x in actual], dtype=np.float64)
-        keep = (p > 0) & (a > 0)
-        if not keep.any():
+        p, a, cut = finished_rows(predicted, actual, hit_cap, self.cap)
+        if not len(p):
             return
-        r = np.log(a[keep] / p[keep])
-        cut = (np.asarray(hit_cap, dtype=bool)[keep]) | (a[keep] >= self.cap)
+        r = np.log(a / p)
         for k in np.round(r[cut] / self.BIN).astype(int).tolist():
             self.capped[k] = self.capped.get(k, 0) + 1
         free = r[~cut]
         self.n += len(free)
         self.s1 += float(free.sum())
         self.s2 += float(free @ free)
-        self.log_a += float(np.log(a[keep][~cut]).sum())
+        self.log_a += float(np.log(a[~cut]).sum())
 
     def fit(self, running_p: np.ndarray, running_g: np.ndarray, iterations: int = 25) -> tuple[float, float]:
         """Refit on the finished rows and the rows running now (predicted p, g tokens so far)."""
@@ -193,19 +198,14 @@ class NormalLengthModel:
         self._fitted = False
 
     def observe(self, predicted, actual, hit_cap) -> None:
-        p = np.asarray([x or 0 for x in predicted], dtype=np.float64)
-        a = np.asarray([x or 0 for x in actual], dtype=np.float64)
-        keep = (p > 0) & (a > 0)
-        if not keep.any():
-            return
-        cut = (np.asarray(hit_cap, dtype=bool)[keep]) | (a[keep] >= self.cap)
-        free = a[keep][~cut]
+        p, a, cut = finished_rows(predicted, actual, hit_cap, self.cap)
+        free = a[~cut]
         self.n += len(free)
         self.s1 += float(free.sum())
         self.s2 += float(free @ free)
         self.n_cap += int(cut.sum())
-        self.p_sum += float(p[keep].sum())
-        self.p_n += int(keep.sum())
+        self.p_sum += float(p.sum())
+        self.p_n += len(p)
 
     def fit(self, running_p: np.ndarray, running_g: np.ndarray, iterations: int = 50) -> tuple[float, float]:
         keep = (running_p > 0) & (running_g > 0)
@@ -333,21 +333,24 @@ class LengthMixture:
         self.best = self.normal if self.weight > 0.5 else self.ratio
         return self.best.mu, self.best.sigma
 
-    def _mix(self, a, b):
+    def _mix(self, call):
+        """call(model) of the weightier model alone, or of both, weighed (each part of a tuple)."""
         w = self.weight
-        return a if w == 0.0 else b if w == 1.0 else (1.0 - w) * a + w * b
+        if w <= 0.0 or w >= 1.0:
+            return call(self.normal if w >= 1.0 else self.ratio)
+        a, b = call(self.ratio), call(self.normal)
+        if isinstance(a, tuple):
+            return tuple((1.0 - w) * x + w * y for x, y in zip(a, b))
+        return (1.0 - w) * a + w * b
 
     def expected(self, predicted, generated=None, shift: float = 0.0) -> np.ndarray:
-        return self._mix(self.ratio.expected(predicted, generated, shift),
-                         self.normal.expected(predicted, generated, shift) if self.weight else 0.0)
+        return self._mix(lambda m: m.expected(predicted, generated, shift))
 
     def moments(self, predicted, shift: float = 0.0) -> tuple[np.ndarray, np.ndarray]:
-        (r1, r2), (n1, n2) = self.ratio.moments(predicted, shift), self.normal.moments(predicted, shift)
-        return self._mix(r1, n1), self._mix(r2, n2)
+        return self._mix(lambda m: m.moments(predicted, shift))
 
     def quantile_cdf(self, x, predicted, generated, shift: float = 0.0) -> np.ndarray:
-        return self._mix(self.ratio.quantile_cdf(x, predicted, generated, shift),
-                         self.normal.quantile_cdf(x, predicted, generated, shift))
+        return self._mix(lambda m: m.quantile_cdf(x, predicted, generated, shift))
 
     def __getattr__(self, name):  # cap, mu, sigma, mu_stderr, num_events
         return getattr(self.__dict__["best"], name)
