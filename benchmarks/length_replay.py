@@ -10,7 +10,8 @@ model on what was seen and compares the tokens it expects still to come with the
 
 Models (pipeline/scheduling/lengths.py): LengthModel (log(actual / predicted) ~ Normal, censored),
 NormalLengthModel (the length itself ~ Normal, the prediction not used) and LengthMixture (the forecast's: the two
-weighed by how likely each makes what the run has seen, from 10 finished rows on).
+weighed by how likely each makes what the run has seen, from 5 finished rows on). A last line, for reference, is no
+model a run could have: every row drawn from the run's own lengths, known in hindsight (Hindsight).
 
     python benchmarks/length_replay.py OUT [OUT ...] [--max-tokens 512]
 
@@ -69,6 +70,28 @@ def state(d: dict, t: float, clock):
     return fin, run, pool, g, actual
 
 
+class Hindsight:
+    """Not a model the forecast could have: every row's length drawn from the run's own lengths, all of them, known
+    in hindsight, and blind to the predictions. What is left of its error is the luck of which rows are left (and
+    what the predictions knew that a blind model cannot): the floor for any model that does not use them."""
+
+    def __init__(self, lengths: np.ndarray):
+        self.sorted = np.sort(lengths)
+        self.tail_sum = np.concatenate([np.cumsum(self.sorted[::-1])[::-1], [0.0]])
+
+    def observe(self, *_):
+        pass
+
+    def fit(self, *_):
+        pass
+
+    def expected(self, predicted, generated=None) -> np.ndarray:
+        g = np.zeros(len(predicted)) if generated is None else np.asarray(generated, dtype=np.float64)
+        k = np.searchsorted(self.sorted, g, side="right")  # the lengths above g
+        alive = len(self.sorted) - k
+        return np.where(alive > 0, self.tail_sum[k] / np.maximum(alive, 1) - g, 1.0)
+
+
 def replay(d: dict, make, clock) -> list[float]:
     order = np.sort(d["e"])
     n = len(order)
@@ -96,7 +119,8 @@ def main() -> None:
     models = {"log ratio (LengthModel)": lambda: LengthModel(args.max_tokens),
               "normal on length": lambda: NormalLengthModel(args.max_tokens),
               "both, weighed (LengthMixture)": lambda: LengthMixture(args.max_tokens)}
-    table = {name: [] for name in models}
+    hindsight = "hindsight (the run's own lengths)"
+    table = {name: [] for name in [*models, hindsight]}
     print("expected / actual output tokens to come, at " + " / ".join(f"{s:.0%}" for s in SHARES) + " of rows")
     for out in args.outs:
         d = load(out)
@@ -105,12 +129,17 @@ def main() -> None:
             r = replay(d, make, clock)
             table[name].append(r)
             print(f"  {out}  {name:22s} " + " ".join(f"{x:.2f}" for x in r))
-    print("mean |log(expected / actual)| at each share; at 10-50%; share of points within 10%:")
+        r = replay(d, lambda: Hindsight(d["a"]), clock)
+        table[hindsight].append(r)
+        print(f"  {out}  {hindsight:22s} " + " ".join(f"{x:.2f}" for x in r))
+    print("mean |log(expected / actual)| at each share; at 10-50%; share of points within 10%; at 10-50%; worst "
+          "expected / actual at 10-50%:")
     for name, rows in table.items():
         le = np.abs(np.log(np.array(rows)))
         core = le[:, 1:4]
         print(f"  {name:22s} " + " ".join(f"{x:.3f}" for x in le.mean(0)) + f"; {core.mean():.3f}; "
-              f"{np.mean(le < math.log(1.1)):.0%}")
+              f"{np.mean(le < math.log(1.1)):.0%}; {np.mean(core < math.log(1.1)):.0%}; "
+              f"{float(np.array(rows)[:, 1:4].flat[np.argmax(core)]):.2f}")
 
 
 if __name__ == "__main__":

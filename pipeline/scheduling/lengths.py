@@ -312,7 +312,7 @@ class LengthMixture:
     its summaries (mu, sigma, their standard error) the weightier model's. Until min_rows rows have finished,
     LengthModel alone. Early on, when the evidence is thin, the two are averaged rather than flipped between."""
 
-    def __init__(self, max_tokens: int, min_rows: int = 10):
+    def __init__(self, max_tokens: int, min_rows: int = 5):
         self.ratio, self.normal = LengthModel(max_tokens), NormalLengthModel(max_tokens)
         self.min_rows = min_rows
         self.weight = 0.0  # the normal model's
