@@ -10,7 +10,8 @@ model on what was seen and compares the tokens it expects still to come with the
 
 Models (pipeline/scheduling/lengths.py): LengthModel (log(actual / predicted) ~ Normal, censored),
 NormalLengthModel (the length itself ~ Normal, the prediction not used) and LengthMixture (the forecast's: the two
-weighed by how likely each makes what the run has seen, from 5 finished rows on). A last line, for reference, is no
+weighed by how likely each makes what the run has seen, from 5 finished rows on; the log ratio alone where the run
+ran longest predicted first, which it reads from the run's status.json). A last line, for reference, is no
 model a run could have: every row drawn from the run's own lengths, known in hindsight (Hindsight).
 
     python benchmarks/length_replay.py OUT [OUT ...] [--max-tokens 512]
@@ -92,7 +93,18 @@ class Hindsight:
         return np.where(alive > 0, self.tail_sum[k] / np.maximum(alive, 1) - g, 1.0)
 
 
-def replay(d: dict, make, clock) -> list[float]:
+def runs_longest_first(out: str) -> bool:
+    """Whether the run ran the rows predicted longest first (longest-first; auto without a deadline at risk), as
+    the forecast's LengthMixture is told."""
+    import json
+    import os
+
+    status = json.load(open(os.path.join(out, "status.json")))
+    policy = (status.get("scheduler") or {}).get("policy")
+    return policy == "longest-first" or (policy == "auto" and (status.get("forecast") or {}).get("mode") == "throughput")
+
+
+def replay(d: dict, make, clock, **fit_kw) -> list[float]:
     order = np.sort(d["e"])
     n = len(order)
     ratios = []
@@ -101,7 +113,7 @@ def replay(d: dict, make, clock) -> list[float]:
         fin, run, pool, g, actual = state(d, t, clock)
         model = make()
         model.observe(d["p"][fin], d["a"][fin], d["cut"][fin])
-        model.fit(d["p"][run], g[run])
+        model.fit(d["p"][run], g[run], **fit_kw)
         expected = float(model.expected(d["p"][run], g[run]).sum())
         if pool.any():
             expected += float(model.expected(d["p"][pool]).sum())
@@ -126,7 +138,7 @@ def main() -> None:
         d = load(out)
         clock = step_clock(d)
         for name, make in models.items():
-            r = replay(d, make, clock)
+            r = replay(d, make, clock, **({"left_shortest": runs_longest_first(out)} if "Mixture" in name else {}))
             table[name].append(r)
             print(f"  {out}  {name:22s} " + " ".join(f"{x:.2f}" for x in r))
         r = replay(d, lambda: Hindsight(d["a"]), clock)

@@ -181,12 +181,15 @@ def test_in_flight_emulates_vllm_queue():
 
 
 # -- a simulated run ---------------------------------------------------------------------------------
-def simulate(policy, cost, n_rows=600, m=64, deadline_share=None, makespan=None, seed=3, probe=True, n_samples=1):
+def simulate(policy, cost, n_rows=600, m=64, deadline_share=None, makespan=None, seed=3, probe=True, n_samples=1,
+             blind=False):
     """Runs the real Scheduler and DeadlineTracker against a simulated engine; returns the story. With n_samples
     > 1 each row asks for that many completions, which the engine runs as as many sequences (vLLM's parallel
-    sampling), each of its own length around the row's."""
+    sampling), each of its own length around the row's. blind: lengths normal, whatever the predictions."""
     rng = np.random.default_rng(seed)
     predicted, actual = lognormal_rows(n_rows, 0.0, 0.55, rng)
+    if blind:
+        actual = np.clip(np.round(rng.normal(290, 130, n_rows)), 1, 512)
     lengths = actual[:, None] if n_samples == 1 else np.minimum(512, np.maximum(1, np.round(
         actual[:, None] * rng.lognormal(0, 0.3, (n_rows, n_samples)))))
     clock = FakeClock(0.0)
@@ -202,7 +205,7 @@ def simulate(policy, cost, n_rows=600, m=64, deadline_share=None, makespan=None,
     sched.add(rows, 0.0)
     tally = SimpleNamespace(num_rows=n_rows, num_read=n_rows, num_resumed=0, mean_predicted=float(predicted.mean()))
     waiting, running = [], {}  # running: request -> tokens left of each of its sequences
-    done, samples, caps = 0, [], []
+    done, samples, caps, weights = 0, [], [], []
     next_forecast = 0.0
     while not sched.is_done():
         if deadline is not None and clock.t >= deadline:
@@ -215,6 +218,7 @@ def simulate(policy, cost, n_rows=600, m=64, deadline_share=None, makespan=None,
             next_forecast = clock.t + 2.0
             f = tracker.forecast_job(sched, tally, 0, m)
             samples.append((clock.t, done, f))
+            weights.append(tracker.lengths.weight)
             tracker.steer(f, sched)
             caps.append(sched.cap)
         for adm in sched.schedule(clock.t):
@@ -242,7 +246,7 @@ def simulate(policy, cost, n_rows=600, m=64, deadline_share=None, makespan=None,
                              [float(lengths[r.id].mean()) for r in finished_rows],
                              ["length" if lengths[r.id].max() >= 512 else "stop" for r in finished_rows])
             done += len(fin)
-    return SimpleNamespace(end=clock.t, done=done, samples=samples, caps=caps, n=n_rows)
+    return SimpleNamespace(end=clock.t, done=done, samples=samples, caps=caps, n=n_rows, weights=weights)
 
 
 def eta_error(story, share):
@@ -258,6 +262,14 @@ def test_eta_is_within_ten_percent_from_a_tenth_of_the_rows_on(policy, cost):
     for share in (0.10, 0.25, 0.50):
         err, f, actual = eta_error(story, share)
         assert abs(err) <= 0.10, (share, err, f.eta_s, actual)
+
+
+def test_the_normal_length_model_is_weighed_only_where_the_order_is_blind_to_predictions():
+    """Lengths the predictions do not tell apart: under fifo the mixture comes to the normal; where the rows run
+    longest predicted first (longest-first, auto without a deadline) the tracker keeps the log ratio."""
+    assert max(simulate("fifo", CPU, n_rows=300, blind=True).weights) > 0.5
+    for policy in ("longest-first", "auto"):
+        assert max(simulate(policy, CPU, n_rows=300, blind=True).weights) == 0.0
 
 
 def test_eta_range_holds_the_actual_time():

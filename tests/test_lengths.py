@@ -45,6 +45,32 @@ def test_lengths_the_predictions_do_not_tell_apart_take_the_normal_model(seed):
     assert model.ratio.expected(rp, g).sum() > 1.5 * truth  # the log-ratio model's tail: twice the truth
 
 
+@pytest.mark.parametrize("seed", [0, 3])
+def test_rows_left_predicted_shortest_keep_the_log_ratio_model(seed):
+    """Longest predicted first: the rows left are the ones predicted shortest, and they run shorter. Among the rows
+    seen (the top 200 predictions) the likelihood prefers the normal (these seeds), whose mean of the rows seen
+    over-counts the rest; told the order, the mixture keeps the log ratio, which scales them down."""
+    rng = np.random.default_rng(seed)
+    p = np.round(np.exp(rng.normal(np.log(180), 0.5, 400)))
+    lengths = np.clip(np.round(rng.normal(260 * np.sqrt(p / 180), 80 * np.sqrt(p / 180))), 1, CAP)
+    order = np.argsort(-p)
+    started, left = order[:200], order[200:]
+    at = 300.0
+    done, running = started[lengths[started] <= at], started[lengths[started] > at]
+    truth = float((lengths[running] - at).sum() + lengths[left].sum())
+    g = np.full(len(running), at)
+    forecasts = {}
+    for left_shortest in (False, True):
+        model = LengthMixture(CAP)
+        model.observe(p[done], lengths[done], lengths[done] >= CAP)
+        model.fit(p[running], g, left_shortest=left_shortest)
+        forecasts[left_shortest] = (model, float(model.expected(p[running], g).sum() + model.expected(p[left]).sum()))
+    weighed, ordered = forecasts[False], forecasts[True]
+    assert weighed[0].best is weighed[0].normal and weighed[1] > 1.25 * truth
+    assert ordered[0].best is ordered[0].ratio and ordered[0].weight == 0.0
+    assert ordered[1] == pytest.approx(truth, rel=0.20)
+
+
 def test_few_finished_rows_keep_the_log_ratio_model():
     rng = np.random.default_rng(2)
     lengths = np.clip(np.round(rng.normal(290, 130, 256)), 1, None)

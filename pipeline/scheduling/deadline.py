@@ -255,7 +255,7 @@ class DeadlineTracker:
         run_p, run_g = self.inflight.running()
         self._learn()
         model = self.lengths
-        model.fit(*self.inflight.running(per_sequence=False))
+        model.fit(*self.inflight.running(per_sequence=False), left_shortest=scheduler.runs_longest_first)
         queued_p = self.inflight.queued()
         # auto near a deadline runs at most `cap` rows at once; every other case keeps the engine full
         slots = max_num_seqs

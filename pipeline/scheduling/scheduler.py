@@ -288,12 +288,18 @@ class Scheduler:
         expected to have the pending mean. auto runs longest first while the deadline is safe (or there is none),
         shortest first once it is at risk."""
         lengths, counts = self.pending_lengths()
-        if self.policy == Policy.LONGEST_FIRST or (self.policy == Policy.AUTO and self.mode == Mode.THROUGHPUT):
+        if self.runs_longest_first:
             return lengths[::-1], counts[::-1]
         if self.policy in (Policy.FIFO, Policy.PRIORITY) and counts:
             n = sum(counts)
             return [sum(t * c for t, c in zip(lengths, counts)) / n], [n]
         return lengths, counts
+
+    @property
+    def runs_longest_first(self) -> bool:
+        """Whether the pool runs the rows predicted longest first: longest-first, and auto while the deadline is
+        safe (or there is none)."""
+        return self.policy == Policy.LONGEST_FIRST or (self.policy == Policy.AUTO and self.mode == Mode.THROUGHPUT)
 
     def pending_lengths(self) -> tuple[list[int], list[int]]:
         """Predicted output tokens of the pending rows, as (distinct lengths ascending, rows of each)."""
