@@ -10,7 +10,7 @@ import pytest
 from fakes import FakeClock
 from overnight.pipeline.config import Policy
 from overnight.pipeline.records import Row
-from overnight.pipeline.scheduling.deadline import DeadlineTracker
+from overnight.pipeline.scheduling.deadline import MIN_STEPS, DeadlineTracker, Forecast
 from overnight.pipeline.scheduling.forecast import InFlight, StepCost, best_cap, drain
 from overnight.pipeline.scheduling.lengths import LengthModel, norm_cdf
 from overnight.pipeline.scheduling.scheduler import Scheduler
@@ -78,6 +78,33 @@ def test_the_engines_first_seconds_are_not_measured():
     assert caps[0] == 16 and settled >= 12  # the first size runs on through the settle, then 12 measured steps
     assert tracker.step_cost is tracker.steps
     assert tracker.steps.fit()[0] + 16 * tracker.steps.fit()[1] == pytest.approx(0.05)
+
+
+def test_the_warning_waits_for_the_steps_after_the_engines_first_seconds(caplog):
+    """A forecast from the first seconds' slow steps expects nearly every row left undone: neither the warning
+    nor the status's at-risk flag (runner: will_miss and is_settled) goes out on it; the first forecast from
+    settled steps gives both."""
+    clock = FakeClock(0.0)
+    tracker = DeadlineTracker(30.0, 0.0, clock, max_tokens=512, settle_s=4.0)
+    sched = Scheduler(64, 1.0, Policy.FIFO)
+    tracker.engine_started(64)
+    tracker.probe_done = True
+    for i in range(16):
+        tracker.admitted(f"r{i}", 200, 50)
+    at_risk = Forecast(500.0, 1e5, 400, 200.0, 30.0, True, 390)
+    warned = []
+    for _ in range(200):
+        if tracker.steps.num_steps >= MIN_STEPS:
+            break
+        tracker.before_step()
+        clock.t += 0.1
+        tracker.after_step(0.1, [])
+        if tracker.early_steps.num_steps >= MIN_STEPS:
+            tracker.steer(at_risk, sched)
+            warned.append((tracker.is_settled, tracker.is_warned))
+    assert warned[0] == (False, False) and warned[-1] == (True, True)
+    assert all(settled == was_warned for settled, was_warned in warned)
+    assert sum("deadline at risk" in m for m in caplog.messages) == 1
 
 
 def test_length_model_moments():
