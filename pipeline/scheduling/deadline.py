@@ -371,7 +371,8 @@ class DeadlineTracker:
             self.is_warned = True
             self.warned_left = f.rows_expected_left
             log.warning(self.at_risk_message(f))
-        elif f.will_miss and self.is_warned and abs(f.rows_expected_left - self.warned_left) > 0.2 * max(self.warned_left, 10):
+        elif (f.will_miss and self.is_warned
+              and abs(f.rows_expected_left - self.warned_left) > 0.2 * max(self.warned_left, 10)):
             # what the first minutes taught the forecast moved its estimate: say so once it moves by a fifth
             self.warned_left = f.rows_expected_left
             log.warning(f"deadline at risk: now expecting about {f.rows_expected_left} of {f.remaining_rows} "
