@@ -326,6 +326,17 @@ def test_auto_with_the_shrinking_cap_does_more_rows_by_the_deadline_on_a_cpu():
     assert min(c for c in auto.caps if c is not None) < 64  # the cap shrank
 
 
+def test_under_the_cap_the_eta_is_the_rests_with_the_engine_full():
+    """Near the deadline auto runs a few rows at once, and stops at the deadline; the ETA shown is what the rest
+    takes with the engine full (a rerun's), never the cap's, which read as longer than the whole job."""
+    full = simulate("fifo", CPU)
+    auto = simulate("auto", CPU, deadline_share=0.3, makespan=full.end)
+    capped = [f for _, _, f in auto.samples if f.cap is not None and f.cap < 32]
+    assert capped
+    assert max(f.eta_s for f in capped) < full.end
+    assert all(f.will_miss and f.rows_expected_left > 0 for f in capped)
+
+
 def test_on_a_gpu_the_cap_keeps_the_engine_full_until_the_end():
     full = simulate("fifo", GPU)
     auto = simulate("auto", GPU, deadline_share=0.3, makespan=full.end)

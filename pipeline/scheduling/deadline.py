@@ -266,7 +266,6 @@ class DeadlineTracker:
         model.fit(*self.inflight.running(per_sequence=False), left_shortest=scheduler.runs_longest_first)
         queued_p = self.inflight.queued()
         # auto near a deadline runs at most `cap` rows at once; every other case keeps the engine full
-        slots = max_num_seqs
         cap = None
         left = self.time_left()
         # Everything below counts sequences (a row of n samples is n of them, each a slot); rows come last.
@@ -275,7 +274,6 @@ class DeadlineTracker:
         pend_n = np.asarray(counts, dtype=np.float64) * k
         if scheduler.policy == Policy.AUTO and self.stop_at is not None and scheduler.mode == Mode.DEADLINE:
             cap = self._cap(a, b, c, left, model, queued_p, pend_p, pend_n, max_num_seqs)
-            slots = cap
         fill = np.concatenate([queued_p, pend_p])
         fill_n = np.concatenate([np.ones(len(queued_p)), pend_n])
         # Rows taken as one group at their mean prediction (a policy blind to length; the rows not read yet) are
@@ -293,8 +291,7 @@ class DeadlineTracker:
         rows = len(self.inflight.info) + int(round(float(np.sum(counts)))) + unread
         per_row = sequences / rows if rows else 1.0
         prefill = (queued_rows + float(np.sum(counts)) + unread) * self.inflight.mean_prompt_tokens
-        step_full = a + b * slots
-        within = left / step_full if step_full > 0 and left < math.inf else math.inf
+        step_full = a + b * max_num_seqs
 
         def expected_fill(shift: float) -> np.ndarray:
             e = model.expected(fill, None, shift)
@@ -302,14 +299,20 @@ class DeadlineTracker:
                 e[blind] = float(model.expected(hist_p, None, shift) @ hist_n) / float(hist_n.sum())
             return e
 
-        def eta(shift: float, tail: bool):
+        def eta(shift: float, tail: bool, slots: int = max_num_seqs):
+            step = a + b * slots
+            within = left / step if step > 0 and left < math.inf else math.inf
             run_e = model.expected(run_p, run_g, shift)
             fill_e, fill_k = chunks(expected_fill(shift), fill_n)
             group_p = chunks(fill, fill_n)[0] if tail else None
             d = drain(slots, run_e, fill_e, fill_k, within, (model, run_p, run_g, group_p, shift) if tail else None)
             return a * (d.steps + d.tail_steps) + b * d.tokens + c * prefill, d
 
+        # The ETA is the rest's with the engine full: under auto's cap near a deadline the job stops at the
+        # deadline, and the rest at the cap (a few rows at once) would read as an hour where a rerun takes minutes;
+        # it is also what tells auto the deadline is safe again. The rows done by the deadline are the cap's.
         eta_s, d = eta(0.0, True)
+        rows_by = d.rows_by if cap is None else eta(0.0, False, cap)[1].rows_by
         spread = Z80 * model.mu_stderr
         low, _ = eta(-spread, False)
         high, _ = eta(spread, False)
@@ -320,15 +323,16 @@ class DeadlineTracker:
         tail = eta_s - (a * d.steps + b * d.tokens + c * prefill)
         low = max(0.0, low * (1 - rel))
         high = high * (1 + rel) + tail
-        tokens_per_s = slots / step_full if step_full > 0 else 0.0
+        tokens_per_s = max_num_seqs / step_full if step_full > 0 else 0.0
         will_miss = self.stop_at is not None and eta_s > left
-        left_rows = max(0, round(rows - d.rows_by / per_row)) if self.stop_at is not None else 0
+        left_rows = max(0, round(rows - rows_by / per_row)) if self.stop_at is not None else 0
         if cap is not None:
             cap = max(1, int(cap / per_row))  # the scheduler caps rows
         calibration = math.exp(model.mu + model.sigma ** 2 / 2)  # before max_tokens cuts the longest
         log.debug("forecast: step %.4f + %.5f/seq + %.2e/prompt token; %d steps + %.0f tail, %.0f tokens, %.0f "
-                  "prompt tokens over %d slots; lengths mu %.3f sigma %.3f from %.1f rows; ETA %.1f s (%.1f-%.1f)",
-                  a, b, c, d.steps, d.tail_steps, d.tokens, prefill, slots, model.mu, model.sigma,
+                  "prompt tokens over %d slots (rows capped at %s); lengths mu %.3f sigma %.3f from %.1f rows; "
+                  "ETA %.1f s (%.1f-%.1f)",
+                  a, b, c, d.steps, d.tail_steps, d.tokens, prefill, max_num_seqs, cap, model.mu, model.sigma,
                   model.num_events, eta_s, low, high)
         return Forecast(float(tokens_per_s), float(d.tokens), rows, float(eta_s), left, bool(will_miss),
                         int(left_rows) if will_miss else 0, float(min(low, eta_s)), float(max(high, eta_s)),
