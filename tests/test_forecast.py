@@ -232,7 +232,7 @@ def simulate(policy, cost, n_rows=600, m=64, deadline_share=None, makespan=None,
     sched.add(rows, 0.0)
     tally = SimpleNamespace(num_rows=n_rows, num_read=n_rows, num_resumed=0, mean_predicted=float(predicted.mean()))
     waiting, running = [], {}  # running: request -> tokens left of each of its sequences
-    done, samples, caps, weights = 0, [], [], []
+    done, samples, caps, weights, rates = 0, [], [], [], []
     next_forecast = 0.0
     while not sched.is_done():
         if deadline is not None and clock.t >= deadline:
@@ -246,6 +246,7 @@ def simulate(policy, cost, n_rows=600, m=64, deadline_share=None, makespan=None,
             f = tracker.forecast_job(sched, tally, 0, m)
             samples.append((clock.t, done, f))
             weights.append(tracker.lengths.weight)
+            rates.append((sched.per_seq_tokens_per_s, len(running)))
             tracker.steer(f, sched)
             caps.append(sched.cap)
         for adm in sched.schedule(clock.t):
@@ -273,7 +274,8 @@ def simulate(policy, cost, n_rows=600, m=64, deadline_share=None, makespan=None,
                              [float(lengths[r.id].mean()) for r in finished_rows],
                              ["length" if lengths[r.id].max() >= 512 else "stop" for r in finished_rows])
             done += len(fin)
-    return SimpleNamespace(end=clock.t, done=done, samples=samples, caps=caps, n=n_rows, weights=weights)
+    return SimpleNamespace(end=clock.t, done=done, samples=samples, caps=caps, n=n_rows, weights=weights,
+                           rates=rates)
 
 
 def eta_error(story, share):
@@ -335,6 +337,12 @@ def test_under_the_cap_the_eta_is_the_rests_with_the_engine_full():
     assert capped
     assert max(f.eta_s for f in capped) < full.end
     assert all(f.will_miss and f.rows_expected_left > 0 for f in capped)
+    # a running row's own rate (per-row deadlines) is a step of the few sequences running, not the full engine's
+    # rate shared among them (twice as fast at 8 of 64)
+    few = [(rate, n) for (rate, n), (_, _, f) in zip(auto.rates, auto.samples) if f.cap is not None and 0 < n <= 16]
+    assert few
+    for rate, n in few:
+        assert rate == pytest.approx(1.0 / (CPU[0] + CPU[1] * n), rel=0.25)
 
 
 def test_on_a_gpu_the_cap_keeps_the_engine_full_until_the_end():

@@ -254,7 +254,13 @@ class DeadlineTracker:
             f = self.forecast(scheduler.running_predicted / 2, scheduler.num_running,
                               np.asarray(lengths, dtype=np.float64) * k, unread, tally.mean_predicted * k, counts)
         if f.tokens_per_s and scheduler.num_running:
-            scheduler.per_seq_tokens_per_s = f.tokens_per_s / min(scheduler.running_samples, max_num_seqs)
+            # a running sequence's own rate (per-row deadlines): under the model, a step of the sequences running
+            # now (fewer under auto's cap, each faster); before it, the rate shared among them
+            n = min(scheduler.running_samples, max_num_seqs)
+            if f.step_cost is not None and f.step_cost[0] + f.step_cost[1] * n > 0:
+                scheduler.per_seq_tokens_per_s = 1.0 / (f.step_cost[0] + f.step_cost[1] * n)
+            else:
+                scheduler.per_seq_tokens_per_s = f.tokens_per_s / n
         return f
 
     def _model_forecast(self, scheduler, lengths, counts, unread: int, mean_predicted: float,
