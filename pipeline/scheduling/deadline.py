@@ -36,7 +36,8 @@ class Forecast:
     # Predicted output tokens still to generate (in flight, pending, not yet read).
     remaining_tokens: float
     remaining_rows: int
-    # Seconds to finish everything at the measured rate; None until a rate is known.
+    # Seconds to finish everything at the measured rate, with the engine full (also under auto's cap: what a rerun
+    # needs); None until a rate is known.
     eta_s: Optional[float]
     # Seconds until admission stops (deadline minus safety margin); inf without a deadline.
     time_left_s: float
