@@ -51,7 +51,10 @@ def test_run_over_real_prompts(tmp_path, model_path):
         assert r["status"] == "ok" and r["error"] is None and r["text"].strip()
         assert r["finish_reason"] in ("stop", "length")
         assert 1 <= r["output_tokens"] <= 48 and r["prompt_tokens"] > 10
-        assert (r["finish_reason"] == "length") == (r["output_tokens"] == 48)
+        # a row cut at the limit has 48 tokens; one under it stopped itself (a row may also stop
+        # itself on its 48th token, the end-of-sequence token counted, and then reads "stop")
+        assert r["output_tokens"] == 48 if r["finish_reason"] == "length" else True
+        assert r["finish_reason"] == "stop" if r["output_tokens"] < 48 else True
         assert r["queued_at"] <= r["finished_at"]
         assert r["first_token_at"] is None or r["queued_at"] <= r["first_token_at"] <= r["finished_at"]
         assert r["prompt"] and r["model"] == "smollm2-135m"
