@@ -18,7 +18,9 @@ from overnight.pipeline.tools.inspection import open_results
 
 pytestmark = pytest.mark.engine
 
-JOB_SCHEMA = {"type": "object", "properties": {"answer": {"type": "integer"},
+# The answer is bounded: the greedy answer to row 1 was once a 13-digit integer, one token a digit, which a
+# token limit could cut before the object closed (xgrammar enforces the bounds while it decodes).
+JOB_SCHEMA = {"type": "object", "properties": {"answer": {"type": "integer", "minimum": 0, "maximum": 9999},
                                                "unit": {"type": "string", "enum": ["apples", "dollars"]}},
               "required": ["answer", "unit"], "additionalProperties": False}
 ROW_SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
@@ -57,12 +59,14 @@ def test_structured_output_and_sampling_columns(tmp_path, model_path):
     assert (s.num_ok, s.num_error) == (7, 1)
     con, _ = open_results(str(out))
     got = {r[0]: r[1:] for r in con.execute(
-        "select id, status, text, error, output_tokens from results order by id").fetchall()}
+        "select id, status, text, error, output_tokens, finish_reason from results order by id").fetchall()}
     for i in (0, 1):   # the job's schema
+        assert got[i][4] == "stop", got[i]   # the object closed, not cut at max_tokens
         jsonschema.validate(json.loads(got[i][1]), JOB_SCHEMA)
     assert got[2][1] in ("yes", "no")
     assert re.fullmatch(r"[0-9]{3}", got[3][1])
     assert got[4][0] == "error" and "json_schema is not a valid JSON schema" in got[4][2]
+    assert got[5][4] == "stop", got[5]
     jsonschema.validate(json.loads(got[5][1]), ROW_SCHEMA)     # OpenAI's response_format, per row
     assert got[6][3] >= 24                                      # min_tokens held the stop back
     for i in (6, 7):   # response_format text: free text, not the job's schema

@@ -72,8 +72,10 @@ def test_n_samples_per_row_resume_once_and_export_as_choices(job, tmp_path):
         got.setdefault(r["id"], []).append(r)
     assert {k: sorted(r["sample_index"] for r in v) for k, v in got.items()} == {
         "q0": [0, 1, 2], "q1": [0, 1, 2, 3], "q2": [0, 1, 2], "q3": [0]}
+    # sampled: the completions differ (all three of a sharply peaked prompt, "What is the capital of France?", may
+    # come out the same on some machine; one seed shared by a row's samples makes every row's the same)
+    assert any(len({r["text"] for r in got[rid]}) > 1 for rid in ("q0", "q1", "q2")), got
     for rid in ("q0", "q1", "q2"):
-        assert len({r["text"] for r in got[rid]}) > 1, got[rid]       # sampled: the completions differ
         assert all(r["text"] and r["output_tokens"] for r in got[rid])
     assert s.num_output_tokens == sum(r["output_tokens"] for v in got.values() for r in v)
     path = tmp_path / "openai.jsonl"
@@ -103,9 +105,9 @@ def test_logprobs_of_the_chosen_tokens_and_the_top_k(job, tmp_path):
             assert t["logprob"] <= 0 and len(t["top_logprobs"]) == k
             top = [a["logprob"] for a in t["top_logprobs"]]
             assert top == sorted(top, reverse=True) and sum(math.exp(v) for v in top) <= 1.0001
-            if k:   # greedy, with no penalty: the chosen token is the most likely one
-                assert t["top_logprobs"][0]["token_id"] == t["token_id"]
+            if k:   # greedy, with no penalty: the chosen token is the most likely one (or tied with it)
                 assert t["top_logprobs"][0]["logprob"] == pytest.approx(t["logprob"])
+                assert t["token_id"] in [a["token_id"] for a in t["top_logprobs"] if a["logprob"] == top[0]]
         # the tokens spell the text (and the end-of-turn token, which the text leaves out)
         assert "".join(t["token"] for t in tokens).strip().startswith(got[rid]["text"].strip())
     path = tmp_path / "lp.jsonl"

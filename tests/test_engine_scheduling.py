@@ -74,7 +74,12 @@ def test_plan_uses_measured_throughput_and_judges_the_deadline(warm):
     plan = json.loads(invoke("plan", inp, "--out", first, "--json").output)
     assert plan["num_todo"] == 0 and plan["num_done"] == 40 and plan["tokens_per_s"] == measured
     assert plan["throughput_source"] == f"measured by the last run in {first}"
-    tight = json.loads(invoke("plan", inp, "--throughput", str(measured), "--time-budget", "5s", "--json").output)
+    # a budget half the predicted time at the measured rate: infeasible on any machine (a fixed 5 s passes where
+    # the warm run measured over about 420 tok/s)
+    loose = json.loads(invoke("plan", inp, "--throughput", str(measured), "--json").output)
+    budget = 0.5 * loose["predicted_tokens"] / measured
+    tight = json.loads(invoke("plan", inp, "--throughput", str(measured), "--time-budget", f"{budget:.2f}s",
+                              "--json").output)
     assert tight["tokens_per_s"] == measured and tight["is_feasible"] is False
     assert 0 < tight["rows_left"] <= 40
     assert sum(b["num_rows"] for b in tight["buckets"]) == 40
