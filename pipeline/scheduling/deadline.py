@@ -131,6 +131,7 @@ class DeadlineTracker:
         now = self.clock()
         if self._first_step_at is None:
             self._first_step_at = now
+        self.steps.saw(self._step_n)  # every step: a jump in the batch during the first seconds counts too
         if seconds is not None and now - self._first_step_at >= self.settle_s:
             self.steps.observe(self._step_n, self._step_prefill, seconds)
             self._measured += 1

