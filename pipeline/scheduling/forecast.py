@@ -42,7 +42,8 @@ class StepCost:
     probe's jumps from 16 to 32 and from 32 to 64 sequences, steps took 138-203 ms at 32 and 162-209 ms at 64,
     against 110-116 ms and 130-150 ms once settled. The probe's short 32-sequence level was all slow, and it
     pulled the line's fixed part from about 45 to about 70 ms: the steps still to come, which end in a drain where
-    the batch empties, were costed 7-18% long. ``saw`` is told of every step, the engine's first seconds' too, so a jump is seen."""
+    the batch empties, were costed 7-18% long. ``saw`` is told of every step, the engine's first seconds' too,
+    so that a jump among them is seen."""
 
     KEEP = 64
     AFTER_GROWTH = 12
