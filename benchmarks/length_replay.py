@@ -14,7 +14,7 @@ weighed by how likely each makes what the run has seen, from 5 finished rows on;
 ran longest predicted first, which it reads from the run's status.json). A last line, for reference, is no
 model a run could have: every row drawn from the run's own lengths, known in hindsight (Hindsight).
 
-    python benchmarks/length_replay.py OUT [OUT ...] [--max-tokens 512]
+    python benchmarks/length_replay.py OUT [OUT ...] [--max-tokens 512] [--variants]
 
 Prints, per run and share, expected / actual tokens to come, and per model the mean |log| of that ratio.
 """
@@ -93,6 +93,46 @@ class Hindsight:
         return np.where(alive > 0, self.tail_sum[k] / np.maximum(alive, 1) - g, 1.0)
 
 
+def variants(max_tokens: int) -> dict:
+    """Other ways to weigh the two length models, tried and not kept (docs/BENCHMARKS.md): equal weights from
+    min_rows finished rows on; the likelihood difference divided by the square root of the rows; and a
+    log-normal on the length itself, blind to the predictions (LengthModel on a constant prediction)."""
+    from overnight.pipeline.scheduling.lengths import LengthMixture, LengthModel
+
+    class Equal(LengthMixture):
+        def fit(self, p, g, left_shortest=False):
+            super().fit(p, g, left_shortest)
+            if self.ratio.n >= self.min_rows and not left_shortest:
+                self.weight = 0.5
+            return self.best.mu, self.best.sigma
+
+    class Damped(LengthMixture):
+        def fit(self, p, g, left_shortest=False):
+            super().fit(p, g, left_shortest)
+            if self.ratio.n >= self.min_rows and not left_shortest:
+                p, g = np.asarray(p, np.float64), np.asarray(g, np.float64)
+                diff = (self.normal.loglik(p, g) - self.ratio.loglik(p, g)) / math.sqrt(self.ratio.n + len(p))
+                self.weight = 1.0 / (1.0 + math.exp(-min(max(diff, -50.0), 50.0)))
+                self.best = self.normal if self.weight > 0.5 else self.ratio
+            return self.best.mu, self.best.sigma
+
+    class LogNormal:
+        def __init__(self):
+            self.m = LengthModel(max_tokens)
+
+        def observe(self, p, a, cut):
+            self.m.observe(np.full(len(p), 100.0), a, cut)
+
+        def fit(self, p, g, **_):
+            return self.m.fit(np.full(len(p), 100.0), g)
+
+        def expected(self, p, g=None):
+            return self.m.expected(np.full(len(p), 100.0), g)
+
+    return {"equal weights": lambda: Equal(max_tokens), "likelihood / sqrt(rows)": lambda: Damped(max_tokens),
+            "log-normal on length": LogNormal}
+
+
 def runs_longest_first(out: str) -> bool:
     """Whether the run ran the rows predicted longest first (longest-first; auto without a deadline at risk), as
     the forecast's LengthMixture is told."""
@@ -125,12 +165,15 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("outs", nargs="+")
     ap.add_argument("--max-tokens", type=int, default=512)
+    ap.add_argument("--variants", action="store_true", help="also the weighings tried and not kept")
     args = ap.parse_args()
     from overnight.pipeline.scheduling.lengths import LengthMixture, LengthModel, NormalLengthModel
 
     models = {"log ratio (LengthModel)": lambda: LengthModel(args.max_tokens),
               "normal on length": lambda: NormalLengthModel(args.max_tokens),
               "both, weighed (LengthMixture)": lambda: LengthMixture(args.max_tokens)}
+    if args.variants:
+        models.update(variants(args.max_tokens))
     hindsight = "hindsight (the run's own lengths)"
     table = {name: [] for name in [*models, hindsight]}
     print("expected / actual output tokens to come, at " + " / ".join(f"{s:.0%}" for s in SHARES) + " of rows")
@@ -138,7 +181,8 @@ def main() -> None:
         d = load(out)
         clock = step_clock(d)
         for name, make in models.items():
-            r = replay(d, make, clock, **({"left_shortest": runs_longest_first(out)} if "Mixture" in name else {}))
+            mixture = "Mixture" in name or name in ("equal weights", "likelihood / sqrt(rows)")
+            r = replay(d, make, clock, **({"left_shortest": runs_longest_first(out)} if mixture else {}))
             table[name].append(r)
             print(f"  {out}  {name:22s} " + " ".join(f"{x:.2f}" for x in r))
         r = replay(d, lambda: Hindsight(d["a"]), clock)

@@ -1,0 +1,74 @@
+"""How well does the forecast's step cost, fitted so far, cost the steps still to come? Replayed from step logs.
+
+For each log written by benchmarks/step_log.py, at the moments 10%, 25% and 50% of its rows had finished, this
+fits StepCost (pipeline/scheduling/forecast.py) on the steps logged until then, as the deadline tracker does (every
+step seen for jumps in the batch, the engine's first SETTLE_S seconds not measured), and costs the steps that
+actually came after (their number, sequences and prompt tokens) against their actual seconds. Side by side: the
+product's rule, which leaves out the AFTER_GROWTH decode steps after the batch grows by a quarter, and the fit
+without it (AFTER_GROWTH = 0).
+
+    python benchmarks/step_cost_replay.py steps.json [steps.json ...]
+
+Prints, per log and share, the fit and (fitted cost of the future steps) / (their actual seconds), then per rule
+the mean |log| of that ratio and the share of points within 5%.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+
+import numpy as np
+
+SHARES = (0.10, 0.25, 0.50)
+
+
+def replay(rec: list, after_growth: int) -> list[tuple[float, float, float]]:
+    """(fixed s, s per sequence, future cost / actual) at each share of rows finished."""
+    from overnight.pipeline.scheduling import deadline as dl
+    from overnight.pipeline.scheduling.forecast import StepCost
+
+    finished = [i for i, r in enumerate(rec) for _ in range(r[5])]  # the step each row finished at
+    out = []
+    for share in SHARES:
+        i = finished[int(math.ceil(share * len(finished))) - 1]
+        sc = StepCost()
+        sc.AFTER_GROWTH = after_growth
+        for t, n, prefill, seconds, *_ in rec[:i + 1]:
+            sc.saw(n)
+            if seconds is not None and t >= dl.SETTLE_S:
+                sc.observe(n, prefill, seconds)
+        a, b, c = sc.fit()
+        future = rec[i + 1:]
+        n = np.array([r[1] for r in future], np.float64)
+        prefill = np.array([r[2] for r in future], np.float64)
+        actual = sum(r[3] for r in future if r[3] is not None)
+        out.append((a, b, (a * len(n) + b * n.sum() + c * prefill.sum()) / actual))
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("logs", nargs="+")
+    args = ap.parse_args()
+    from overnight.pipeline.scheduling.forecast import StepCost
+
+    rules = {f"AFTER_GROWTH={StepCost.AFTER_GROWTH} (the product)": StepCost.AFTER_GROWTH, "AFTER_GROWTH=0": 0}
+    ratios = {name: [] for name in rules}
+    print("fitted cost of the steps to come / their actual seconds, at " +
+          " / ".join(f"{s:.0%}" for s in SHARES) + " of rows")
+    for log in args.logs:
+        rec = json.load(open(log))
+        for name, k in rules.items():
+            r = replay(rec, k)
+            ratios[name] += [x[2] for x in r]
+            print(f"  {log}  {name:34s} " + "  ".join(f"{1000 * a:.0f} ms + {1000 * b:.2f} ms/seq: x{x:.3f}"
+                                                       for a, b, x in r))
+    for name, v in ratios.items():
+        le = np.abs(np.log(np.array(v)))
+        print(f"{name:34s} mean |log| {le.mean():.3f}, within 5% at {np.mean(le < math.log(1.05)):.0%} of points")
+
+
+if __name__ == "__main__":
+    main()
