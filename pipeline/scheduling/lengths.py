@@ -77,24 +77,15 @@ class LengthModel:
         self.s2 += float(free @ free)
         self.log_a += float(np.log(a[~cut]).sum())
 
-    def capped_points(self) -> tuple[np.ndarray, np.ndarray]:
-        """(r = log(max_tokens / predicted), rows) of the rows max_tokens cut, as kept (bins BIN wide)."""
-        if not self.capped:
-            return np.zeros(0), np.zeros(0)
-        return (np.fromiter(self.capped.keys(), np.float64) * self.BIN,
-                np.fromiter(self.capped.values(), np.float64))
-
-    def fit(self, running_p: np.ndarray, running_g: np.ndarray, iterations: int = 25, run_w=None,
-            cap_w=None) -> tuple[float, float]:
-        """Refit on the finished rows and the rows running now (predicted p, g tokens so far). run_w: a weight per
-        running row, cap_w: per point of capped_points() (1 if None)."""
+    def fit(self, running_p: np.ndarray, running_g: np.ndarray, iterations: int = 25) -> tuple[float, float]:
+        """Refit on the finished rows and the rows running now (predicted p, g tokens so far)."""
         keep = (running_p > 0) & (running_g > 0)
         thresholds = [np.log(running_g[keep] / running_p[keep])]
-        weights = [np.ones(int(keep.sum())) if run_w is None else np.asarray(run_w, np.float64)[keep]]
+        weights = [np.ones(int(keep.sum()))]
         if self.capped:
-            r, n = self.capped_points()
-            thresholds.append(r)
-            weights.append(n if cap_w is None else n * cap_w)
+            ks = np.fromiter(self.capped.keys(), np.float64)
+            thresholds.append(ks * self.BIN)
+            weights.append(np.fromiter(self.capped.values(), np.float64))
         c = np.concatenate(thresholds)
         w = np.concatenate(weights)
         w0 = self.prior_weight
@@ -128,25 +119,16 @@ class LengthModel:
     def mu_stderr(self) -> float:
         return self.sigma / math.sqrt(self.num_events + self.prior_weight)
 
-    def loglik(self, running_p: np.ndarray, running_g: np.ndarray, run_w=None, cap_w=None) -> float:
-        """Log-likelihood of the lengths seen (as densities of the length itself) and of the censored rows
-        (weighed as in fit)."""
+    def loglik(self, running_p: np.ndarray, running_g: np.ndarray) -> float:
+        """Log-likelihood of the lengths seen (as densities of the length itself) and of the censored rows."""
         mu, s = self.mu, self.sigma
         ll = (-self.n * math.log(s * math.sqrt(2 * math.pi)) - self.log_a
               - (self.s2 - 2 * mu * self.s1 + self.n * mu * mu) / (2 * s * s))
         if self.capped:
-            r, n = self.capped_points()
-            ll += float((n if cap_w is None else n * cap_w) @ _log_tail((r - mu) / s))
+            ks = np.fromiter(self.capped.keys(), np.float64) * self.BIN
+            ll += float(np.fromiter(self.capped.values(), np.float64) @ _log_tail((ks - mu) / s))
         keep = (running_p > 0) & (running_g > 0)
-        tail = _log_tail((np.log(running_g[keep] / running_p[keep]) - mu) / s)
-        return ll + float(tail.sum() if run_w is None else np.asarray(run_w, np.float64)[keep] @ tail)
-
-    def survival(self, predicted, generated, shift: float = 0.0) -> np.ndarray:
-        """P(L > g) of rows with these predictions (1 where g is 0)."""
-        p = np.maximum(np.asarray(predicted, dtype=np.float64), 1.0)
-        g = np.asarray(generated, dtype=np.float64)
-        z = (np.log(np.maximum(g, 1e-9)) - np.log(p) - self.mu - shift) / self.sigma
-        return np.where(g > 0, 1.0 - norm_cdf(z), 1.0)
+        return ll + float(_log_tail((np.log(running_g[keep] / running_p[keep]) - mu) / s).sum())
 
     def expected(self, predicted, generated=None, shift: float = 0.0) -> np.ndarray:
         """Expected tokens still to come for rows with these predictions that have generated ``generated`` so far
@@ -226,17 +208,14 @@ class NormalLengthModel:
         self.p_sum += float(p.sum())
         self.p_n += len(p)
 
-    def fit(self, running_p: np.ndarray, running_g: np.ndarray, iterations: int = 50, run_w=None,
-            cap_w: float = 1.0) -> tuple[float, float]:
-        """run_w: a weight per running row; cap_w: the share of the rows max_tokens cut that is this model's."""
+    def fit(self, running_p: np.ndarray, running_g: np.ndarray, iterations: int = 50) -> tuple[float, float]:
         keep = (running_p > 0) & (running_g > 0)
         total_p, count_p = self.p_sum + float(running_p[keep].sum()), self.p_n + int(keep.sum())
         self.p_mean = min(max(total_p / count_p, 1.0), self.cap) if count_p else self.cap / 2
         m0, s0 = self.p_mean, self.prior_cv * self.p_mean
-        c = running_g[keep]
-        w = np.ones(int(keep.sum())) if run_w is None else np.asarray(run_w, np.float64)[keep]
+        c, w = running_g[keep], np.ones(int(keep.sum()))
         if self.n_cap:
-            c, w = np.append(c, self.cap), np.append(w, float(self.n_cap) * cap_w)
+            c, w = np.append(c, self.cap), np.append(w, float(self.n_cap))
         w0 = self.prior_weight
         total = self.n + float(w.sum()) + w0
         m, s = (self.m, self.s) if self._fitted else (m0, s0)
@@ -259,20 +238,13 @@ class NormalLengthModel:
         self.num_events = self.n + (float(w @ norm_cdf((c - m) / s)) if len(c) else 0.0)
         return self.mu, self.sigma
 
-    def loglik(self, running_p: np.ndarray, running_g: np.ndarray, run_w=None, cap_w: float = 1.0) -> float:
+    def loglik(self, running_p: np.ndarray, running_g: np.ndarray) -> float:
         m, s = self.m, self.s
         ll = -self.n * math.log(s * math.sqrt(2 * math.pi)) - (self.s2 - 2 * m * self.s1 + self.n * m * m) / (2 * s * s)
         if self.n_cap:
-            ll += self.n_cap * cap_w * float(_log_tail((self.cap - m) / s))
+            ll += self.n_cap * float(_log_tail((self.cap - m) / s))
         keep = (running_p > 0) & (running_g > 0)
-        tail = _log_tail((running_g[keep] - m) / s)
-        return ll + float(tail.sum() if run_w is None else np.asarray(run_w, np.float64)[keep] @ tail)
-
-    def survival(self, predicted, generated, shift: float = 0.0) -> np.ndarray:
-        """P(L > g) (1 where g is 0)."""
-        mm, ss = self._params(predicted, shift)
-        g = np.asarray(generated, dtype=np.float64)
-        return np.where(g > 0, 1.0 - norm_cdf((g - mm) / ss), 1.0)
+        return ll + float(_log_tail((running_g[keep] - m) / s).sum())
 
     @property
     def sigma(self) -> float:
@@ -345,67 +317,28 @@ class LengthMixture:
     ones predicted shortest, and the rows seen cannot say what the normal, blind to the predictions, would need to
     know: that those run shorter. It takes the mean of the rows seen for them, and the likelihood of the rows seen
     cannot tell it wrong. Replayed on 10 full runs (docs/BENCHMARKS.md), the weighing said x1.13-1.31 at 10-50% of
-    rows under longest-first and auto on the mixed workload, the log ratio x0.89-1.03.
-
-    Runaways (an experiment, not kept: docs/BENCHMARKS.md). A share of rows (``runaway``) run to max_tokens; the
-    lengths are the two models' body plus that spike at the cap, fitted together by EM from MIN_CUT cut rows on."""
-
-    RUNAWAY = True
-    PRIOR_ROWS = 5.0
-    START = 0.05
-    OUTER = 20
-    MIN_CUT = 3
+    rows under longest-first and auto on the mixed workload, the log ratio x0.89-1.03."""
 
     def __init__(self, max_tokens: int, min_rows: int = 5):
         self.ratio, self.normal = LengthModel(max_tokens), NormalLengthModel(max_tokens)
         self.min_rows = min_rows
         self.weight = 0.0  # the normal model's
         self.best = self.ratio
-        self.runaway = 0.0
-        self._last_share = 0.0
 
     def observe(self, predicted, actual, hit_cap) -> None:
         self.ratio.observe(predicted, actual, hit_cap)
         self.normal.observe(predicted, actual, hit_cap)
 
-    def _fit_body(self, p, g, left_shortest: bool, run_w=None, cap_w=None) -> None:
-        self.ratio.fit(p, g, run_w=run_w, cap_w=cap_w)
+    def fit(self, running_p: np.ndarray, running_g: np.ndarray, left_shortest: bool = False) -> tuple[float, float]:
+        running_p, running_g = np.asarray(running_p, np.float64), np.asarray(running_g, np.float64)
+        self.ratio.fit(running_p, running_g)
         self.weight = 0.0
-        normal_cap_w = 1.0
-        if cap_w is not None:
-            _, n = self.ratio.capped_points()
-            normal_cap_w = float(n @ cap_w / n.sum()) if n.sum() else 1.0
         if not left_shortest:
-            self.normal.fit(p, g, run_w=run_w, cap_w=normal_cap_w)
+            self.normal.fit(running_p, running_g)
         if self.ratio.n >= self.min_rows and not left_shortest:
-            diff = (self.normal.loglik(p, g, run_w, normal_cap_w) - self.ratio.loglik(p, g, run_w, cap_w))
+            diff = self.normal.loglik(running_p, running_g) - self.ratio.loglik(running_p, running_g)
             self.weight = 1.0 / (1.0 + math.exp(-min(max(diff, -50.0), 50.0)))
         self.best = self.normal if self.weight > 0.5 else self.ratio
-
-    def fit(self, running_p: np.ndarray, running_g: np.ndarray, left_shortest: bool = False) -> tuple[float, float]:
-        p, g = np.asarray(running_p, np.float64), np.asarray(running_g, np.float64)
-        self._fit_body(p, g, left_shortest)
-        self.runaway = 0.0
-        r_cut, n_cut = self.ratio.capped_points()
-        if not self.RUNAWAY or n_cut.sum() < self.MIN_CUT:
-            return self.best.mu, self.best.sigma
-        p_cut = self.ratio.cap / np.exp(r_cut)
-        rows = self.ratio.n + float(n_cut.sum()) + len(p)
-        cap = np.full(len(p_cut), self.ratio.cap)
-        share = max(self.START, self._last_share)
-        for i in range(self.OUTER):
-            rho_run = share / (share + (1.0 - share) * self._body_survival(p, g))
-            rho_cut = share / (share + (1.0 - share) * self._body_survival(p_cut, cap - 1))
-            new = float(rho_run.sum() + n_cut @ rho_cut) / (rows + self.PRIOR_ROWS)
-            self._fit_body(p, g, left_shortest, 1.0 - rho_run, 1.0 - rho_cut)
-            done = i >= 2 and abs(new - share) < 2e-4
-            share = new
-            if done:
-                break
-        self._last_share = share
-        self.runaway = share if share >= 1e-3 else 0.0
-        if not self.runaway:
-            self._fit_body(p, g, left_shortest)
         return self.best.mu, self.best.sigma
 
     def _mix(self, call):
@@ -418,34 +351,14 @@ class LengthMixture:
             return tuple((1.0 - w) * x + w * y for x, y in zip(a, b))
         return (1.0 - w) * a + w * b
 
-    def _body_survival(self, predicted, generated, shift: float = 0.0) -> np.ndarray:
-        return self._mix(lambda m: m.survival(predicted, generated, shift))
-
-    def _runaway_given(self, predicted, generated, shift: float = 0.0):
-        p = np.asarray(predicted, dtype=np.float64)
-        g = np.zeros_like(p) if generated is None else np.minimum(np.asarray(generated, np.float64), self.cap - 1)
-        pi = self.runaway
-        return pi / (pi + (1.0 - pi) * self._body_survival(p, g, shift)), g
-
     def expected(self, predicted, generated=None, shift: float = 0.0) -> np.ndarray:
-        body = self._mix(lambda m: m.expected(predicted, generated, shift))
-        if not self.runaway:
-            return body
-        rho, g = self._runaway_given(predicted, generated, shift)
-        return rho * (self.cap - g) + (1.0 - rho) * body
+        return self._mix(lambda m: m.expected(predicted, generated, shift))
 
     def moments(self, predicted, shift: float = 0.0) -> tuple[np.ndarray, np.ndarray]:
-        m1, m2 = self._mix(lambda m: m.moments(predicted, shift))
-        pi = self.runaway
-        return pi * self.cap + (1.0 - pi) * m1, pi * self.cap ** 2 + (1.0 - pi) * m2
+        return self._mix(lambda m: m.moments(predicted, shift))
 
     def quantile_cdf(self, x, predicted, generated, shift: float = 0.0) -> np.ndarray:
-        body = self._mix(lambda m: m.quantile_cdf(x, predicted, generated, shift))
-        if not self.runaway:
-            return body
-        rho, g = self._runaway_given(predicted, generated, shift)
-        at_cap = (g + np.maximum(x, 0.0)) >= self.cap - 1e-9
-        return rho * at_cap + (1.0 - rho) * body
+        return self._mix(lambda m: m.quantile_cdf(x, predicted, generated, shift))
 
     def __getattr__(self, name):  # cap, mu, sigma, mu_stderr, num_events
         return getattr(self.__dict__["best"], name)
