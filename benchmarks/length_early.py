@@ -7,15 +7,17 @@ each row one token a step. When k rows have finished, it fits a length model on 
 (the finished rows; the rows running, with their tokens so far, as "at least") and compares the tokens it expects
 still to come with those that came.
 
-Models: the forecast's LengthMixture (pipeline/scheduling/lengths.py; LengthModel alone until 5 rows finished, then
-the two weighed by likelihood), NormalLengthModel alone, and a censored regression of log length on log
+Models: the forecast's LengthMixture (pipeline/scheduling/lengths.py; the two models weighed by likelihood from the
+first step, the normal's prior at the mean prediction of every row), the same as at bfbd4bd (LengthModel alone
+until 5 rows had finished; the normal's prior at the mean prediction of the rows seen), NormalLengthModel alone
+(its prior from the rows seen), and a censored regression of log length on log
 prediction (tried, not kept: log L = a + b log p + Normal, b shrunk towards b0 by 20 rows), which sits between
 the two: b = 1 is the log-ratio model, b = 0 a log-normal blind to the predictions.
 
     python benchmarks/length_early.py OUT [OUT ...] [--slots 64] [--max-tokens 512]
 
-Prints, per run, order and model, expected / actual tokens to come at k = 1, 2, 3, 5, 8, 12, 20, 40 finished
-rows, and per order and model the mean |log| of that ratio.
+Prints, per run, order and model, expected / actual tokens to come at k = 0 (halfway to the first row's
+finish), 1, 2, 3, 5, 8, 12, 20, 40 finished rows, and per order and model the mean |log| of that ratio.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import sys
 
 import numpy as np
 
-KS = (1, 2, 3, 5, 8, 12, 20, 40)
+KS = (0, 1, 2, 3, 5, 8, 12, 20, 40)  # 0: halfway to the first row's finish
 
 
 def states(p, a, order, slots: int, cap: int):
@@ -42,7 +44,7 @@ def states(p, a, order, slots: int, cap: int):
         heapq.heappush(free, end[i])
     ends = np.sort(end)
     for k in KS:
-        t = ends[k - 1] + 0.5
+        t = ends[k - 1] + 0.5 if k else ends[0] / 2
         fin = end <= t
         run = (start <= t) & ~fin
         pool = start > t
@@ -112,6 +114,21 @@ def slope_model(max_tokens: int, b0: float):
     return SlopeModel()
 
 
+def before_mixture(max_tokens: int):
+    """The forecast's LengthMixture as it was at bfbd4bd: LengthModel alone until 5 rows had finished, and the
+    normal's prior the mean prediction of the rows seen (finished and running) alone."""
+    from overnight.pipeline.scheduling.lengths import LengthMixture
+
+    class Before(LengthMixture):
+        def fit(self, running_p, running_g, left_shortest=False, rest=(0.0, 0.0)):
+            super().fit(running_p, running_g, left_shortest)
+            if self.ratio.n < 5:
+                self.weight, self.best = 0.0, self.ratio
+            return self.best.mu, self.best.sigma
+
+    return Before(max_tokens)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("outs", nargs="+")
@@ -125,6 +142,7 @@ def main() -> None:
 
     cap = args.max_tokens
     models = {"the forecast's (LengthMixture)": lambda: LengthMixture(cap),
+              "the forecast's at bfbd4bd": lambda: before_mixture(cap),
               "normal on length alone": lambda: NormalLengthModel(cap),
               "regression, b0 = 1": lambda: slope_model(cap, 1.0),
               "regression, b0 = 0.5": lambda: slope_model(cap, 0.5)}
@@ -142,7 +160,8 @@ def main() -> None:
                     m = make()
                     m.observe(p[fin], a[fin], cut[fin])
                     if isinstance(m, LengthMixture):
-                        m.fit(p[run], g[run], left_shortest=oname == "longest first")
+                        m.fit(p[run], g[run], left_shortest=oname == "longest first",
+                              rest=(float(p[pool].sum()), float(pool.sum())))
                     else:
                         m.fit(p[run], g[run])
                     r.append(float(m.expected(p[run], g[run]).sum() + m.expected(p[pool]).sum()) / actual)
@@ -151,7 +170,7 @@ def main() -> None:
     print("mean |log(expected / actual)| over the runs and k; at k <= 5; at k >= 8")
     for (oname, name), rows in table.items():
         le = np.abs(np.log(np.array(rows)))
-        print(f"  {oname:14s}  {name:30s} {le.mean():.3f}; {le[:, :4].mean():.3f}; {le[:, 4:].mean():.3f}")
+        print(f"  {oname:14s}  {name:30s} {le.mean():.3f}; {le[:, :5].mean():.3f}; {le[:, 5:].mean():.3f}")
 
 
 if __name__ == "__main__":

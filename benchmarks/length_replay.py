@@ -10,8 +10,8 @@ model on what was seen and compares the tokens it expects still to come with the
 
 Models (pipeline/scheduling/lengths.py): LengthModel (log(actual / predicted) ~ Normal, censored),
 NormalLengthModel (the length itself ~ Normal, the prediction not used) and LengthMixture (the forecast's: the two
-weighed by how likely each makes what the run has seen, from 5 finished rows on; the log ratio alone where the run
-ran longest predicted first, which it reads from the run's status.json). A last line, for reference, is no
+weighed by how likely each makes what the run has seen, the normal's prior at the mean prediction of every row; the
+log ratio alone where the run ran longest predicted first, which it reads from the run's status.json). A last line, for reference, is no
 model a run could have: every row drawn from the run's own lengths, known in hindsight (Hindsight).
 
     python benchmarks/length_replay.py OUT [OUT ...] [--max-tokens 512] [--variants]
@@ -95,21 +95,21 @@ class Hindsight:
 
 def variants(max_tokens: int) -> dict:
     """Other ways to weigh the two length models, tried and not kept (docs/BENCHMARKS.md): equal weights from
-    min_rows finished rows on; the likelihood difference divided by the square root of the rows; and a
+    5 finished rows on; the likelihood difference divided by the square root of the rows; and a
     log-normal on the length itself, blind to the predictions (LengthModel on a constant prediction)."""
     from overnight.pipeline.scheduling.lengths import LengthMixture, LengthModel
 
     class Equal(LengthMixture):
-        def fit(self, p, g, left_shortest=False):
-            super().fit(p, g, left_shortest)
-            if self.ratio.n >= self.min_rows and not left_shortest:
+        def fit(self, p, g, left_shortest=False, rest=(0.0, 0.0)):
+            super().fit(p, g, left_shortest, rest)
+            if self.ratio.n >= 5 and not left_shortest:
                 self.weight = 0.5
             return self.best.mu, self.best.sigma
 
     class Damped(LengthMixture):
-        def fit(self, p, g, left_shortest=False):
-            super().fit(p, g, left_shortest)
-            if self.ratio.n >= self.min_rows and not left_shortest:
+        def fit(self, p, g, left_shortest=False, rest=(0.0, 0.0)):
+            super().fit(p, g, left_shortest, rest)
+            if self.ratio.n >= 5 and not left_shortest:
                 p, g = np.asarray(p, np.float64), np.asarray(g, np.float64)
                 diff = (self.normal.loglik(p, g) - self.ratio.loglik(p, g)) / math.sqrt(self.ratio.n + len(p))
                 self.weight = 1.0 / (1.0 + math.exp(-min(max(diff, -50.0), 50.0)))
@@ -153,6 +153,8 @@ def replay(d: dict, make, clock, **fit_kw) -> list[float]:
         fin, run, pool, g, actual = state(d, t, clock)
         model = make()
         model.observe(d["p"][fin], d["a"][fin], d["cut"][fin])
+        if "left_shortest" in fit_kw:  # a LengthMixture: the predictions of the rows not started, for its prior
+            fit_kw["rest"] = (float(d["p"][pool].sum()), float(pool.sum()))
         model.fit(d["p"][run], g[run], **fit_kw)
         expected = float(model.expected(d["p"][run], g[run]).sum())
         if pool.any():

@@ -270,16 +270,17 @@ class DeadlineTracker:
         a, b, c = self.step_cost.fit()
         run_p, run_g = self.inflight.running()
         self._learn()
-        model = self.lengths
-        model.fit(*self.inflight.running(per_sequence=False), left_shortest=scheduler.runs_longest_first)
         queued_p = self.inflight.queued()
-        # auto near a deadline runs at most `cap` rows at once; every other case keeps the engine full
-        cap = None
-        left = self.time_left()
         # Everything below counts sequences (a row of n samples is n of them, each a slot); rows come last.
         k = _samples_per_row(scheduler)
         pend_p = np.asarray(lengths, dtype=np.float64)
         pend_n = np.asarray(counts, dtype=np.float64) * k
+        model = self.lengths
+        rest = (float(queued_p.sum() + pend_p @ pend_n), float(len(queued_p) + pend_n.sum()))
+        model.fit(*self.inflight.running(per_sequence=False), left_shortest=scheduler.runs_longest_first, rest=rest)
+        # auto near a deadline runs at most `cap` rows at once; every other case keeps the engine full
+        cap = None
+        left = self.time_left()
         if scheduler.policy == Policy.AUTO and self.stop_at is not None and scheduler.mode == Mode.DEADLINE:
             cap = self._cap(a, b, c, left, model, queued_p, pend_p, pend_n, max_num_seqs)
         fill = np.concatenate([queued_p, pend_p])

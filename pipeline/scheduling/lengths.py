@@ -183,7 +183,10 @@ class NormalLengthModel:
     lengths are skewed to the left (a few answers of a handful of tokens widen a log-normal's fit, and with it
     the tail it gives the rows still running). Finished rows give L, rows that hit max_tokens and rows still
     running give "L is at least this" (an EM fit of a censored normal). A prior of prior_weight rows at the
-    mean prediction (sd prior_cv of it) holds the fit until rows finish. ``mu`` and ``sigma`` are the log-normal
+    mean prediction (sd prior_cv of it) holds the fit until rows finish: the mean over every row the job knows,
+    those still to start included (``rest``), so that it does not depend on the order the rows run in. (Of the
+    rows seen alone, under shortest predicted first, it was the shortest predictions' mean, and the emulation of
+    benchmarks/length_early.py said x0.53-0.69 of the tokens to come at 1-5 rows.) ``mu`` and ``sigma`` are the log-normal
     ones of the same mean and spread (against the mean prediction), so that they mean what LengthModel's do;
     ``shift`` scales lengths by exp(shift)."""
 
@@ -208,9 +211,13 @@ class NormalLengthModel:
         self.p_sum += float(p.sum())
         self.p_n += len(p)
 
-    def fit(self, running_p: np.ndarray, running_g: np.ndarray, iterations: int = 50) -> tuple[float, float]:
+    def fit(self, running_p: np.ndarray, running_g: np.ndarray, iterations: int = 50,
+            rest: tuple[float, float] = (0.0, 0.0)) -> tuple[float, float]:
+        """Refit on the finished rows and the rows running now (predicted p, g tokens so far); rest: the sum and
+        the count of the predictions of the rows still to start, for the prior."""
         keep = (running_p > 0) & (running_g > 0)
-        total_p, count_p = self.p_sum + float(running_p[keep].sum()), self.p_n + int(keep.sum())
+        total_p = self.p_sum + float(running_p[keep].sum()) + float(rest[0])
+        count_p = self.p_n + int(keep.sum()) + float(rest[1])
         self.p_mean = min(max(total_p / count_p, 1.0), self.cap) if count_p else self.cap / 2
         m0, s0 = self.p_mean, self.prior_cv * self.p_mean
         c, w = running_g[keep], np.ones(int(keep.sum()))
@@ -310,8 +317,12 @@ class LengthMixture:
     """Both length models fitted on the same rows, weighed by how likely each makes what the run has seen
     (finished lengths, and rows still running or cut at max_tokens as "at least"): the posterior of two models
     of two parameters each, equal a priori. The forecast's expected lengths, moments and tail are the mixture;
-    its summaries (mu, sigma, their standard error) the weightier model's. Until min_rows rows have finished,
-    LengthModel alone. Early on, when the evidence is thin, the two are averaged rather than flipped between.
+    its summaries (mu, sigma, their standard error) the weightier model's. Early on, when the evidence is thin,
+    the two are averaged rather than flipped between: from the first step, not only once a few rows have finished,
+    because the first rows to finish are few under any order and the log ratio alone errs with the order. Under
+    shortest predicted first, auto's near a deadline, the rows running are the ones predicted shortest, and their
+    lengths, which the predictions barely tell apart, make the log ratio's scale high for every row to come (x1.2-1.45
+    of the tokens to come at 1-3 finished rows in benchmarks/length_early.py's emulation; x0.9-1.0 weighed).
 
     Where the rows run longest predicted first (``left_shortest``), LengthModel alone. The rows left are then the
     ones predicted shortest, and the rows seen cannot say what the normal, blind to the predictions, would need to
@@ -319,9 +330,8 @@ class LengthMixture:
     cannot tell it wrong. Replayed on 10 full runs (docs/BENCHMARKS.md), the weighing said x1.13-1.31 at 10-50% of
     rows under longest-first and auto on the mixed workload, the log ratio x0.89-1.03."""
 
-    def __init__(self, max_tokens: int, min_rows: int = 5):
+    def __init__(self, max_tokens: int):
         self.ratio, self.normal = LengthModel(max_tokens), NormalLengthModel(max_tokens)
-        self.min_rows = min_rows
         self.weight = 0.0  # the normal model's
         self.best = self.ratio
 
@@ -329,13 +339,15 @@ class LengthMixture:
         self.ratio.observe(predicted, actual, hit_cap)
         self.normal.observe(predicted, actual, hit_cap)
 
-    def fit(self, running_p: np.ndarray, running_g: np.ndarray, left_shortest: bool = False) -> tuple[float, float]:
+    def fit(self, running_p: np.ndarray, running_g: np.ndarray, left_shortest: bool = False,
+            rest: tuple[float, float] = (0.0, 0.0)) -> tuple[float, float]:
+        """Refit both on the finished rows and the rows running (predicted p, g tokens so far), and weigh them;
+        rest: the sum and the count of the predictions of the rows still to start (the normal's prior)."""
         running_p, running_g = np.asarray(running_p, np.float64), np.asarray(running_g, np.float64)
         self.ratio.fit(running_p, running_g)
         self.weight = 0.0
         if not left_shortest:
-            self.normal.fit(running_p, running_g)
-        if self.ratio.n >= self.min_rows and not left_shortest:
+            self.normal.fit(running_p, running_g, rest=rest)
             diff = self.normal.loglik(running_p, running_g) - self.ratio.loglik(running_p, running_g)
             self.weight = 1.0 / (1.0 + math.exp(-min(max(diff, -50.0), 50.0)))
         self.best = self.normal if self.weight > 0.5 else self.ratio
