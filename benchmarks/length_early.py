@@ -16,7 +16,8 @@ the two: b = 1 is the log-ratio model, b = 0 a log-normal blind to the predictio
 
     python benchmarks/length_early.py OUT [OUT ...] [--slots 64] [--max-tokens 512]
 
-Prints, per run, order and model, expected / actual tokens to come at k = 0 (halfway to the first row's
+Prints, per run, the slope of log length on log prediction in hindsight (least squares over all its rows, those
+cut at max_tokens at it: b = 1 is the log-ratio model, b = 0 the normal), then per order and model, expected / actual tokens to come at k = 0 (halfway to the first row's
 finish), 1, 2, 3, 5, 8, 12, 20, 40 finished rows, and per order and model the mean |log| of that ratio.
 """
 
@@ -151,6 +152,8 @@ def main() -> None:
     for out in args.outs:
         d = load(out)
         p, a, cut = d["p"], d["a"], d["cut"]
+        b = float(np.polyfit(np.log(p), np.log(np.minimum(a, cap)), 1)[0])
+        print(f"  {out}  in hindsight, least squares of log length on log prediction: slope b = {b:.2f}")
         orders = {"shortest first": np.argsort(p, kind="stable"), "longest first": np.argsort(-p, kind="stable"),
                   "random (fifo)": np.random.default_rng(0).permutation(len(p))}
         for oname, order in orders.items():
