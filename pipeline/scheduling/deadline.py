@@ -5,12 +5,12 @@ step cost and which rows it admitted and finished; from those it learns
 (scheduling.forecast) what a step costs for how many sequences, how the
 predicted lengths compare with the actual ones (rows still running count as
 "at least this long"), and simulates the drain of what is left in the order
-the scheduler runs it. It answers with an ETA and its range, whether the
-deadline will be missed, and how many rows would be left; under auto it sets
-the cap on rows in flight that finishes the most rows by the deadline. Until
-the engine has run a few steps it falls back to a token rate (the configured
-tokens_per_second, then the measured one). With no deadline it still gives the
-ETA for the progress bar and the status file.
+the scheduler runs it (scheduling/estimate.py). It answers with an ETA and its
+range, whether the deadline will be missed, and how many rows would be left;
+under auto it sets the cap on rows in flight that finishes the most rows by the
+deadline. Until the engine has run a few steps it falls back to a token rate
+(the configured tokens_per_second, then the measured one). With no deadline it
+still gives the ETA for the progress bar and the status file.
 """
 
 from __future__ import annotations
@@ -18,40 +18,15 @@ from __future__ import annotations
 import logging
 import math
 import time
-from dataclasses import dataclass
 from typing import Callable, Optional
 
 import numpy as np
 
-from overnight.pipeline.config import Policy
 from overnight.pipeline.progress import Rate, fmt_duration
-from overnight.pipeline.scheduling.forecast import InFlight, StepCost, best_cap, chunks, drain
+from overnight.pipeline.scheduling.estimate import Forecast, model_forecast, rate_forecast, samples_per_row
+from overnight.pipeline.scheduling.forecast import InFlight, StepCost
 from overnight.pipeline.scheduling.lengths import LengthMixture
 from overnight.pipeline.scheduling.scheduler import Mode
-
-
-@dataclass
-class Forecast:
-    tokens_per_s: float
-    # Predicted output tokens still to generate (in flight, pending, not yet read).
-    remaining_tokens: float
-    remaining_rows: int
-    # Seconds to finish everything at the measured rate, with the engine full (also under auto's cap: what a rerun
-    # needs); None until a rate is known.
-    eta_s: Optional[float]
-    # Seconds until admission stops (deadline minus safety margin); inf without a deadline.
-    time_left_s: float
-    will_miss: bool
-    rows_expected_left: int
-    # The ETA's range (80%: the calibration's uncertainty and the rows' own spread), once rows have finished.
-    eta_low_s: Optional[float] = None
-    eta_high_s: Optional[float] = None
-    # What the model learned: actual / predicted output tokens on average, and the step cost.
-    calibration: Optional[float] = None
-    step_cost: Optional[tuple] = None
-    # Rows in flight allowed (auto near a deadline), None for the engine's capacity.
-    cap: Optional[int] = None
-
 
 log = logging.getLogger("overnight")
 
@@ -74,16 +49,6 @@ PROBE_STEPS = 12
 SETTLE_S = 4.0
 # The model's forecast needs this many steps measured; before, a token rate stands in.
 MIN_STEPS = 8
-Z80 = 1.2816  # the normal quantile of a two-sided 80% range
-
-
-def _samples_per_row(scheduler) -> float:
-    """Sequences per row of the rows still to start (a row asking for n samples runs as n), else of those running."""
-    if scheduler.num_pending:
-        return scheduler.pending_samples / scheduler.num_pending
-    if scheduler.num_running:
-        return scheduler.running_samples / scheduler.num_running
-    return 1.0
 
 
 class DeadlineTracker:
@@ -146,7 +111,8 @@ class DeadlineTracker:
         self._done[1].extend(actual)
         self._done[2].extend(r == "length" for r in finish_reasons)
 
-    def _learn(self) -> None:
+    def learn(self) -> None:
+        """The length models learn from the rows finished since the last forecast."""
         if self._done[0]:
             self.lengths.observe(*self._done)
             self._done = ([], [], [])
@@ -195,36 +161,10 @@ class DeadlineTracker:
                  mean_tokens_per_row: float, pending_counts=None) -> Forecast:
         """pending_tokens: predicted output tokens of pending rows, in scheduling order; or, with
         pending_counts, distinct lengths in scheduling order and how many rows have each."""
-        self.last = self._forecast(in_flight_tokens, num_in_flight, pending_tokens, num_unread, mean_tokens_per_row,
-                                   pending_counts)
+        self.last = rate_forecast(self, in_flight_tokens, num_in_flight, pending_tokens, num_unread,
+                                  mean_tokens_per_row, pending_counts)
         return self.last
 
-    def _forecast(self, in_flight_tokens, num_in_flight, pending_tokens, num_unread, mean_tokens_per_row,
-                  pending_counts) -> Forecast:
-        tps = self.tokens_per_s or 0.0
-        values = np.asarray(pending_tokens, dtype=np.float64)
-        counts = np.ones(len(values)) if pending_counts is None else np.asarray(pending_counts, dtype=np.float64)
-        pending_sum = float(values @ counts) if len(values) else 0.0
-        num_pending = int(counts.sum())
-        unread_tokens = num_unread * mean_tokens_per_row
-        remaining = in_flight_tokens + pending_sum + unread_tokens
-        rows = num_in_flight + num_pending + num_unread
-        eta = remaining / tps if tps > 0 else None
-        left = self.time_left()
-        if self.stop_at is None or eta is None:
-            return Forecast(tps, remaining, rows, eta, left, False, 0)
-        budget = tps * left - in_flight_tokens
-        done = num_in_flight if budget >= 0 else 0
-        if budget > 0:
-            cum = np.cumsum(values * counts)
-            k = int(np.searchsorted(cum, budget, side="right"))  # lengths whose rows all fit
-            done += int(counts[:k].sum())
-            spare = budget - (float(cum[k - 1]) if k else 0.0)
-            if k < len(values):  # some of the next length's rows fit
-                done += int(min(counts[k], spare // values[k]))
-            elif mean_tokens_per_row > 0:
-                done += min(num_unread, int(spare // mean_tokens_per_row))
-        return Forecast(tps, remaining, rows, eta, left, eta > left, max(0, rows - done))
 
     @property
     def is_settled(self) -> bool:
@@ -248,11 +188,11 @@ class DeadlineTracker:
         unread = max(0, tally.num_rows - tally.num_read - (num_done_before - tally.num_resumed))
         lengths, counts = scheduler.pending_in_run_order()
         if self.step_cost.num_steps >= MIN_STEPS and self.inflight.max_num_seqs > 0:
-            f = self._model_forecast(scheduler, lengths, counts, unread, tally.mean_predicted, max_num_seqs)
+            f = model_forecast(self, scheduler, lengths, counts, unread, tally.mean_predicted, max_num_seqs)
             self.last = f
         else:
             # a row of n samples generates n times the tokens predicted (mean_predicted and lengths are per sequence)
-            k = _samples_per_row(scheduler)
+            k = samples_per_row(scheduler)
             f = self.forecast(scheduler.running_predicted / 2, scheduler.num_running,
                               np.asarray(lengths, dtype=np.float64) * k, unread, tally.mean_predicted * k, counts)
         if f.tokens_per_s and scheduler.num_running:
@@ -265,103 +205,6 @@ class DeadlineTracker:
                 scheduler.per_seq_tokens_per_s = f.tokens_per_s / n
         return f
 
-    def _model_forecast(self, scheduler, lengths, counts, unread: int, mean_predicted: float,
-                        max_num_seqs: int) -> Forecast:
-        a, b, c = self.step_cost.fit()
-        run_p, run_g = self.inflight.running()
-        self._learn()
-        queued_p = self.inflight.queued()
-        # Everything below counts sequences (a row of n samples is n of them, each a slot); rows come last.
-        k = _samples_per_row(scheduler)
-        pend_p = np.asarray(lengths, dtype=np.float64)
-        pend_n = np.asarray(counts, dtype=np.float64) * k
-        model = self.lengths
-        rest = (float(queued_p.sum() + pend_p @ pend_n), float(len(queued_p) + pend_n.sum()))
-        model.fit(*self.inflight.running(per_sequence=False), left_shortest=scheduler.runs_longest_first, rest=rest)
-        # auto near a deadline runs at most `cap` rows at once; every other case keeps the engine full
-        cap = None
-        left = self.time_left()
-        if scheduler.policy == Policy.AUTO and self.stop_at is not None and scheduler.mode == Mode.DEADLINE:
-            cap = self._cap(a, b, c, left, model, queued_p, pend_p, pend_n, max_num_seqs)
-        fill = np.concatenate([queued_p, pend_p])
-        fill_n = np.concatenate([np.ones(len(queued_p)), pend_n])
-        # Rows taken as one group at their mean prediction (a policy blind to length; the rows not read yet) are
-        # expected to run the mean of what each prediction expects, not what the mean prediction expects: with
-        # lengths cut at max_tokens that is less (Jensen), and the mean's would over-count them.
-        hist_p, hist_n = (np.asarray(x, dtype=np.float64) for x in scheduler.pending_lengths())
-        blind = [len(queued_p)] if len(pend_p) == 1 and len(hist_p) > 1 else []
-        if unread:
-            mean_p = float(fill @ fill_n / fill_n.sum()) if fill_n.sum() else (mean_predicted or 1.0)
-            fill, fill_n = np.append(fill, mean_p), np.append(fill_n, unread * k)
-            if len(hist_p):
-                blind.append(len(fill) - 1)
-        sequences = float(len(run_p) + fill_n.sum())
-        queued_rows = len(self.inflight.info) - len(self.inflight.start)
-        rows = len(self.inflight.info) + int(round(float(np.sum(counts)))) + unread
-        per_row = sequences / rows if rows else 1.0
-        prefill = (queued_rows + float(np.sum(counts)) + unread) * self.inflight.mean_prompt_tokens
-        step_full = a + b * max_num_seqs
-
-        def expected_fill(shift: float) -> np.ndarray:
-            e = model.expected(fill, None, shift)
-            if blind:
-                e[blind] = float(model.expected(hist_p, None, shift) @ hist_n) / float(hist_n.sum())
-            return e
-
-        def eta(shift: float, tail: bool, slots: int = max_num_seqs):
-            step = a + b * slots
-            within = left / step if step > 0 and left < math.inf else math.inf
-            run_e = model.expected(run_p, run_g, shift)
-            fill_e, fill_k = chunks(expected_fill(shift), fill_n)
-            group_p = chunks(fill, fill_n)[0] if tail else None
-            d = drain(slots, run_e, fill_e, fill_k, within, (model, run_p, run_g, group_p, shift) if tail else None)
-            return a * (d.steps + d.tail_steps) + b * d.tokens + c * prefill, d
-
-        # The ETA is the rest's with the engine full: under auto's cap near a deadline the job stops at the
-        # deadline, and the rest at the cap (a few rows at once) would read as an hour where a rerun takes minutes;
-        # it is also what tells auto the deadline is safe again. The rows done by the deadline are the cap's.
-        eta_s, d = eta(0.0, True)
-        rows_by = d.rows_by if cap is None else eta(0.0, False, cap)[1].rows_by
-        spread = Z80 * model.mu_stderr
-        low, _ = eta(-spread, False)
-        high, _ = eta(spread, False)
-        # the rows' own spread: the sum of many rows' lengths varies less than each
-        var = (math.exp(model.sigma ** 2) - 1.0)
-        rel = Z80 * math.sqrt(var * float(np.sum(expected_fill(0.0) ** 2 * fill_n)) +
-                              var * float(np.sum(model.expected(run_p, run_g) ** 2))) / max(d.tokens, 1.0)
-        tail = eta_s - (a * d.steps + b * d.tokens + c * prefill)
-        low = max(0.0, low * (1 - rel))
-        high = high * (1 + rel) + tail
-        tokens_per_s = max_num_seqs / step_full if step_full > 0 else 0.0
-        will_miss = self.stop_at is not None and eta_s > left
-        left_rows = max(0, round(rows - rows_by / per_row)) if self.stop_at is not None else 0
-        if cap is not None:
-            cap = max(1, int(cap / per_row))  # the scheduler caps rows
-        calibration = math.exp(model.mu + model.sigma ** 2 / 2)  # before max_tokens cuts the longest
-        log.debug("forecast: step %.4f + %.5f/seq + %.2e/prompt token; %d steps + %.0f tail, %.0f tokens, %.0f "
-                  "prompt tokens over %d slots (rows capped at %s); lengths mu %.3f sigma %.3f from %.1f rows; "
-                  "ETA %.1f s (%.1f-%.1f)",
-                  a, b, c, d.steps, d.tail_steps, d.tokens, prefill, max_num_seqs, cap, model.mu, model.sigma,
-                  model.num_events, eta_s, low, high)
-        return Forecast(float(tokens_per_s), float(d.tokens), rows, float(eta_s), left, bool(will_miss),
-                        int(left_rows) if will_miss else 0, float(min(low, eta_s)), float(max(high, eta_s)),
-                        calibration, (a, b, c), cap)
-
-    def _cap(self, a, b, c, left, model, queued_p, pend_p, pend_n, max_num_seqs) -> int:
-        """The rows in flight that finish the most rows by the stop (forecast.best_cap), from the next rows in
-        run order. Until the step cost is known to grow with the sequences, the engine stays full but for the
-        last stretch (as on a GPU, where it barely grows)."""
-        nxt = np.concatenate([queued_p, np.repeat(pend_p[:max_num_seqs], pend_n[:max_num_seqs].astype(int))])
-        nxt = nxt[:2 * max_num_seqs]
-        if not len(nxt):
-            return max_num_seqs
-        m1, m2 = model.moments(nxt)
-        mean = float(m1.mean())
-        spread = float(m2.mean()) / max(mean * mean, 1e-9)  # E[L^2] / E[L]^2 over the next rows, as one pool
-        per_seq = b if self.step_cost.knows_per_seq else 0.0
-        fixed = a if self.step_cost.knows_per_seq else a + b * max_num_seqs
-        prefill_per_row = c * self.inflight.mean_prompt_tokens
-        return best_cap(max_num_seqs, fixed, per_seq, left, mean, prefill_per_row, spread)
 
     def start(self, scheduler) -> None:
         """Throughput-first needs evidence that the deadline is safe: until a forecast shows it, auto runs the

@@ -1,0 +1,193 @@
+"""The deadline tracker's forecasts (scheduling/deadline.py keeps the bookkeeping and acts on them).
+
+    rate_forecast   before a few engine steps are measured: the token rate, rows in flight half done, the
+                    pending rows in run order and the rows not read yet at the mean prediction
+    model_forecast  after: the step cost (scheduling/forecast.StepCost), the lengths (scheduling/lengths.py)
+                    and the drain of what is left in the order the scheduler runs it (scheduling/forecast.drain);
+                    under auto near a deadline, also the cap on rows in flight that finishes the most rows
+
+Both take the DeadlineTracker (``t``) for what it has measured and return a Forecast.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+
+from overnight.pipeline.config import Policy
+from overnight.pipeline.scheduling.forecast import best_cap, chunks, drain
+from overnight.pipeline.scheduling.scheduler import Mode
+
+log = logging.getLogger("overnight")
+
+Z80 = 1.2816  # the normal quantile of a two-sided 80% range
+
+
+def samples_per_row(scheduler) -> float:
+    """Sequences per row of the rows still to start (a row asking for n samples runs as n), else of those running."""
+    if scheduler.num_pending:
+        return scheduler.pending_samples / scheduler.num_pending
+    if scheduler.num_running:
+        return scheduler.running_samples / scheduler.num_running
+    return 1.0
+
+
+@dataclass
+class Forecast:
+    tokens_per_s: float
+    # Predicted output tokens still to generate (in flight, pending, not yet read).
+    remaining_tokens: float
+    remaining_rows: int
+    # Seconds to finish everything at the measured rate, with the engine full (also under auto's cap: what a rerun
+    # needs); None until a rate is known.
+    eta_s: Optional[float]
+    # Seconds until admission stops (deadline minus safety margin); inf without a deadline.
+    time_left_s: float
+    will_miss: bool
+    rows_expected_left: int
+    # The ETA's range (80%: the calibration's uncertainty and the rows' own spread), once rows have finished.
+    eta_low_s: Optional[float] = None
+    eta_high_s: Optional[float] = None
+    # What the model learned: actual / predicted output tokens on average, and the step cost.
+    calibration: Optional[float] = None
+    step_cost: Optional[tuple] = None
+    # Rows in flight allowed (auto near a deadline), None for the engine's capacity.
+    cap: Optional[int] = None
+
+
+def rate_forecast(t, in_flight_tokens, num_in_flight, pending_tokens, num_unread, mean_tokens_per_row,
+                  pending_counts) -> Forecast:
+    """The forecast from a token rate (the tracker's measured one, else the configured one): pending_tokens are
+    the predicted output tokens of pending rows in scheduling order, or, with pending_counts, distinct lengths in
+    that order and how many rows have each. The rows done by the deadline are those whose tokens fit in it."""
+    tps = t.tokens_per_s or 0.0
+    values = np.asarray(pending_tokens, dtype=np.float64)
+    counts = np.ones(len(values)) if pending_counts is None else np.asarray(pending_counts, dtype=np.float64)
+    pending_sum = float(values @ counts) if len(values) else 0.0
+    num_pending = int(counts.sum())
+    unread_tokens = num_unread * mean_tokens_per_row
+    remaining = in_flight_tokens + pending_sum + unread_tokens
+    rows = num_in_flight + num_pending + num_unread
+    eta = remaining / tps if tps > 0 else None
+    left = t.time_left()
+    if t.stop_at is None or eta is None:
+        return Forecast(tps, remaining, rows, eta, left, False, 0)
+    budget = tps * left - in_flight_tokens
+    done = num_in_flight if budget >= 0 else 0
+    if budget > 0:
+        cum = np.cumsum(values * counts)
+        k = int(np.searchsorted(cum, budget, side="right"))  # lengths whose rows all fit
+        done += int(counts[:k].sum())
+        spare = budget - (float(cum[k - 1]) if k else 0.0)
+        if k < len(values):  # some of the next length's rows fit
+            done += int(min(counts[k], spare // values[k]))
+        elif mean_tokens_per_row > 0:
+            done += min(num_unread, int(spare // mean_tokens_per_row))
+    return Forecast(tps, remaining, rows, eta, left, eta > left, max(0, rows - done))
+
+
+def model_forecast(t, scheduler, lengths, counts, unread: int, mean_predicted: float,
+                   max_num_seqs: int) -> Forecast:
+    """The forecast from the learned models: the step cost's fit, the length models refitted on the rows finished
+    and running, and the drain of the rows running, queued, pending (``lengths`` and ``counts`` in run order) and
+    not read yet (``unread``, at the mean prediction), over max_num_seqs slots."""
+    a, b, c = t.step_cost.fit()
+    run_p, run_g = t.inflight.running()
+    t.learn()
+    queued_p = t.inflight.queued()
+    # Everything below counts sequences (a row of n samples is n of them, each a slot); rows come last.
+    k = samples_per_row(scheduler)
+    pend_p = np.asarray(lengths, dtype=np.float64)
+    pend_n = np.asarray(counts, dtype=np.float64) * k
+    model = t.lengths
+    rest = (float(queued_p.sum() + pend_p @ pend_n), float(len(queued_p) + pend_n.sum()))
+    model.fit(*t.inflight.running(per_sequence=False), left_shortest=scheduler.runs_longest_first, rest=rest)
+    # auto near a deadline runs at most `cap` rows at once; every other case keeps the engine full
+    cap = None
+    left = t.time_left()
+    if scheduler.policy == Policy.AUTO and t.stop_at is not None and scheduler.mode == Mode.DEADLINE:
+        cap = _cap(t, a, b, c, left, model, queued_p, pend_p, pend_n, max_num_seqs)
+    fill = np.concatenate([queued_p, pend_p])
+    fill_n = np.concatenate([np.ones(len(queued_p)), pend_n])
+    # Rows taken as one group at their mean prediction (a policy blind to length; the rows not read yet) are
+    # expected to run the mean of what each prediction expects, not what the mean prediction expects: with
+    # lengths cut at max_tokens that is less (Jensen), and the mean's would over-count them.
+    hist_p, hist_n = (np.asarray(x, dtype=np.float64) for x in scheduler.pending_lengths())
+    blind = [len(queued_p)] if len(pend_p) == 1 and len(hist_p) > 1 else []
+    if unread:
+        mean_p = float(fill @ fill_n / fill_n.sum()) if fill_n.sum() else (mean_predicted or 1.0)
+        fill, fill_n = np.append(fill, mean_p), np.append(fill_n, unread * k)
+        if len(hist_p):
+            blind.append(len(fill) - 1)
+    sequences = float(len(run_p) + fill_n.sum())
+    queued_rows = len(t.inflight.info) - len(t.inflight.start)
+    rows = len(t.inflight.info) + int(round(float(np.sum(counts)))) + unread
+    per_row = sequences / rows if rows else 1.0
+    prefill = (queued_rows + float(np.sum(counts)) + unread) * t.inflight.mean_prompt_tokens
+    step_full = a + b * max_num_seqs
+
+    def expected_fill(shift: float) -> np.ndarray:
+        e = model.expected(fill, None, shift)
+        if blind:
+            e[blind] = float(model.expected(hist_p, None, shift) @ hist_n) / float(hist_n.sum())
+        return e
+
+    def eta(shift: float, tail: bool, slots: int = max_num_seqs):
+        step = a + b * slots
+        within = left / step if step > 0 and left < math.inf else math.inf
+        run_e = model.expected(run_p, run_g, shift)
+        fill_e, fill_k = chunks(expected_fill(shift), fill_n)
+        group_p = chunks(fill, fill_n)[0] if tail else None
+        d = drain(slots, run_e, fill_e, fill_k, within, (model, run_p, run_g, group_p, shift) if tail else None)
+        return a * (d.steps + d.tail_steps) + b * d.tokens + c * prefill, d
+
+    # The ETA is the rest's with the engine full: under auto's cap near a deadline the job stops at the
+    # deadline, and the rest at the cap (a few rows at once) would read as an hour where a rerun takes minutes;
+    # it is also what tells auto the deadline is safe again. The rows done by the deadline are the cap's.
+    eta_s, d = eta(0.0, True)
+    rows_by = d.rows_by if cap is None else eta(0.0, False, cap)[1].rows_by
+    spread = Z80 * model.mu_stderr
+    low, _ = eta(-spread, False)
+    high, _ = eta(spread, False)
+    # the rows' own spread: the sum of many rows' lengths varies less than each
+    var = (math.exp(model.sigma ** 2) - 1.0)
+    rel = Z80 * math.sqrt(var * float(np.sum(expected_fill(0.0) ** 2 * fill_n)) +
+                          var * float(np.sum(model.expected(run_p, run_g) ** 2))) / max(d.tokens, 1.0)
+    tail = eta_s - (a * d.steps + b * d.tokens + c * prefill)
+    low = max(0.0, low * (1 - rel))
+    high = high * (1 + rel) + tail
+    tokens_per_s = max_num_seqs / step_full if step_full > 0 else 0.0
+    will_miss = t.stop_at is not None and eta_s > left
+    left_rows = max(0, round(rows - rows_by / per_row)) if t.stop_at is not None else 0
+    if cap is not None:
+        cap = max(1, int(cap / per_row))  # the scheduler caps rows
+    calibration = math.exp(model.mu + model.sigma ** 2 / 2)  # before max_tokens cuts the longest
+    log.debug("forecast: step %.4f + %.5f/seq + %.2e/prompt token; %d steps + %.0f tail, %.0f tokens, %.0f "
+              "prompt tokens over %d slots (rows capped at %s); lengths mu %.3f sigma %.3f from %.1f rows; "
+              "ETA %.1f s (%.1f-%.1f)",
+              a, b, c, d.steps, d.tail_steps, d.tokens, prefill, max_num_seqs, cap, model.mu, model.sigma,
+              model.num_events, eta_s, low, high)
+    return Forecast(float(tokens_per_s), float(d.tokens), rows, float(eta_s), left, bool(will_miss),
+                    int(left_rows) if will_miss else 0, float(min(low, eta_s)), float(max(high, eta_s)),
+                    calibration, (a, b, c), cap)
+
+
+def _cap(t, a, b, c, left, model, queued_p, pend_p, pend_n, max_num_seqs) -> int:
+    """The rows in flight that finish the most rows by the stop (forecast.best_cap), from the next rows in
+    run order. Until the step cost is known to grow with the sequences, the engine stays full but for the
+    last stretch (as on a GPU, where it barely grows)."""
+    nxt = np.concatenate([queued_p, np.repeat(pend_p[:max_num_seqs], pend_n[:max_num_seqs].astype(int))])
+    nxt = nxt[:2 * max_num_seqs]
+    if not len(nxt):
+        return max_num_seqs
+    m1, m2 = model.moments(nxt)
+    mean = float(m1.mean())
+    spread = float(m2.mean()) / max(mean * mean, 1e-9)  # E[L^2] / E[L]^2 over the next rows, as one pool
+    per_seq = b if t.step_cost.knows_per_seq else 0.0
+    fixed = a if t.step_cost.knows_per_seq else a + b * max_num_seqs
+    prefill_per_row = c * t.inflight.mean_prompt_tokens
+    return best_cap(max_num_seqs, fixed, per_seq, left, mean, prefill_per_row, spread)
