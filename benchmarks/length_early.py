@@ -17,8 +17,9 @@ the two: b = 1 is the log-ratio model, b = 0 a log-normal blind to the predictio
     python benchmarks/length_early.py OUT [OUT ...] [--slots 64] [--max-tokens 512]
 
 Prints, per run, the slope of log length on log prediction in hindsight (least squares over all its rows, those
-cut at max_tokens at it: b = 1 is the log-ratio model, b = 0 the normal), then per order and model, expected / actual tokens to come at k = 0 (halfway to the first row's
-finish), 1, 2, 3, 5, 8, 12, 20, 40 finished rows, and per order and model the mean |log| of that ratio.
+cut at max_tokens at it: b = 1 is the log-ratio model, b = 0 the normal); then per run, order and model, expected
+/ actual tokens to come at k = 0 (halfway to the first row's finish), 1, 2, 3, 5, 8, 12, 20, 40 finished rows;
+and per order and model the mean |log| of that ratio.
 """
 
 from __future__ import annotations

@@ -11,8 +11,9 @@ model on what was seen and compares the tokens it expects still to come with the
 Models (pipeline/scheduling/lengths.py): LengthModel (log(actual / predicted) ~ Normal, censored),
 NormalLengthModel (the length itself ~ Normal, the prediction not used) and LengthMixture (the forecast's: the two
 weighed by how likely each makes what the run has seen, the normal's prior at the mean prediction of every row; the
-log ratio alone where the run ran longest predicted first, which it reads from the run's status.json). A last line, for reference, is no
-model a run could have: every row drawn from the run's own lengths, known in hindsight (Hindsight).
+log ratio alone where the run ran longest predicted first, which it reads from the run's status.json). A last line,
+for reference, is no model a run could have: every row drawn from the run's own lengths, known in hindsight
+(Hindsight).
 
     python benchmarks/length_replay.py OUT [OUT ...] [--max-tokens 512] [--variants]
 
@@ -104,6 +105,8 @@ def variants(max_tokens: int) -> dict:
             super().fit(p, g, left_shortest, rest)
             if self.ratio.n >= 5 and not left_shortest:
                 self.weight = 0.5
+            else:  # as these were tried: the log ratio alone until 5 rows have finished
+                self.weight, self.best = 0.0, self.ratio
             return self.best.mu, self.best.sigma
 
     class Damped(LengthMixture):
@@ -114,6 +117,8 @@ def variants(max_tokens: int) -> dict:
                 diff = (self.normal.loglik(p, g) - self.ratio.loglik(p, g)) / math.sqrt(self.ratio.n + len(p))
                 self.weight = 1.0 / (1.0 + math.exp(-min(max(diff, -50.0), 50.0)))
                 self.best = self.normal if self.weight > 0.5 else self.ratio
+            else:
+                self.weight, self.best = 0.0, self.ratio
             return self.best.mu, self.best.sigma
 
     class LogNormal:

@@ -104,7 +104,11 @@ def model_forecast(t, scheduler, lengths, counts, unread: int, mean_predicted: f
     pend_p = np.asarray(lengths, dtype=np.float64)
     pend_n = np.asarray(counts, dtype=np.float64) * k
     model = t.lengths
-    rest = (float(queued_p.sum() + pend_p @ pend_n), float(len(queued_p) + pend_n.sum()))
+    # the predictions of the rows still to start, per row as the rows seen are (the normal's prior); none: 0
+    queued_rows_p = t.inflight.queued(per_sequence=False)
+    qm, pm = queued_rows_p > 0, pend_p > 0
+    pend_rows = np.asarray(counts, dtype=np.float64)
+    rest = (float(queued_rows_p[qm].sum() + pend_p[pm] @ pend_rows[pm]), float(qm.sum() + pend_rows[pm].sum()))
     model.fit(*t.inflight.running(per_sequence=False), left_shortest=scheduler.runs_longest_first, rest=rest)
     # auto near a deadline runs at most `cap` rows at once; every other case keeps the engine full
     cap = None

@@ -218,12 +218,13 @@ class InFlight:
             p, g = np.repeat(p, k), np.repeat(g, k)
         return p, g
 
-    def queued(self) -> np.ndarray:
-        """Predicted tokens of the sequences admitted but not started, in the order they will start."""
+    def queued(self, per_sequence: bool = True) -> np.ndarray:
+        """Predicted tokens of the sequences admitted but not started, in the order they will start (of the rows:
+        per_sequence=False)."""
         info = [self.info[r] for r in self.waiting if r in self.info]
         p = np.fromiter((i[0] for i in info), np.float64, len(info))
         k = np.fromiter((i[2] for i in info), np.int64, len(info))
-        return p if not len(k) or k.max() == 1 else np.repeat(p, k)
+        return p if not per_sequence or not len(k) or k.max() == 1 else np.repeat(p, k)
 
 
 # -- the drain -------------------------------------------------------------------------------------

@@ -7,8 +7,8 @@
     LengthMixture      the forecast's: both, weighed by how likely each makes what the run has seen; the log
                        ratio alone where the rows run longest predicted first
 
-Pure numpy; the deadline tracker (scheduling/deadline.py) feeds it finished rows and asks it what the rows left
-will generate. The drain that uses it is in scheduling/forecast.py.
+Pure numpy; the deadline tracker (scheduling/deadline.py) feeds it finished rows, and its forecast
+(scheduling/estimate.py) asks it what the rows left will generate. The drain that uses it is in scheduling/forecast.py.
 """
 
 from __future__ import annotations
@@ -186,9 +186,9 @@ class NormalLengthModel:
     mean prediction (sd prior_cv of it) holds the fit until rows finish: the mean over every row the job knows,
     those still to start included (``rest``), so that it does not depend on the order the rows run in. (Of the
     rows seen alone, under shortest predicted first, it was the shortest predictions' mean, and the emulation of
-    benchmarks/length_early.py said x0.53-0.69 of the tokens to come at 1-5 rows.) ``mu`` and ``sigma`` are the log-normal
-    ones of the same mean and spread (against the mean prediction), so that they mean what LengthModel's do;
-    ``shift`` scales lengths by exp(shift)."""
+    benchmarks/length_early.py said x0.53-0.69 of the tokens to come at 1-3 rows.) ``mu`` and ``sigma`` are the
+    log-normal ones of the same mean and spread (against the mean prediction), so that they mean what
+    LengthModel's do; ``shift`` scales lengths by exp(shift)."""
 
     def __init__(self, max_tokens: int, prior_cv: float = 0.8, prior_weight: float = 3.0):
         self.cap = float(max_tokens)
@@ -321,8 +321,9 @@ class LengthMixture:
     the two are averaged rather than flipped between: from the first step, not only once a few rows have finished,
     because the first rows to finish are few under any order and the log ratio alone errs with the order. Under
     shortest predicted first, auto's near a deadline, the rows running are the ones predicted shortest, and their
-    lengths, which the predictions barely tell apart, make the log ratio's scale high for every row to come (x1.2-1.45
-    of the tokens to come at 1-3 finished rows in benchmarks/length_early.py's emulation; x0.9-1.0 weighed).
+    lengths, which the predictions barely tell apart, make the log ratio's scale high for every row to come (x0.80-1.45,
+    mostly high, of the tokens to come at 1-3 finished rows in benchmarks/length_early.py's emulation of 8 runs;
+    x0.81-1.05 weighed).
 
     Where the rows run longest predicted first (``left_shortest``), LengthModel alone. The rows left are then the
     ones predicted shortest, and the rows seen cannot say what the normal, blind to the predictions, would need to
