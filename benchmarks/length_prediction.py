@@ -24,6 +24,8 @@ data's own runs stored (the online predictor of the code they ran on).
     python benchmarks/length_prediction.py --sources mt_bench,vicuna   # the open-ended first turns only
     python benchmarks/length_prediction.py --probe vllm,vllm_cut15  # with the hidden-state probe: run
         # benchmarks/length_prediction_probe.py cost --layers 15 first (and embed, for the transformers blocks)
+    python benchmarks/length_prediction.py --only default --probe last4,mean1 --with-trained
+        # each probe block alone, and averaged with the default trained predictor (the mean of their log predictions)
 """
 
 from __future__ import annotations
@@ -228,6 +230,8 @@ def main() -> None:
     ap.add_argument("--probe", default="", help="add the hidden-state probe on these blocks (comma-separated: "
                                                 "vllm, vllm_cut<layers> from `length_prediction_probe.py cost`; "
                                                 "mean5 ... mean30, last from `length_prediction_probe.py embed`)")
+    ap.add_argument("--with-trained", action="store_true", help="also score each probe block averaged with the "
+                                                                  "default trained predictor (mean of log predictions)")
     ap.add_argument("--json", default=None, help="write the per-repeat figures here")
     args = ap.parse_args()
 
@@ -261,7 +265,9 @@ def main() -> None:
             nm = f"hidden-state probe: ridge on {block}"
             probes[nm] = mod.Probe.load_cached([r["id"] for r in rows], args.data, block)
             vs.append((nm, "probe", None))
-    names = [v[0] for v in vs] + ["stored in the run (online, as run)", "the other sampling"]
+    both = {f"trained + probe on {nm.rsplit(' ', 1)[-1]} (mean of log predictions)": nm
+            for nm in probes} if args.with_trained else {}
+    names = [v[0] for v in vs] + list(both) + ["stored in the run (online, as run)", "the other sampling"]
     if k > 2:
         names.append("mean of the other samplings")
     stats = {nm: {"tau": [], "mae": [], "cal": [], "hit": [], "train_tau": []} for nm in names}
@@ -309,6 +315,8 @@ def main() -> None:
             elif kind == "warm":
                 prior = CrossFitted(fb, Prediction(preds[default].copy(), default_score.copy()))
                 preds[nm] = simulate_run(make(prior), fb, truth, capped[:, s_test], order)
+        for nm, probe_nm in both.items():
+            preds[nm] = np.exp(0.5 * np.log(preds[default]) + 0.5 * np.log(preds[probe_nm]))
         preds["stored in the run (online, as run)"] = stored[:, s_test]
         preds["the other sampling"] = out[:, s_train]
         if k > 2:

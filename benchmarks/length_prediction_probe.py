@@ -4,12 +4,15 @@ TRAIL and EGTP (ICLR 2026) predict output length from the serving model's
 hidden states of the prompt. Here: the embedded SmolLM2-135M-Instruct reads
 each prompt of benchmarks/data/lengths.parquet after the chat template, exactly
 as the job renders it, and the hidden states are mean-pooled over the
-prompt's tokens at a few layers (and the last token's at the last layer).
+prompt's tokens at a few layers, or the last token's state is taken (blocks
+mean<k> and last<k>: after k of the 30 layers; mean0 pools the token
+embeddings, which need no layer run).
 A ridge regression on log length (penalty by leave-one-out on the training
 rows, calibrated as the trained predictor is) is the probe;
 benchmarks/length_prediction.py scores it beside the others (--probe).
 
     python benchmarks/length_prediction_probe.py embed   # transformers, all layers; cached under ~/.cache/overnight
+    python benchmarks/length_prediction_probe.py layers  # transformers cut to its first 1, 2, 4 layers: cost a row
     python benchmarks/length_prediction_probe.py cost    # vLLM's pooling runner: cost per row, and its features
 
 `cost` runs the same weights as a vLLM pooling model (runner="pooling",
@@ -28,14 +31,16 @@ import json
 import os
 import sys
 import time
+from typing import Optional
 
 import numpy as np
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DATA = os.path.join(REPO, "benchmarks", "data", "lengths.parquet")
 CACHE = os.path.join(os.environ.get("OVERNIGHT_CACHE", os.path.expanduser("~/.cache/overnight")), "bench")
-# Mean-pooled layers (of 30) and the last token's state at the last layer.
-LAYERS = (5, 10, 15, 20, 30)
+# Blocks `embed` keeps: mean-pooled states and the last token's state after these layers (of 30).
+MEAN_LAYERS = (0, 1, 2, 4, 5, 10, 15, 20, 30)
+LAST_LAYERS = (1, 2, 3, 4, 6, 8, 15, 30)
 
 
 def _chats(path: str):
@@ -63,35 +68,40 @@ def embed(path: str) -> None:
     tok = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     ids, chats = _chats(path)
-    feats, t0 = [], time.perf_counter()
+    feats, t0 = {f"mean{k}": [] for k in MEAN_LAYERS}, time.perf_counter()
+    feats.update({f"last{k}": [] for k in LAST_LAYERS})
     with torch.no_grad():
         for chat in chats:
             text = tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
             enc = tok(text, return_tensors="pt", add_special_tokens=False)
-            hs = model.model(**enc, output_hidden_states=True).hidden_states  # [layers + 1] x [1, T, 576]
-            parts = [hs[i][0].mean(dim=0) for i in LAYERS] + [hs[LAYERS[-1]][0, -1]]
-            feats.append(torch.cat(parts).numpy().astype(np.float32))
+            # [layers + 1] x [1, T, 576]: the embeddings, then each layer's output (the last one after the norm)
+            hs = model.model(**enc, output_hidden_states=True).hidden_states
+            for k in MEAN_LAYERS:
+                feats[f"mean{k}"].append(hs[k][0].mean(dim=0).numpy())
+            for k in LAST_LAYERS:
+                feats[f"last{k}"].append(hs[k][0, -1].numpy())
     seconds = (time.perf_counter() - t0) / len(ids)
     os.makedirs(CACHE, exist_ok=True)
     out = _cache_path(path)
-    np.savez_compressed(out, ids=np.array(ids), x=np.stack(feats), seconds_per_row=np.array(seconds),
-                        layers=np.array(LAYERS))
+    np.savez_compressed(out, ids=np.array(ids), seconds_per_row=np.array(seconds),
+                        **{k: np.stack(v).astype(np.float32) for k, v in feats.items()})
     print(f"{len(ids)} prompts embedded with transformers in {seconds * 1e3:.0f} ms a row -> {out}")
 
 
 class Probe:
     """Ridge on log length over one block of the pooled hidden states, for benchmarks/length_prediction.py."""
 
-    def __init__(self, x: np.ndarray, seconds_per_row: float, caps: np.ndarray):
+    def __init__(self, x: np.ndarray, seconds_per_row: Optional[float], caps: np.ndarray):
         self.x = x
         self.seconds_per_row = seconds_per_row
         self.caps = caps
 
     @classmethod
     def load_cached(cls, ids, path: str = DATA, block: str = "last") -> "Probe":
-        """block: mean<layer> (transformers, mean-pooled at that layer), last (transformers, the last token's
-        state at the last layer), vllm or vllm_cut<layers> (vLLM's pooling runner, the last token's state, of
-        the whole model or of its first layers)."""
+        """block: mean<k> or last<k> (transformers: mean-pooled, or the last token's state, after k layers;
+        last is last30), vllm or vllm_cut<layers> (vLLM's pooling runner, the last token's state, of the whole
+        model or of its first layers). The cost a row is the whole model's for transformers' blocks (`embed` runs
+        it once for all); `layers` measures a model cut to its first layers."""
         if block.startswith("vllm"):
             cache = _cache_path(path).replace("probe-", "probe-vllm-")
             if not os.path.exists(cache):
@@ -108,12 +118,14 @@ class Probe:
             sys.exit(f"no cached hidden states for {path}: run `python benchmarks/length_prediction_probe.py "
                      f"embed` first")
         z = np.load(cache)
+        block = "last30" if block == "last" else block
+        if block not in z.files:
+            sys.exit(f"no block {block} in {cache} (it has {', '.join(f for f in z.files if f[:4] in ('mean', 'last'))}"
+                     f"): run `python benchmarks/length_prediction_probe.py embed` again")
         where = {i: k for k, i in enumerate(z["ids"].tolist())}
-        layers = z["layers"].tolist()
-        d = z["x"].shape[1] // (len(layers) + 1)
-        k = len(layers) if block == "last" else layers.index(int(block[4:]))
-        x = z["x"][[where[i] for i in ids], k * d:(k + 1) * d].astype(np.float64)
-        return cls(x, float(z["seconds_per_row"]), np.full(len(ids), 512))
+        x = z[block][[where[i] for i in ids]].astype(np.float64)
+        # `embed` ran the whole model once for every block: its cost a row is the whole model's (last30) only
+        return cls(x, float(z["seconds_per_row"]) if block == "last30" else None, np.full(len(ids), 512))
 
     def fit_predict(self, tr: np.ndarray, y_tr: np.ndarray, te: np.ndarray) -> np.ndarray:
         from overnight.buckets.trained import calibrate
@@ -204,6 +216,36 @@ def cost(path: str, layers_cut: int, whole: bool = True) -> None:
             json.dump(result, f, indent=1)
 
 
+def layers_cost(path: str, cuts=(1, 2, 4)) -> None:
+    """transformers' model cut to its first k layers (the final norm kept), one prompt at a time on one thread, as
+    an input thread beside the engine would run it: seconds a row, against the job's engine-seconds a row."""
+    import pyarrow.parquet as pq
+    import torch
+    from transformers import AutoModel, AutoTokenizer
+
+    from overnight.pipeline.tools.models import resolve as resolve_model
+
+    torch.set_num_threads(1)
+    meta = json.loads(pq.read_table(path).schema.metadata[b"overnight_lengths"])
+    job_s = sum(r["engine_seconds"] for r in meta["runs"]) / sum(r["rows"] for r in meta["runs"])
+    model_dir = resolve_model("smollm2-135m").path
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    _, chats = _chats(path)
+    ids = [tok(tok.apply_chat_template(c, tokenize=False, add_generation_prompt=True),
+               add_special_tokens=False)["input_ids"] for c in chats]
+    for k in cuts:
+        model = AutoModel.from_pretrained(model_dir, num_hidden_layers=k, dtype=torch.float32).eval()
+        with torch.inference_mode():
+            for t in ids[:8]:  # warm-up
+                model(input_ids=torch.tensor([t]))
+            t0 = time.perf_counter()
+            for t in ids:
+                model(input_ids=torch.tensor([t])).last_hidden_state[0, -1]
+        dt = (time.perf_counter() - t0) / len(ids)
+        print(f"transformers, first {k} layers, 1 thread: {dt * 1e3:.1f} ms a row ({np.mean([len(t) for t in ids]):.0f} "
+              f"prompt tokens); {dt / job_s:.1%} of the data's {job_s:.2f} engine-seconds a row", flush=True)
+
+
 def _cut_model(model_dir: str, layers: int) -> str:
     """A copy of the model with only its first `layers` layers (the final norm kept), in the cache: vLLM's
     loader refuses a checkpoint with more layers than its config names."""
@@ -230,13 +272,15 @@ def _cut_model(model_dir: str, layers: int) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("what", choices=["embed", "cost"])
+    ap.add_argument("what", choices=["embed", "cost", "layers"])
     ap.add_argument("--data", default=DATA)
     ap.add_argument("--layers", type=int, default=15, help="cost: layers of the cut model")
     ap.add_argument("--no-whole", action="store_true", help="cost: only the cut model")
     args = ap.parse_args()
     if args.what == "embed":
         embed(args.data)
+    elif args.what == "layers":
+        layers_cost(args.data)
     else:
         cost(args.data, args.layers, whole=not args.no_whole)
 
