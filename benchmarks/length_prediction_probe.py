@@ -100,8 +100,8 @@ class Probe:
     def load_cached(cls, ids, path: str = DATA, block: str = "last") -> "Probe":
         """block: mean<k> or last<k> (transformers: mean-pooled, or the last token's state, after k layers;
         last is last30), vllm or vllm_cut<layers> (vLLM's pooling runner, the last token's state, of the whole
-        model or of its first layers). The cost a row is the whole model's for transformers' blocks (`embed` runs
-        it once for all); `layers` measures a model cut to its first layers."""
+        model or of its first layers). `embed` runs the whole model once for all of transformers' blocks, so only
+        last30 has a cost a row here; `layers` times a model cut to its first layers."""
         if block.startswith("vllm"):
             cache = _cache_path(path).replace("probe-", "probe-vllm-")
             if not os.path.exists(cache):
