@@ -1,0 +1,103 @@
+"""What shape do a run's lengths have against their predictions? Fitted in hindsight on finished runs.
+
+The forecast models r = log(actual / predicted) as one normal (scheduling/lengths.LengthModel, censored at
+max_tokens). For each full run folder given, this fits by maximum likelihood on all its rows (rows cut at
+max_tokens censored): that log-normal, a two-piece normal in r (its own spread on each side of the mode), and
+a normal on the length itself. It prints for each fit the expected token sum against the actual one, and what the
+drain at the end of a run needs most: the expected tokens still to come of a row that has generated g,
+E[min(L, cap) - g | L > g], averaged over the rows that did run past g, against what they actually generated
+after g. "own r" is no fit: each row's prediction times the run's own ratios (every row's r, known in
+hindsight), the shape a non-parametric estimate of r would find.
+
+    python benchmarks/length_shape.py OUT [OUT ...] [--max-tokens 512]
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+import numpy as np
+
+GS = (100, 200, 300, 400)
+
+
+def load(out: str):
+    import duckdb
+
+    r = duckdb.sql(f"select predicted_tokens, output_tokens, finish_reason from read_parquet('{out}/**/parts/*.parquet') "
+                   f"where status = 'ok' and predicted_tokens > 0 and output_tokens > 0").fetchnumpy()
+    p, a = r["predicted_tokens"].astype(float), r["output_tokens"].astype(float)
+    return p, a, r["finish_reason"] == "length"
+
+
+def main() -> None:
+    from overnight.pipeline.scheduling.lengths import LengthModel, norm_cdf
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("outs", nargs="+")
+    ap.add_argument("--max-tokens", type=float, default=512)
+    args = ap.parse_args()
+    cap = args.max_tokens
+
+    def cdf_tp(x, m, sl, sr):
+        k = 2 / (sl + sr)
+        return np.where(x < m, k * sl * norm_cdf((x - m) / sl), k * sl / 2 + k * sr * (norm_cdf((x - m) / sr) - 0.5))
+
+    def exp_part(lo, hi, m, s, k):  # the integral of e^r k phi((r - m) / s) dr over (lo, hi)
+        return k * s * np.exp(m + s * s / 2) * (norm_cdf((hi - m - s * s) / s) - norm_cdf((lo - m - s * s) / s))
+
+    def tp_part(lo, hi, m, sl, sr):  # the same for the two-piece density, over (lo, hi)
+        k = 2 / (sl + sr)
+        left = np.where(lo < m, exp_part(lo, np.minimum(hi, m), m, sl, k), 0.0)
+        return left + np.where(hi > m, exp_part(np.maximum(lo, m), hi, m, sr, k), 0.0)
+
+    print(f"E[min(L, cap) - g | L > g] over the rows that ran past g: actual, then each model's; token sum: model / "
+          f"actual")
+    for out in args.outs:
+        p, a, cut = load(out)
+        cut = cut | (a >= cap)
+        x = np.log(a / p)
+        ex, rc = x[~cut], x[cut]
+        # log-normal: a grid over (mu, sigma), then as LengthModel computes its expectations
+        best = max(((float((-0.5 * ((ex - mu) / s) ** 2 - math.log(s)).sum()
+                           + np.log(np.clip(1 - norm_cdf((rc - mu) / s), 1e-300, None)).sum()), mu, s)
+                    for mu in np.arange(-1.0, 1.5, 0.01) for s in np.arange(0.2, 1.5, 0.01)))
+        ln = LengthModel(int(cap))
+        ln.mu, ln.sigma = best[1], best[2]
+        # two-piece normal in r
+        tp = max(((float((np.log(2 / (sl + sr)) - 0.5 * ((ex - m) / np.where(ex < m, sl, sr)) ** 2).sum()
+                         + np.log(np.clip(1 - cdf_tp(rc, m, sl, sr), 1e-300, None)).sum()), m, sl, sr)
+                  for m in np.arange(-0.5, 1.2, 0.02) for sl in np.arange(0.3, 1.6, 0.04)
+                  for sr in np.arange(0.2, 1.2, 0.04)))
+        _, m, sl, sr = tp
+        lp, lcap = np.log(p), math.log(cap)
+
+        def tp_expected(rows, g):
+            lo, hi = math.log(g) - lp[rows], lcap - lp[rows]
+            e = np.exp(lp[rows]) * tp_part(lo, hi, m, sl, sr) + cap * (1 - cdf_tp(hi, m, sl, sr))
+            return e / np.clip(1 - cdf_tp(lo, m, sl, sr), 1e-12, None) - g
+
+        tp_sum = float((np.exp(lp) * tp_part(-np.inf, lcap - lp, m, sl, sr) + cap * (1 - cdf_tp(lcap - lp, m, sl, sr))).sum())
+        mm, ss = float(np.minimum(a, cap).mean()), float(np.minimum(a, cap).std())
+        print(f"\n{out}: {len(a)} rows, {cut.mean():.0%} cut at max_tokens")
+        print(f"  log-normal mu {ln.mu:+.2f} sigma {ln.sigma:.2f}, sum x{ln.moments(p)[0].sum() / a.sum():.2f}; two-piece "
+              f"mode {m:+.2f} left {sl:.2f} right {sr:.2f}, sum x{tp_sum / a.sum():.2f}")
+        for g in GS:
+            rows = np.flatnonzero(a > g)
+            if len(rows) < 5:
+                continue
+            actual = float(np.mean(np.minimum(a[rows], cap) - g))
+            own = np.minimum(p[rows][:, None] * np.exp(x[None, :]), cap)
+            own_r = float(np.mean([np.mean(v[v > g] - g) if (v > g).any() else 0.0 for v in own]))
+            zs = np.linspace(g, cap, 400)
+            dens = np.exp(-0.5 * ((zs - mm) / ss) ** 2) / (ss * math.sqrt(2 * math.pi))
+            normal = (float(np.trapezoid((zs - g) * dens, zs)) + (cap - g) * (1 - float(norm_cdf((cap - mm) / ss)))) / \
+                max(1 - float(norm_cdf((g - mm) / ss)), 1e-12)
+            print(f"  g={g:3d} ({len(rows):3d} rows): actual {actual:4.0f} | log-normal "
+                  f"{np.mean(ln.expected(p[rows], np.full(len(rows), float(g)))):4.0f} | two-piece "
+                  f"{np.mean(tp_expected(rows, g)):4.0f} | own r {own_r:4.0f} | normal on length {normal:4.0f}")
+
+
+if __name__ == "__main__":
+    main()
