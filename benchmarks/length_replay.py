@@ -15,9 +15,11 @@ log ratio alone where the run ran longest predicted first, which it reads from t
 for reference, is no model a run could have: every row drawn from the run's own lengths, known in hindsight
 (Hindsight).
 
-    python benchmarks/length_replay.py OUT [OUT ...] [--max-tokens 512] [--variants]
+    python benchmarks/length_replay.py OUT [OUT ...] [--max-tokens 512] [--variants] [--running]
 
-Prints, per run and share, expected / actual tokens to come, and per model the mean |log| of that ratio.
+Prints, per run and share, expected / actual tokens to come, and per model the mean |log| of that ratio. With
+--running, the tokens still to come of the rows running at that moment only (what the end of the drain and its
+tail draw on).
 """
 
 from __future__ import annotations
@@ -96,8 +98,9 @@ class Hindsight:
 
 def variants(max_tokens: int) -> dict:
     """Other ways to weigh the two length models, tried and not kept (docs/BENCHMARKS.md): equal weights from
-    5 finished rows on; the likelihood difference divided by the square root of the rows; and a
-    log-normal on the length itself, blind to the predictions (LengthModel on a constant prediction)."""
+    5 finished rows on; the likelihood difference divided by the square root of the rows; a log-normal on the
+    length itself, blind to the predictions (LengthModel on a constant prediction); and the log ratio without a
+    shape (its Kaplan-Meier estimate)."""
     from overnight.pipeline.scheduling.lengths import LengthMixture, LengthModel
 
     class Equal(LengthMixture):
@@ -134,8 +137,56 @@ def variants(max_tokens: int) -> dict:
         def expected(self, p, g=None):
             return self.m.expected(np.full(len(p), 100.0), g)
 
+    class KaplanMeier:
+        """The ratio r = log(actual / predicted) without a shape: the product-limit (Kaplan-Meier) estimate over the
+        finished rows, rows cut at max_tokens and rows running censored ("r at least this"). The mass it leaves
+        beyond its largest ratio (a censored one) goes to 8 points of LengthModel's log-normal above it."""
+
+        def __init__(self):
+            self.m = LengthModel(max_tokens)
+            self.exact, self.cens = [], []
+
+        def observe(self, p, a, cut):
+            self.m.observe(p, a, cut)
+            p, a, cut = (np.asarray(x, np.float64) for x in (p, a, cut))
+            r = np.log(np.maximum(a, 1.0) / np.maximum(p, 1.0))
+            self.exact.extend(r[cut == 0].tolist())
+            self.cens.extend(r[cut == 1].tolist())
+
+        def fit(self, p, g, **_):
+            from overnight.pipeline.scheduling.lengths import norm_cdf
+
+            mu, sigma = self.m.fit(np.asarray(p, np.float64), np.asarray(g, np.float64))
+            keep = (np.asarray(p) > 0) & (np.asarray(g) > 0)
+            cens = np.concatenate([self.cens, np.log(np.asarray(g, np.float64)[keep] / np.asarray(p, np.float64)[keep])])
+            ex = np.sort(np.asarray(self.exact))
+            times = np.unique(ex)
+            at_risk = len(ex) - np.searchsorted(ex, times, side="left") + (len(cens) - np.searchsorted(np.sort(cens), times, side="left"))
+            deaths = np.searchsorted(ex, times, side="right") - np.searchsorted(ex, times, side="left")
+            surv = np.cumprod(1.0 - deaths / np.maximum(at_risk, 1))
+            mass = -np.diff(np.concatenate([[1.0], surv]))
+            tail = float(surv[-1]) if len(surv) else 1.0
+            last = float(times[-1]) if len(times) else -np.inf
+            # the tail's 8 points: quantiles of N(mu, sigma) above `last`
+            lo = float(norm_cdf((last - mu) / sigma)) if np.isfinite(last) else 0.0
+            qs = lo + (1.0 - lo) * (np.arange(8) + 0.5) / 8
+            from statistics import NormalDist
+            tail_r = np.array([NormalDist(mu, sigma).inv_cdf(min(max(q, 1e-9), 1 - 1e-9)) for q in qs])
+            self.atoms = np.concatenate([times, tail_r])
+            self.weights = np.concatenate([mass, np.full(8, tail / 8)])
+            return mu, sigma
+
+        def expected(self, p, g=None):
+            p = np.maximum(np.asarray(p, np.float64), 1.0)
+            g = np.zeros(len(p)) if g is None else np.asarray(g, np.float64)
+            L = np.minimum(p[:, None] * np.exp(self.atoms[None, :]), max_tokens)
+            alive = (L > g[:, None]) * self.weights[None, :]
+            tot = alive.sum(axis=1)
+            e = (alive * (L - g[:, None])).sum(axis=1) / np.maximum(tot, 1e-12)
+            return np.where(tot > 1e-9, np.maximum(e, 1.0), self.m.expected(p, g))
+
     return {"equal weights": lambda: Equal(max_tokens), "likelihood / sqrt(rows)": lambda: Damped(max_tokens),
-            "log-normal on length": LogNormal}
+            "log-normal on length": LogNormal, "Kaplan-Meier ratio": KaplanMeier}
 
 
 def runs_longest_first(out: str) -> bool:
@@ -149,7 +200,7 @@ def runs_longest_first(out: str) -> bool:
     return policy == "longest-first" or (policy == "auto" and (status.get("forecast") or {}).get("mode") == "throughput")
 
 
-def replay(d: dict, make, clock, **fit_kw) -> list[float]:
+def replay(d: dict, make, clock, running_only: bool = False, **fit_kw) -> list[float]:
     order = np.sort(d["e"])
     n = len(order)
     ratios = []
@@ -162,6 +213,9 @@ def replay(d: dict, make, clock, **fit_kw) -> list[float]:
             fit_kw["rest"] = (float(d["p"][pool].sum()), float(pool.sum()))
         model.fit(d["p"][run], g[run], **fit_kw)
         expected = float(model.expected(d["p"][run], g[run]).sum())
+        if running_only:  # the rows running only: what they have still to generate
+            ratios.append(expected / float(np.sum(d["a"][run] - g[run])))
+            continue
         if pool.any():
             expected += float(model.expected(d["p"][pool]).sum())
         ratios.append(expected / actual)
@@ -173,6 +227,8 @@ def main() -> None:
     ap.add_argument("outs", nargs="+")
     ap.add_argument("--max-tokens", type=int, default=512)
     ap.add_argument("--variants", action="store_true", help="also the weighings tried and not kept")
+    ap.add_argument("--running", action="store_true", help="score the tokens still to come of the rows running "
+                                                           "only (what the drain's end and its tail draw on)")
     args = ap.parse_args()
     from overnight.pipeline.scheduling.lengths import LengthMixture, LengthModel, NormalLengthModel
 
@@ -189,10 +245,10 @@ def main() -> None:
         clock = step_clock(d)
         for name, make in models.items():
             mixture = "Mixture" in name or name in ("equal weights", "likelihood / sqrt(rows)")
-            r = replay(d, make, clock, **({"left_shortest": runs_longest_first(out)} if mixture else {}))
+            r = replay(d, make, clock, args.running, **({"left_shortest": runs_longest_first(out)} if mixture else {}))
             table[name].append(r)
             print(f"  {out}  {name:22s} " + " ".join(f"{x:.2f}" for x in r))
-        r = replay(d, lambda: Hindsight(d["a"]), clock)
+        r = replay(d, lambda: Hindsight(d["a"]), clock, args.running)
         table[hindsight].append(r)
         print(f"  {out}  {hindsight:22s} " + " ".join(f"{x:.2f}" for x in r))
     print("mean |log(expected / actual)| at each share; at 10-50%; share of points within 10%; at 10-50%; worst "
