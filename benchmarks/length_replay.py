@@ -142,9 +142,10 @@ def variants(max_tokens: int) -> dict:
         finished rows, rows cut at max_tokens and rows running censored ("r at least this"). The mass it leaves
         beyond its largest ratio (a censored one) goes to 8 points of LengthModel's log-normal above it."""
 
-        def __init__(self):
+        def __init__(self, tail_at_cap: bool = False):
             self.m = LengthModel(max_tokens)
             self.exact, self.cens = [], []
+            self.tail_at_cap = tail_at_cap  # the mass beyond the largest ratio runs to max_tokens instead
 
         def observe(self, p, a, cut):
             self.m.observe(p, a, cut)
@@ -172,6 +173,8 @@ def variants(max_tokens: int) -> dict:
             qs = lo + (1.0 - lo) * (np.arange(8) + 0.5) / 8
             from statistics import NormalDist
             tail_r = np.array([NormalDist(mu, sigma).inv_cdf(min(max(q, 1e-9), 1 - 1e-9)) for q in qs])
+            if self.tail_at_cap:
+                tail_r = np.full(8, np.inf)
             self.atoms = np.concatenate([times, tail_r])
             self.weights = np.concatenate([mass, np.full(8, tail / 8)])
             return mu, sigma
@@ -186,7 +189,8 @@ def variants(max_tokens: int) -> dict:
             return np.where(tot > 1e-9, np.maximum(e, 1.0), self.m.expected(p, g))
 
     return {"equal weights": lambda: Equal(max_tokens), "likelihood / sqrt(rows)": lambda: Damped(max_tokens),
-            "log-normal on length": LogNormal, "Kaplan-Meier ratio": KaplanMeier}
+            "log-normal on length": LogNormal, "Kaplan-Meier ratio": KaplanMeier,
+            "Kaplan-Meier ratio, tail at max_tokens": lambda: KaplanMeier(tail_at_cap=True)}
 
 
 def runs_longest_first(out: str) -> bool:
