@@ -13,6 +13,7 @@ barely rank (Kendall's tau about 0.15), as the embedded model's are. It prints:
    the cap can reach when the lengths are known, against what they reach with these predictions.
 
     python benchmarks/forecast_sim.py --seeds 3
+    python benchmarks/forecast_sim.py --late    # only: the signed ETA error late in the run, where the drain's tail rules
 """
 
 from __future__ import annotations
@@ -31,11 +32,21 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--goodput-seeds", type=int, default=6)
+    ap.add_argument("--late", action="store_true", help="only the signed ETA error at 50% / 75% / 90% of rows, "
+                                                        "longest-first and auto, on tests/test_forecast.py's story")
     args = ap.parse_args()
     logging.disable(logging.CRITICAL)
     import numpy as np
 
     import test_forecast as tf
+
+    if args.late:
+        print("ETA error at 50% / 75% / 90% of rows (test_forecast.simulate's defaults):")
+        for name, cost in (("CPU", tf.CPU), ("GPU", tf.GPU)):
+            for pol in ("longest-first", "auto"):
+                story = tf.simulate(pol, cost)
+                print(f"  {name} {pol:14s} " + " / ".join(f"{tf.eta_error(story, s)[0]:+.1%}" for s in (0.5, 0.75, 0.9)))
+        return
 
     print("worst |ETA error| over seeds at 10% / 25% / 50% of rows:")
     cases = [(name, cost, pol, 1) for name, cost in (("CPU", tf.CPU), ("GPU", tf.GPU))

@@ -229,7 +229,8 @@ def main() -> None:
     ap.add_argument("--only", default="", help="comma-separated name fragments of the variants to run")
     ap.add_argument("--probe", default="", help="add the hidden-state probe on these blocks (comma-separated: "
                                                 "vllm, vllm_cut<layers> from `length_prediction_probe.py cost`; "
-                                                "mean<k>, last<k> (after k layers), last from `length_prediction_probe.py embed`)")
+                                                "mean<k>, last<k> (after k layers), last from `length_prediction_probe.py embed`; "
+                                                "cut<k> from its `layers`)")
     ap.add_argument("--with-trained", action="store_true", help="also score each probe block averaged with the "
                                                                   "default trained predictor (mean of log predictions)")
     ap.add_argument("--json", default=None, help="write the per-repeat figures here")

@@ -12,7 +12,8 @@ rows, calibrated as the trained predictor is) is the probe;
 benchmarks/length_prediction.py scores it beside the others (--probe).
 
     python benchmarks/length_prediction_probe.py embed   # transformers, all layers; cached under ~/.cache/overnight
-    python benchmarks/length_prediction_probe.py layers  # transformers cut to its first 1, 2, 4 layers: cost a row
+    python benchmarks/length_prediction_probe.py layers  # transformers cut to its first 1, 2, 4 layers: cost a row,
+                                                         # and their states as blocks cut1, cut2, cut4
     python benchmarks/length_prediction_probe.py cost    # vLLM's pooling runner: cost per row, and its features
 
 `cost` runs the same weights as a vLLM pooling model (runner="pooling",
@@ -99,7 +100,7 @@ class Probe:
     @classmethod
     def load_cached(cls, ids, path: str = DATA, block: str = "last") -> "Probe":
         """block: mean<k> or last<k> (transformers: mean-pooled, or the last token's state, after k layers;
-        last is last30), vllm or vllm_cut<layers> (vLLM's pooling runner, the last token's state, of the whole
+        last is last30), cut<k> (the last token's state of the model cut to k layers, after its norm: `layers`), vllm or vllm_cut<layers> (vLLM's pooling runner, the last token's state, of the whole
         model or of its first layers). `embed` runs the whole model once for all of transformers' blocks, so only
         last30 has a cost a row here; `layers` times a model cut to its first layers."""
         if block.startswith("vllm"):
@@ -119,13 +120,18 @@ class Probe:
                      f"embed` first")
         z = np.load(cache)
         block = "last30" if block == "last" else block
+        if block.startswith("cut") and block not in z.files:
+            sys.exit(f"no block {block} in {cache}: run `python benchmarks/length_prediction_probe.py layers`")
         if block not in z.files:
             sys.exit(f"no block {block} in {cache} (it has {', '.join(f for f in z.files if f[:4] in ('mean', 'last'))}"
                      f"): run `python benchmarks/length_prediction_probe.py embed` again")
         where = {i: k for k, i in enumerate(z["ids"].tolist())}
         x = z[block][[where[i] for i in ids]].astype(np.float64)
-        # `embed` ran the whole model once for every block: its cost a row is the whole model's (last30) only
-        return cls(x, float(z["seconds_per_row"]) if block == "last30" else None, np.full(len(ids), 512))
+        # `embed` ran the whole model once for every block: its cost a row is the whole model's (last30) only;
+        # `layers` timed each cut model
+        seconds = (float(z["seconds_per_row"]) if block == "last30" else
+                   float(z[f"seconds_{block}"]) if block.startswith("cut") else None)
+        return cls(x, seconds, np.full(len(ids), 512))
 
     def fit_predict(self, tr: np.ndarray, y_tr: np.ndarray, te: np.ndarray) -> np.ndarray:
         from overnight.buckets.trained import calibrate
@@ -233,15 +239,22 @@ def layers_cost(path: str, cuts=(1, 2, 4)) -> None:
     _, chats = _chats(path)
     ids = [tok(tok.apply_chat_template(c, tokenize=False, add_generation_prompt=True),
                add_special_tokens=False)["input_ids"] for c in chats]
+    cache = _cache_path(path)
+    if not os.path.exists(cache):
+        sys.exit(f"no cached hidden states for {path}: run `python benchmarks/length_prediction_probe.py embed` first")
+    blocks = dict(np.load(cache))
     for k in cuts:
         model = AutoModel.from_pretrained(model_dir, num_hidden_layers=k, dtype=torch.float32).eval()
         with torch.inference_mode():
             for t in ids[:8]:  # warm-up
                 model(input_ids=torch.tensor([t]))
             t0 = time.perf_counter()
-            for t in ids:
-                model(input_ids=torch.tensor([t])).last_hidden_state[0, -1]
+            states = [model(input_ids=torch.tensor([t])).last_hidden_state[0, -1] for t in ids]
         dt = (time.perf_counter() - t0) / len(ids)
+        # kept as block cut<k>: the state this cost buys (after the cut model's final norm)
+        blocks[f"cut{k}"] = torch.stack(states).numpy().astype(np.float32)
+        blocks[f"seconds_cut{k}"] = np.array(dt)
+        np.savez_compressed(cache, **blocks)
         print(f"transformers, first {k} layers, 1 thread: {dt * 1e3:.1f} ms a row ({np.mean([len(t) for t in ids]):.0f} "
               f"prompt tokens); {dt / job_s:.1%} of the data's {job_s:.2f} engine-seconds a row", flush=True)
 

@@ -7,7 +7,10 @@ a normal on the length itself. It prints for each fit the expected token sum aga
 drain at the end of a run needs most: the expected tokens still to come of a row that has generated g,
 E[min(L, cap) - g | L > g], averaged over the rows that did run past g, against what they actually generated
 after g. "own r" is no fit: each row's prediction times the run's own ratios (every row's r, known in
-hindsight), the shape a non-parametric estimate of r would find.
+hindsight), the shape a non-parametric estimate of r would find. It also prints r's skew (its 10% and 90%
+quantiles against the median; the spread below the median and, of the rows not cut, above it) and the log-normal
+fitted with the shortest fifth of the finished rows censored on the left ("r below this"), tried and not kept
+(docs/BENCHMARKS.md).
 
     python benchmarks/length_shape.py OUT [OUT ...] [--max-tokens 512]
 """
@@ -65,6 +68,17 @@ def main() -> None:
                     for mu in np.arange(-1.0, 1.5, 0.01) for s in np.arange(0.2, 1.5, 0.01)))
         ln = LengthModel(int(cap))
         ln.mu, ln.sigma = best[1], best[2]
+        # the same with the shortest fifth of the finished rows censored on the left
+        t = float(np.quantile(ex, 0.2))
+        hi, n_lo = ex[ex >= t], int((ex < t).sum())
+        left = max(((float((-0.5 * ((hi - mu) / s) ** 2 - math.log(s)).sum()
+                           + np.log(np.clip(1 - norm_cdf((rc - mu) / s), 1e-300, None)).sum()
+                           + n_lo * math.log(max(float(norm_cdf((t - mu) / s)), 1e-300))), mu, s)
+                    for mu in np.arange(-1.0, 1.5, 0.01) for s in np.arange(0.2, 1.5, 0.01)))
+        lc_model = LengthModel(int(cap))
+        lc_model.mu, lc_model.sigma = left[1], left[2]
+        med = float(np.median(x))
+        below, above = x[x < med] - med, x[(x >= med) & ~cut] - med
         # two-piece normal in r
         tp = max(((float((np.log(2 / (sl + sr)) - 0.5 * ((ex - m) / np.where(ex < m, sl, sr)) ** 2).sum()
                          + np.log(np.clip(1 - cdf_tp(rc, m, sl, sr), 1e-300, None)).sum()), m, sl, sr)
@@ -81,8 +95,13 @@ def main() -> None:
         tp_sum = float((np.exp(lp) * tp_part(-np.inf, lcap - lp, m, sl, sr) + cap * (1 - cdf_tp(lcap - lp, m, sl, sr))).sum())
         mm, ss = float(np.minimum(a, cap).mean()), float(np.minimum(a, cap).std())
         print(f"\n{out}: {len(a)} rows, {cut.mean():.0%} cut at max_tokens")
+        q10, q90 = np.quantile(x, [0.1, 0.9])
+        print(f"  r: 10% quantile {q10 - med:+.2f} and 90% {q90 - med:+.2f} from the median; spread below it "
+              f"{math.sqrt(float(np.mean(below ** 2))):.2f}, above it (not cut) {math.sqrt(float(np.mean(above ** 2))):.2f}, "
+              f"both sides {float(x.std()):.2f}")
         print(f"  log-normal mu {ln.mu:+.2f} sigma {ln.sigma:.2f}, sum x{ln.moments(p)[0].sum() / a.sum():.2f}; two-piece "
-              f"mode {m:+.2f} left {sl:.2f} right {sr:.2f}, sum x{tp_sum / a.sum():.2f}")
+              f"mode {m:+.2f} left {sl:.2f} right {sr:.2f}, sum x{tp_sum / a.sum():.2f}; shortest fifth censored on "
+              f"the left: mu {lc_model.mu:+.2f} sigma {lc_model.sigma:.2f}, sum x{lc_model.moments(p)[0].sum() / a.sum():.2f}")
         for g in GS:
             rows = np.flatnonzero(a > g)
             if len(rows) < 5:
