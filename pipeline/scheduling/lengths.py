@@ -335,8 +335,6 @@ class LengthMixture:
         self.ratio, self.normal = LengthModel(max_tokens), NormalLengthModel(max_tokens)
         self.weight = 0.0  # the normal model's
         self.best = self.ratio
-        # under longest predicted first: the rows already running take the normal's lengths (see fit)
-        self.running_normal = False
 
     def observe(self, predicted, actual, hit_cap) -> None:
         self.ratio.observe(predicted, actual, hit_cap)
@@ -349,9 +347,8 @@ class LengthMixture:
         running_p, running_g = np.asarray(running_p, np.float64), np.asarray(running_g, np.float64)
         self.ratio.fit(running_p, running_g)
         self.weight = 0.0
-        self.normal.fit(running_p, running_g, rest=rest)
-        self.running_normal = left_shortest
         if not left_shortest:
+            self.normal.fit(running_p, running_g, rest=rest)
             diff = self.normal.loglik(running_p, running_g) - self.ratio.loglik(running_p, running_g)
             self.weight = 1.0 / (1.0 + math.exp(-min(max(diff, -50.0), 50.0)))
         self.best = self.normal if self.weight > 0.5 else self.ratio
@@ -368,23 +365,13 @@ class LengthMixture:
         return (1.0 - w) * a + w * b
 
     def expected(self, predicted, generated=None, shift: float = 0.0) -> np.ndarray:
-        e = self._mix(lambda m: m.expected(predicted, generated, shift))
-        if self.running_normal and generated is not None:
-            started = np.asarray(generated, dtype=np.float64) > 0
-            if started.any():
-                e = np.where(started, self.normal.expected(predicted, generated, shift), e)
-        return e
+        return self._mix(lambda m: m.expected(predicted, generated, shift))
 
     def moments(self, predicted, shift: float = 0.0) -> tuple[np.ndarray, np.ndarray]:
         return self._mix(lambda m: m.moments(predicted, shift))
 
     def quantile_cdf(self, x, predicted, generated, shift: float = 0.0) -> np.ndarray:
-        cdf = self._mix(lambda m: m.quantile_cdf(x, predicted, generated, shift))
-        if self.running_normal:
-            started = np.broadcast_to(np.asarray(generated, dtype=np.float64) > 0, np.shape(cdf))
-            if started.any():
-                cdf = np.where(started, self.normal.quantile_cdf(x, predicted, generated, shift), cdf)
-        return cdf
+        return self._mix(lambda m: m.quantile_cdf(x, predicted, generated, shift))
 
     def __getattr__(self, name):  # cap, mu, sigma, mu_stderr, num_events
         return getattr(self.__dict__["best"], name)
