@@ -49,17 +49,9 @@ class LengthModel:
 
     Finished rows give r exactly; rows that hit max_tokens and rows still running give "r is at least this"
     (censored), which an EM fit of a censored normal uses. A prior (mu 0, sigma prior_sigma, worth
-    prior_weight rows) holds the fit until rows finish.
+    prior_weight rows) holds the fit until rows finish."""
 
-    The shortest LEFT_SHARE of the finished rows count only as "r is below this" (censored on the left). r is
-    skewed to the left on this project's runs: a few answers of a handful of tokens put its 10% quantile 0.82-1.03
-    below the median and its 90% only 0.59-0.77 above (docs/BENCHMARKS.md), and one sigma fitted to both sides
-    gave their width to the right tail, which the rows still running and the drain's tail draw on (the late ETA
-    15-34% long under longest-first). Where r is normal, the fit is the same in expectation."""
-
-    BIN = 0.02  # censored points at the cap, and finished rows' r, are kept as histograms of r, in bins this wide
-    LEFT_SHARE = 0.2
-    LEFT_MIN_ROWS = 20  # fewer finished rows: none censored on the left
+    BIN = 0.02  # censored points at the cap are kept as a histogram of r, in bins this wide
 
     def __init__(self, max_tokens: int, prior_sigma: float = 0.8, prior_weight: float = 3.0):
         self.cap = float(max_tokens)
@@ -69,7 +61,6 @@ class LengthModel:
         self.s2 = 0.0
         self.log_a = 0.0  # sum of log(actual) of those rows, for the likelihood (the density of L, not of r)
         self.capped: dict[int, int] = {}
-        self.finished: dict[int, int] = {}  # bin of r -> finished rows (below the cap)
         self.mu, self.sigma = 0.0, prior_sigma
         self.num_events = 0.0  # rows whose r is known exactly, for the fit's standard error
 
@@ -85,23 +76,6 @@ class LengthModel:
         self.s1 += float(free.sum())
         self.s2 += float(free @ free)
         self.log_a += float(np.log(a[~cut]).sum())
-        for k in np.round(free / self.BIN).astype(int).tolist():
-            self.finished[k] = self.finished.get(k, 0) + 1
-
-    def _exact(self) -> tuple[float, float, float, float, float]:
-        """(rows, sum of r, sum of r^2) of the finished rows the fit takes exactly, and (rows, threshold) of those
-        it takes as "r below the threshold": the LEFT_SHARE shortest, at a bin's edge."""
-        if self.n < self.LEFT_MIN_ROWS:
-            return self.n, self.s1, self.s2, 0.0, -math.inf
-        ks = np.array(sorted(self.finished), dtype=np.int64)
-        counts = np.array([self.finished[k] for k in ks.tolist()], dtype=np.float64)
-        first = int(np.searchsorted(np.cumsum(counts), self.LEFT_SHARE * self.n, side="left"))
-        below = float(counts[:first].sum())
-        if below <= 0:
-            return self.n, self.s1, self.s2, 0.0, -math.inf
-        r = ks[first:] * self.BIN
-        c = counts[first:]
-        return float(c.sum()), float(c @ r), float(c @ (r * r)), below, float((ks[first] - 0.5) * self.BIN)
 
     def fit(self, running_p: np.ndarray, running_g: np.ndarray, iterations: int = 25) -> tuple[float, float]:
         """Refit on the finished rows and the rows running now (predicted p, g tokens so far)."""
@@ -115,9 +89,8 @@ class LengthModel:
         c = np.concatenate(thresholds)
         w = np.concatenate(weights)
         w0 = self.prior_weight
-        n, s1, s2, n_left, t_left = self._exact()
         mu, sigma = (self.mu, self.sigma) if self.n else (0.0, self.prior_sigma)
-        total = n + n_left + w.sum() + w0
+        total = self.n + w.sum() + w0
         for _ in range(iterations):
             sigma = max(sigma, 0.05)
             if len(c):
@@ -129,13 +102,8 @@ class LengthModel:
                 e1, e2 = float(w @ ex), float(w @ ex2)
             else:
                 e1 = e2 = 0.0
-            if n_left:  # r below t_left: E[r | r < t] = mu - sigma lam', lam' = pdf(a) / cdf(a)
-                a = (t_left - mu) / sigma
-                lam = float(norm_pdf(a)) / max(float(norm_cdf(a)), 1e-12)
-                e1 += n_left * (mu - sigma * lam)
-                e2 += n_left * (mu * mu + sigma * sigma - sigma * (t_left + mu) * lam)
-            new_mu = (s1 + e1 + w0 * 0.0) / total
-            new_var = (s2 + e2 + w0 * self.prior_sigma ** 2) / total - new_mu * new_mu
+            new_mu = (self.s1 + e1 + w0 * 0.0) / total
+            new_var = (self.s2 + e2 + w0 * self.prior_sigma ** 2) / total - new_mu * new_mu
             new_sigma = math.sqrt(max(new_var, 0.05 ** 2))
             done = abs(new_mu - mu) < 1e-4 and abs(new_sigma - sigma) < 1e-4
             mu, sigma = new_mu, new_sigma
