@@ -335,8 +335,6 @@ class LengthMixture:
         self.ratio, self.normal = LengthModel(max_tokens), NormalLengthModel(max_tokens)
         self.weight = 0.0  # the normal model's
         self.best = self.ratio
-        # under longest predicted first: the normal's weight for the rows already running only (see fit)
-        self.running_weight = 0.0
 
     def observe(self, predicted, actual, hit_cap) -> None:
         self.ratio.observe(predicted, actual, hit_cap)
@@ -348,10 +346,11 @@ class LengthMixture:
         rest: the sum and the count of the predictions of the rows still to start (the normal's prior)."""
         running_p, running_g = np.asarray(running_p, np.float64), np.asarray(running_g, np.float64)
         self.ratio.fit(running_p, running_g)
-        self.normal.fit(running_p, running_g, rest=rest)
-        diff = self.normal.loglik(running_p, running_g) - self.ratio.loglik(running_p, running_g)
-        weight = 1.0 / (1.0 + math.exp(-min(max(diff, -50.0), 50.0)))
-        self.weight, self.running_weight = (0.0, weight) if left_shortest else (weight, 0.0)
+        self.weight = 0.0
+        if not left_shortest:
+            self.normal.fit(running_p, running_g, rest=rest)
+            diff = self.normal.loglik(running_p, running_g) - self.ratio.loglik(running_p, running_g)
+            self.weight = 1.0 / (1.0 + math.exp(-min(max(diff, -50.0), 50.0)))
         self.best = self.normal if self.weight > 0.5 else self.ratio
         return self.best.mu, self.best.sigma
 
@@ -366,26 +365,13 @@ class LengthMixture:
         return (1.0 - w) * a + w * b
 
     def expected(self, predicted, generated=None, shift: float = 0.0) -> np.ndarray:
-        e = self._mix(lambda m: m.expected(predicted, generated, shift))
-        w = self.running_weight
-        if w > 0.0 and generated is not None:
-            started = np.asarray(generated, dtype=np.float64) > 0
-            if started.any():
-                e = np.where(started, (1.0 - w) * e + w * self.normal.expected(predicted, generated, shift), e)
-        return e
+        return self._mix(lambda m: m.expected(predicted, generated, shift))
 
     def moments(self, predicted, shift: float = 0.0) -> tuple[np.ndarray, np.ndarray]:
         return self._mix(lambda m: m.moments(predicted, shift))
 
     def quantile_cdf(self, x, predicted, generated, shift: float = 0.0) -> np.ndarray:
-        cdf = self._mix(lambda m: m.quantile_cdf(x, predicted, generated, shift))
-        w = self.running_weight
-        if w > 0.0:
-            started = np.broadcast_to(np.asarray(generated, dtype=np.float64) > 0, np.shape(cdf))
-            if started.any():
-                cdf = np.where(started, (1.0 - w) * cdf + w * self.normal.quantile_cdf(x, predicted, generated, shift),
-                               cdf)
-        return cdf
+        return self._mix(lambda m: m.quantile_cdf(x, predicted, generated, shift))
 
     def __getattr__(self, name):  # cap, mu, sigma, mu_stderr, num_events
         return getattr(self.__dict__["best"], name)
