@@ -26,7 +26,13 @@ GS = (100, 200, 300, 400)
 
 
 def load(out: str):
+    import glob
+
     import duckdb
+
+    if not glob.glob(f"{out}/**/parts/*.parquet", recursive=True):
+        raise SystemExit(f"{out} holds no output parts (**/parts/*.parquet): pass the --out folder of a finished "
+                         f"`overnight run`")
 
     r = duckdb.sql(f"select predicted_tokens, output_tokens, finish_reason from read_parquet('{out}/**/parts/*.parquet') "
                    f"where status = 'ok' and predicted_tokens > 0 and output_tokens > 0").fetchnumpy()
@@ -59,6 +65,8 @@ def main() -> None:
           f"actual")
     for out in args.outs:
         p, a, cut = load(out)
+        if len(a) < 20:
+            raise SystemExit(f"{out} has {len(a)} finished rows with a prediction; a shape needs 20 or more")
         cut = cut | (a >= cap)
         x = np.log(a / p)
         ex, rc = x[~cut], x[cut]
