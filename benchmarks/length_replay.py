@@ -188,7 +188,41 @@ def variants(max_tokens: int) -> dict:
             e = (alive * (L - g[:, None])).sum(axis=1) / np.maximum(tot, 1e-12)
             return np.where(tot > 1e-9, np.maximum(e, 1.0), self.m.expected(p, g))
 
-    return {"equal weights": lambda: Equal(max_tokens), "likelihood / sqrt(rows)": lambda: Damped(max_tokens),
+    from overnight.pipeline.scheduling.lengths import SqrtLengthModel
+
+    class Three(LengthMixture):
+        """The log ratio, the normal and the square root weighed by likelihood (the normal left out under longest
+        first); the square root pays one nat for its third parameter."""
+
+        def __init__(self, max_tokens, penalty=1.0, with_normal=True):
+            super().__init__(max_tokens)
+            self.sqrt, self.penalty, self.with_normal = SqrtLengthModel(max_tokens), penalty, with_normal
+
+        def observe(self, p, a, cut):
+            super().observe(p, a, cut)
+            self.sqrt.observe(p, a, cut)
+
+        def fit(self, p, g, left_shortest=False, rest=(0.0, 0.0)):
+            p, g = np.asarray(p, np.float64), np.asarray(g, np.float64)
+            self.ratio.fit(p, g)
+            self.sqrt.fit(p, g, rest=rest)
+            models = [(self.ratio, self.ratio.loglik(p, g)), (self.sqrt, self.sqrt.loglik(p, g) - self.penalty)]
+            if not left_shortest and self.with_normal:
+                self.normal.fit(p, g, rest=rest)
+                models.append((self.normal, self.normal.loglik(p, g)))
+            ll = np.array([x[1] for x in models])
+            w = np.exp(ll - ll.max())
+            self.parts = [(m, float(wi)) for (m, _), wi in zip(models, w / w.sum())]
+            self.best = max(self.parts, key=lambda x: x[1])[0]
+            return self.best.mu, self.best.sigma
+
+        def expected(self, predicted, generated=None, shift=0.0):
+            return sum(w * m.expected(predicted, generated, shift) for m, w in self.parts)
+
+    return {"three, weighed": lambda: Three(max_tokens), "three, no penalty": lambda: Three(max_tokens, 0.0),
+            "ratio or sqrt": lambda: Three(max_tokens, with_normal=False),
+            "sqrt length": lambda: SqrtLengthModel(max_tokens),
+            "equal weights": lambda: Equal(max_tokens), "likelihood / sqrt(rows)": lambda: Damped(max_tokens),
             "log-normal on length": LogNormal, "Kaplan-Meier ratio": KaplanMeier,
             "Kaplan-Meier ratio, tail at max_tokens": lambda: KaplanMeier(tail_at_cap=True)}
 
@@ -248,7 +282,8 @@ def main() -> None:
         d = load(out)
         clock = step_clock(d)
         for name, make in models.items():
-            mixture = "Mixture" in name or name in ("equal weights", "likelihood / sqrt(rows)")
+            mixture = "Mixture" in name or name in ("equal weights", "likelihood / sqrt(rows)", "three, weighed",
+                                                   "three, no penalty", "ratio or sqrt")
             r = replay(d, make, clock, args.running, **({"left_shortest": runs_longest_first(out)} if mixture else {}))
             table[name].append(r)
             print(f"  {out}  {name:22s} " + " ".join(f"{x:.2f}" for x in r))

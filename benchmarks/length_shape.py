@@ -102,6 +102,24 @@ def main() -> None:
 
         tp_sum = float((np.exp(lp) * tp_part(-np.inf, lcap - lp, m, sl, sr) + cap * (1 - cdf_tp(lcap - lp, m, sl, sr))).sum())
         mm, ss = float(np.minimum(a, cap).mean()), float(np.minimum(a, cap).std())
+        # Weibull in actual / predicted (its log is skewed to the left): log S(L) = -(L / (lam p))^k
+        y, yc = np.exp(ex), np.exp(rc)
+        wb = max(((float(n_free * math.log(k) - n_free * k * ll + (k - 1) * np.log(y).sum()
+                         - (np.exp(k * (np.log(y) - ll))).sum() - (np.exp(k * (np.log(yc) - ll))).sum()), k, ll)
+                  for k in np.arange(0.6, 4.0, 0.02) for ll in np.arange(-1.0, 1.5, 0.01)
+                  for n_free in (len(y),)))
+        _, wk, wl = wb
+
+        def wb_expected(rows, g):
+            zs = np.linspace(0.0, 1.0, 401)[None, :]
+            xs = g + zs * (cap - np.full((len(rows), 1), float(g)))
+            scale = np.exp(wl) * p[rows][:, None]
+            surv = np.exp(-(xs / scale) ** wk)
+            return np.trapezoid(surv, xs, axis=1) / np.clip(surv[:, 0], 1e-300, None)
+
+        def wb_sum():
+            xs = np.linspace(0.0, cap, 801)[None, :]
+            return float(np.trapezoid(np.exp(-(xs / (np.exp(wl) * p[:, None])) ** wk), xs, axis=1).sum())
         print(f"\n{out}: {len(a)} rows, {cut.mean():.0%} cut at max_tokens")
         q10, q90 = np.quantile(x, [0.1, 0.9])
         print(f"  r: 10% quantile {q10 - med:+.2f} and 90% {q90 - med:+.2f} from the median; spread below it "
@@ -109,7 +127,8 @@ def main() -> None:
               f"both sides {float(x.std()):.2f}")
         print(f"  log-normal mu {ln.mu:+.2f} sigma {ln.sigma:.2f}, sum x{ln.moments(p)[0].sum() / a.sum():.2f}; two-piece "
               f"mode {m:+.2f} left {sl:.2f} right {sr:.2f}, sum x{tp_sum / a.sum():.2f}; shortest fifth censored on "
-              f"the left: mu {lc_model.mu:+.2f} sigma {lc_model.sigma:.2f}, sum x{lc_model.moments(p)[0].sum() / a.sum():.2f}")
+              f"the left: mu {lc_model.mu:+.2f} sigma {lc_model.sigma:.2f}, sum x{lc_model.moments(p)[0].sum() / a.sum():.2f}; "
+              f"Weibull k {wk:.2f} log scale {wl:+.2f}, sum x{wb_sum() / a.sum():.2f}")
         for g in GS:
             rows = np.flatnonzero(a > g)
             if len(rows) < 5:
@@ -123,7 +142,7 @@ def main() -> None:
                 max(1 - float(norm_cdf((g - mm) / ss)), 1e-12)
             print(f"  g={g:3d} ({len(rows):3d} rows): actual {actual:4.0f} | log-normal "
                   f"{np.mean(ln.expected(p[rows], np.full(len(rows), float(g)))):4.0f} | two-piece "
-                  f"{np.mean(tp_expected(rows, g)):4.0f} | own r {own_r:4.0f} | normal on length {normal:4.0f}")
+                  f"{np.mean(tp_expected(rows, g)):4.0f} | Weibull {np.mean(wb_expected(rows, g)):4.0f} | own r {own_r:4.0f} | normal on length {normal:4.0f}")
 
 
 if __name__ == "__main__":
