@@ -578,9 +578,10 @@ class LengthMixture:
         return self._mix(lambda m: m.moments(predicted, shift))
 
     def quantile_cdf(self, x, predicted, generated, shift: float = 0.0) -> np.ndarray:
-        if self.tail is not None:
-            return self.tail.quantile_cdf(x, predicted, generated, shift)
-        return self._mix(lambda m: m.quantile_cdf(x, predicted, generated, shift))
+        mixed = self._mix(lambda m: m.quantile_cdf(x, predicted, generated, shift))
+        if self.tail is None:
+            return mixed
+        return np.where(np.asarray(generated) > 0, self.tail.quantile_cdf(x, predicted, generated, shift), mixed)
 
     def __getattr__(self, name):  # cap, mu, sigma, mu_stderr, num_events
         return getattr(self.__dict__["best"], name)
