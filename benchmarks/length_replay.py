@@ -97,10 +97,11 @@ class Hindsight:
 
 
 def variants(max_tokens: int) -> dict:
-    """Other ways to weigh the two length models, tried and not kept (docs/BENCHMARKS.md): equal weights from
-    5 finished rows on; the likelihood difference divided by the square root of the rows; a log-normal on the
-    length itself, blind to the predictions (LengthModel on a constant prediction); and the log ratio without a
-    shape (its Kaplan-Meier estimate)."""
+    """Other ways to weigh the two length models, tried and not kept (docs/BENCHMARKS.md): the square root of
+    the length (SqrtLengthModel) alone or weighed in with the others; equal weights from 5 finished rows on; the
+    likelihood difference divided by the square root of the rows; a log-normal on the length itself, blind to the
+    predictions (LengthModel on a constant prediction); and the log ratio without a shape (its Kaplan-Meier
+    estimate)."""
     from overnight.pipeline.scheduling.lengths import LengthMixture, LengthModel
 
     class Equal(LengthMixture):
@@ -191,16 +192,13 @@ def variants(max_tokens: int) -> dict:
     from overnight.pipeline.scheduling.lengths import SqrtLengthModel
 
     class Three(LengthMixture):
-        """The log ratio, the normal and the square root weighed by likelihood (the normal left out under longest
-        first); the square root pays one nat for its third parameter."""
+        """The log ratio, the normal and the square root (LengthMixture's sqrt) weighed by likelihood for the token
+        sums too (the normal left out under longest first, or always: "ratio or sqrt"); the square root pays one
+        nat for its third parameter ("no penalty": none)."""
 
         def __init__(self, max_tokens, penalty=1.0, with_normal=True):
             super().__init__(max_tokens)
-            self.sqrt, self.penalty, self.with_normal = SqrtLengthModel(max_tokens), penalty, with_normal
-
-        def observe(self, p, a, cut):
-            super().observe(p, a, cut)
-            self.sqrt.observe(p, a, cut)
+            self.penalty, self.with_normal = penalty, with_normal
 
         def fit(self, p, g, left_shortest=False, rest=(0.0, 0.0)):
             p, g = np.asarray(p, np.float64), np.asarray(g, np.float64)

@@ -7,7 +7,10 @@ a normal on the length itself. It prints for each fit the expected token sum aga
 drain at the end of a run needs most: the expected tokens still to come of a row that has generated g,
 E[min(L, cap) - g | L > g], averaged over the rows that did run past g, against what they actually generated
 after g. "own r" is no fit: each row's prediction times the run's own ratios (every row's r, known in
-hindsight), the shape a non-parametric estimate of r would find. It also prints r's skew (its 10% and 90%
+hindsight), the shape a non-parametric estimate of r would find; "Weibull" is a Weibull in actual / predicted
+(its log is skewed to the left). It also prints, for powers of the length 0 (log), 1/4, 1/2 (the square root,
+scheduling/lengths.SqrtLengthModel), 3/4 and 1, a censored regression of the Box-Cox transform of the length on
+the log prediction: its slope, its log-likelihood (of the length itself) and the same tail check. It also prints r's skew (its 10% and 90%
 quantiles against the median; the spread below the median and, of the rows not cut, above it) and the log-normal
 fitted with the shortest fifth of the finished rows censored on the left ("r below this"), tried and not kept
 (docs/BENCHMARKS.md).
@@ -23,6 +26,54 @@ import math
 import numpy as np
 
 GS = (100, 200, 300, 400)
+POWERS = (0.0, 0.25, 0.5, 0.75, 1.0)
+
+
+def censored_line(x, y, cens, iterations: int = 200):
+    """y = a + b x + Normal(0, s), y a lower bound where cens: an EM fit."""
+    from overnight.pipeline.scheduling.lengths import norm_cdf, norm_pdf
+
+    X = np.c_[np.ones_like(x), x]
+    beta = np.linalg.lstsq(X, y, rcond=None)[0]
+    s = float(np.std(y - X @ beta))
+    for _ in range(iterations):
+        m = X @ beta
+        z = (y - m) / s
+        lam = norm_pdf(z) / np.clip(1 - norm_cdf(z), 1e-12, None)
+        ey = np.where(cens, m + s * lam, y)
+        ey2 = np.where(cens, m * m + s * s + s * (y + m) * lam, y * y)
+        beta = np.linalg.solve(X.T @ X, X.T @ ey)
+        m = X @ beta
+        s = math.sqrt(max(float(np.mean(ey2 - 2 * m * ey + m * m)), 1e-4))
+    return beta, s
+
+
+def powers(p, a, cut, cap):
+    """Each power's fit and its expected / actual tokens still to come of the rows past each g (quadrature)."""
+    from overnight.pipeline.scheduling.lengths import norm_cdf, norm_pdf
+
+    x = np.log(p) - np.log(p).mean()
+    zs = np.linspace(-6, 6, 241)
+    wz = norm_pdf(zs) / norm_pdf(zs).sum()
+    lines = []
+    for lam in POWERS:
+        y = np.log(np.minimum(a, cap)) if lam == 0 else (np.minimum(a, cap) ** lam - 1) / lam
+        (b0, b1), s = censored_line(x, y, cut)
+        m = b0 + b1 * x
+        z = (y - m) / s
+        ll = float((-0.5 * z[~cut] ** 2 - math.log(s) + (lam - 1) * np.log(a[~cut])).sum()
+                   + np.log(np.clip(1 - norm_cdf(z[cut]), 1e-300, None)).sum())
+        q = m[:, None] + s * zs[None, :]
+        lengths = np.exp(q) if lam == 0 else np.clip(1 + lam * q, 1e-9, None) ** (1 / lam)
+        ratios = []
+        for g in GS:
+            rows = a > g
+            alive = wz[None, :] * (lengths[rows] > g)
+            e = (alive * (np.minimum(lengths[rows], cap) - g)).sum(1) / np.clip(alive.sum(1), 1e-12, None)
+            ratios.append(f"g={g} x{np.mean(e) / np.mean(np.minimum(a[rows], cap) - g):.2f}")
+        lines.append(f"  power {lam:.2f}: slope {b1:6.2f}, log-likelihood {ll:8.1f}; tokens still to come, expected / "
+                     f"actual: " + ", ".join(ratios))
+    return lines
 
 
 def load(out: str):
@@ -104,10 +155,10 @@ def main() -> None:
         mm, ss = float(np.minimum(a, cap).mean()), float(np.minimum(a, cap).std())
         # Weibull in actual / predicted (its log is skewed to the left): log S(L) = -(L / (lam p))^k
         y, yc = np.exp(ex), np.exp(rc)
-        wb = max(((float(n_free * math.log(k) - n_free * k * ll + (k - 1) * np.log(y).sum()
-                         - (np.exp(k * (np.log(y) - ll))).sum() - (np.exp(k * (np.log(yc) - ll))).sum()), k, ll)
-                  for k in np.arange(0.6, 4.0, 0.02) for ll in np.arange(-1.0, 1.5, 0.01)
-                  for n_free in (len(y),)))
+        ly, lyc = np.log(y), np.log(yc)
+        wb = max(((float(len(y) * (math.log(k) - k * ll) + (k - 1) * ly.sum() - np.exp(k * (ly - ll)).sum()
+                         - np.exp(k * (lyc - ll)).sum()), k, ll)
+                  for k in np.arange(0.6, 4.0, 0.02) for ll in np.arange(-1.0, 1.5, 0.01)))
         _, wk, wl = wb
 
         def wb_expected(rows, g):
@@ -142,7 +193,9 @@ def main() -> None:
                 max(1 - float(norm_cdf((g - mm) / ss)), 1e-12)
             print(f"  g={g:3d} ({len(rows):3d} rows): actual {actual:4.0f} | log-normal "
                   f"{np.mean(ln.expected(p[rows], np.full(len(rows), float(g)))):4.0f} | two-piece "
-                  f"{np.mean(tp_expected(rows, g)):4.0f} | Weibull {np.mean(wb_expected(rows, g)):4.0f} | own r {own_r:4.0f} | normal on length {normal:4.0f}")
+                  f"{np.mean(tp_expected(rows, g)):4.0f} | Weibull {np.mean(wb_expected(rows, g)):4.0f} | own r {own_r:4.0f} | "
+                  f"normal on length {normal:4.0f}")
+        print("\n".join(powers(p, a, cut, cap)))
 
 
 if __name__ == "__main__":

@@ -4,8 +4,11 @@
                        running, which count as "at least this long" (censored), so the long rows still running
                        early in a job are not missed; a row that hit max_tokens is censored at it too
     NormalLengthModel  the length itself ~ Normal(m, s), censored the same way, blind to the predictions
-    LengthMixture      the forecast's: both, weighed by how likely each makes what the run has seen; the log
-                       ratio alone where the rows run longest predicted first
+    SqrtLengthModel    sqrt(length) ~ Normal(a + b log(predicted), s), censored the same way: the shape of what a
+                       row that has run long has left, where lengths are skewed to the left in log
+    LengthMixture      the forecast's: the first two, weighed by how likely each makes what the run has seen; the
+                       log ratio alone where the rows run longest predicted first, and there the drain's tail of the
+                       rows running from the square root where the run makes it likelier
 
 Pure numpy; the deadline tracker (scheduling/deadline.py) feeds it finished rows, and its forecast
 (scheduling/estimate.py) asks it what the rows left will generate. The drain that uses it is in scheduling/forecast.py.
@@ -323,10 +326,10 @@ class SqrtLengthModel:
     answers) and the log ratio's one spread gives that width to the right tail as well, so it expects a row that has
     run long to run on 15-39% longer than such rows do; the normal on the length errs as far the other way (-6 to
     -27%). In hindsight over six full runs (benchmarks/length_shape.py) the likelihood of a power of the length
-    peaks at about the square root, whose tail is within -10% to +14% there. The prediction enters as a slope the
-    run fits (0 for predictions that do not rank, as the normal assumes; about sqrt(p) / 2 where lengths follow
-    them, as the log ratio assumes; 0.4-2.2 on the runs measured), so the rows left under longest predicted first
-    are counted shorter as far as the rows seen say they are. A prior of prior_weight rows at the mean prediction
+    peaks between the 1/4 and the 3/4 power (at 1/2 on four), and the square root's tail is within -10% to +14%
+    there. The prediction enters as a slope the run fits (0 for predictions that do not rank, as the normal
+    assumes; about sqrt(p) / 2 where lengths follow them, as the log ratio assumes; 0.9-2.2 on the six runs). A
+    prior of prior_weight rows at the mean prediction
     of every row the job knows (as NormalLengthModel's), and a weak one on the slope at 0 (``slope_weight``, in rows
     a factor e apart in prediction), hold the fit until rows finish. ``mu`` and ``sigma`` are the log-normal ones of
     the same mean and spread at the mean prediction; ``shift`` scales lengths by exp(shift)."""
@@ -528,14 +531,25 @@ class LengthMixture:
     ones predicted shortest, and the rows seen cannot say what the normal, blind to the predictions, would need to
     know: that those run shorter. It takes the mean of the rows seen for them, and the likelihood of the rows seen
     cannot tell it wrong. Replayed on 10 full runs (docs/BENCHMARKS.md), the weighing said x1.13-1.31 at 10-50% of
-    rows under longest-first and auto on the mixed workload, the log ratio x0.89-1.03."""
+    rows under longest-first and auto on the mixed workload, the log ratio x0.89-1.03.
+
+    Under that order the end of the drain is the rows running, and the log ratio's one spread, widened by the few
+    very short answers, expects a row that has run long to run on 15-39% longer than such rows do (hindsight over
+    six full runs, benchmarks/length_shape.py): the drain's tail came out 15-34% long from 58% of rows on
+    (benchmarks/drain_steps.py). There the tail's CDF of the rows running (``quantile_cdf`` where generated > 0)
+    comes from SqrtLengthModel when the run makes it likelier than the log ratio by more than a nat (its third
+    parameter's price); the token sums, and the tail of the rows not started, stay the log ratio's: replayed on five
+    longest-first and auto runs, the square root weighed in for them made the tokens to come x0.84-1.30 at 25-50% of
+    rows, the log ratio x0.83-1.08 (benchmarks/length_replay.py --variants, "ratio or sqrt"). Where lengths are
+    log-normal around their predictions (tests/test_forecast.py's fake clock) the likelihood keeps the log ratio for
+    the tail too."""
 
     def __init__(self, max_tokens: int):
         self.ratio, self.normal = LengthModel(max_tokens), NormalLengthModel(max_tokens)
         self.sqrt = SqrtLengthModel(max_tokens)
         self.weight = 0.0  # the normal model's
         self.best = self.ratio
-        self.tail = None  # the model whose quantile_cdf the drain's tail uses, where not the mixture
+        self.tail = None  # the model whose quantile_cdf the drain's tail uses for the rows running, if not the mixture
 
     def observe(self, predicted, actual, hit_cap) -> None:
         self.ratio.observe(predicted, actual, hit_cap)
