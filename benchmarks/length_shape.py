@@ -10,10 +10,10 @@ after g. "own r" is no fit: each row's prediction times the run's own ratios (ev
 hindsight), the shape a non-parametric estimate of r would find; "Weibull" is a Weibull in actual / predicted
 (its log is skewed to the left). It also prints, for powers of the length 0 (log), 1/4, 1/2 (the square root,
 scheduling/lengths.SqrtLengthModel), 3/4 and 1, a censored regression of the Box-Cox transform of the length on
-the log prediction: its slope, its log-likelihood (of the length itself) and the same tail check. It also prints r's skew (its 10% and 90%
-quantiles against the median; the spread below the median and, of the rows not cut, above it) and the log-normal
-fitted with the shortest fifth of the finished rows censored on the left ("r below this"), tried and not kept
-(docs/BENCHMARKS.md).
+the log prediction: its slope (in Box-Cox units: at 1/2, twice the slope of sqrt(length)), its log-likelihood
+(of the length itself) and the same tail check. It also prints r's skew (its 10% and 90% quantiles against the
+median; the spread below the median and, of the rows not cut, above it) and the log-normal fitted with the
+shortest fifth of the finished rows censored on the left ("r below this"), tried and not kept (docs/BENCHMARKS.md).
 
     python benchmarks/length_shape.py OUT [OUT ...] [--max-tokens 512]
 """
@@ -69,7 +69,9 @@ def powers(p, a, cut, cap):
         for g in GS:
             rows = a > g
             alive = wz[None, :] * (lengths[rows] > g)
-            e = (alive * (np.minimum(lengths[rows], cap) - g)).sum(1) / np.clip(alive.sum(1), 1e-12, None)
+            # a row past the grid's last point has about nothing left: at least a token, as the models say
+            e = np.maximum((alive * (np.minimum(lengths[rows], cap) - g)).sum(1) / np.clip(alive.sum(1), 1e-12, None),
+                           1.0)
             ratios.append(f"g={g} x{np.mean(e) / np.mean(np.minimum(a[rows], cap) - g):.2f}")
         lines.append(f"  power {lam:.2f}: slope {b1:6.2f}, log-likelihood {ll:8.1f}; tokens still to come, expected / "
                      f"actual: " + ", ".join(ratios))

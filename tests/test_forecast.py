@@ -254,7 +254,7 @@ def simulate(policy, cost, n_rows=600, m=64, deadline_share=None, makespan=None,
     sched.add(rows, 0.0)
     tally = SimpleNamespace(num_rows=n_rows, num_read=n_rows, num_resumed=0, mean_predicted=float(predicted.mean()))
     waiting, running = [], {}  # running: request -> tokens left of each of its sequences
-    done, samples, caps, weights, rates = 0, [], [], [], []
+    done, samples, caps, weights, rates, tails = 0, [], [], [], [], []
     next_forecast = 0.0
     while not sched.is_done():
         if deadline is not None and clock.t >= deadline:
@@ -268,6 +268,7 @@ def simulate(policy, cost, n_rows=600, m=64, deadline_share=None, makespan=None,
             f = tracker.forecast_job(sched, tally, 0, m)
             samples.append((clock.t, done, f))
             weights.append(tracker.lengths.weight)
+            tails.append(tracker.lengths.tail is not None)
             rates.append((sched.per_seq_tokens_per_s, len(running)))
             tracker.steer(f, sched)
             caps.append(sched.cap)
@@ -297,7 +298,7 @@ def simulate(policy, cost, n_rows=600, m=64, deadline_share=None, makespan=None,
                              ["length" if lengths[r.id].max() >= 512 else "stop" for r in finished_rows])
             done += len(fin)
     return SimpleNamespace(end=clock.t, done=done, samples=samples, caps=caps, n=n_rows, weights=weights,
-                           rates=rates)
+                           rates=rates, tails=tails)
 
 
 def eta_error(story, share):
@@ -321,6 +322,17 @@ def test_the_normal_length_model_is_weighed_only_where_the_order_is_blind_to_pre
     assert max(simulate("fifo", CPU, n_rows=300, blind=True).weights) > 0.5
     for policy in ("longest-first", "auto"):
         assert max(simulate(policy, CPU, n_rows=300, blind=True).weights) == 0.0
+
+
+def test_the_tail_under_longest_first_comes_from_the_square_root_only_where_the_run_says_so():
+    """Lengths log-normal around their predictions (the default story): the drain's tail keeps the log ratio's
+    shape once 5% of the rows are done (the square root, with its slope, can fit the first handful of rows a little
+    better). Lengths about normal, blind to the predictions: the square root's, from then on."""
+    def after_a_twentieth(story):
+        return [tail for (_, done, _), tail in zip(story.samples, story.tails) if done >= 0.05 * story.n]
+
+    assert not any(after_a_twentieth(simulate("longest-first", CPU)))
+    assert all(after_a_twentieth(simulate("longest-first", CPU, n_rows=300, blind=True)))
 
 
 def test_eta_range_holds_the_actual_time():

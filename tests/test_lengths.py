@@ -171,13 +171,14 @@ def test_the_tail_under_longest_first_takes_the_likelier_shape(seed):
     """The drain's tail (quantile_cdf) under longest predicted first: from the square root where lengths are
     skewed to the left in log and barely follow their predictions (the embedded model's, docs/BENCHMARKS.md), where
     the log ratio's one spread expects a row that has run long to run on too long; from the log ratio where
-    lengths are log-normal around their predictions. The token sums stay the log ratio's either way."""
+    lengths are log-normal around their predictions. The token sums, and the tail of rows not started, stay the log
+    ratio's either way."""
     rng = np.random.default_rng(seed)
-    p = np.round(np.exp(rng.normal(np.log(180), 0.5, 400)))
+    p = np.round(np.exp(rng.normal(np.log(180), 0.5, 4000)))
     skewed = np.clip(np.round(rng.normal(15.0 + 1.0 * np.log(p / 180), 5.0) ** 2), 1, CAP)
-    follow = np.clip(np.round(p * np.exp(rng.normal(0.2, 0.5, 400))), 1, CAP)
+    follow = np.clip(np.round(p * np.exp(rng.normal(0.2, 0.5, 4000))), 1, CAP)
     order = np.argsort(-p)
-    started = order[:200]
+    started, left = order[:2000], order[2000:2010]
     at = 200.0
     for lengths, shape in ((skewed, "sqrt"), (follow, "ratio")):
         done, running = started[lengths[started] <= at], started[lengths[started] > at]
@@ -188,8 +189,32 @@ def test_the_tail_under_longest_first_takes_the_likelier_shape(seed):
         assert (model.tail is model.sqrt) == (shape == "sqrt")
         ratio_sum = model.ratio.expected(p[running], g).sum()
         assert model.expected(p[running], g).sum() == pytest.approx(ratio_sum)
+        # as the drain's tail asks: a grid of remaining lengths against the last rows, running and not started
+        rows_p = np.concatenate([p[running[:10]], p[left]])[None, :]
+        rows_g = np.concatenate([g[:10], np.zeros(10)])[None, :]
+        xs = np.linspace(0.0, 400.0, 64)[:, None] * np.ones((1, 20))
+        cdf = model.quantile_cdf(xs, rows_p, rows_g)
+        assert cdf.shape == (64, 20)
+        np.testing.assert_allclose(cdf[:, 10:], model.ratio.quantile_cdf(xs[:, 10:], rows_p[:, 10:], rows_g[:, 10:]))
         if shape == "sqrt":  # the chance a running row has 100 tokens or fewer to go: the truth, and each shape's
             truth = np.mean(lengths[running] - at <= 100)
             ours = model.quantile_cdf(100.0, p[running], g).mean()
             theirs = model.ratio.quantile_cdf(100.0, p[running], g).mean()
-            assert abs(ours - truth) < 0.06 and abs(ours - truth) < abs(theirs - truth)
+            assert abs(ours - truth) < 0.05 and abs(theirs - truth) > 2 * abs(ours - truth)
+
+
+def test_rows_cut_short_count_as_at_least_their_own_length():
+    """A row cut by its own max_tokens (or the context) below the job's ran at least that long, not at least the
+    job's max_tokens: the square root's fit finds the lengths' line from rows cut at 150, 300 and 512 tokens."""
+    rng = np.random.default_rng(5)
+    p = np.round(np.exp(rng.normal(np.log(180), 0.5, 6000)))
+    y = rng.normal(15.0 + 1.0 * np.log(p / 180), 5.0)
+    lengths = np.clip(np.round(y * y), 1, None)
+    limit = rng.choice([150.0, 300.0, 512.0], len(p))
+    cut = lengths >= limit
+    m = SqrtLengthModel(CAP)
+    m.observe(p, np.minimum(lengths, limit), cut)
+    m.fit(np.zeros(0), np.zeros(0))
+    assert 0.2 < cut.mean() < 0.6 and len(m.capped) > 100
+    assert m.a + m.b * (np.log(180) - m.x0) == pytest.approx(15.0, abs=0.3)
+    assert m.b == pytest.approx(1.0, abs=0.3) and m.s == pytest.approx(5.0, rel=0.06)

@@ -334,14 +334,14 @@ class SqrtLengthModel:
     a factor e apart in prediction), hold the fit until rows finish. ``mu`` and ``sigma`` are the log-normal ones of
     the same mean and spread at the mean prediction; ``shift`` scales lengths by exp(shift)."""
 
-    BIN = 0.02  # predictions of rows cut at max_tokens are kept as a histogram of log(predicted)
+    BIN = 0.02  # rows cut at max_tokens are kept as a histogram of (log(predicted), tokens they ran)
 
     def __init__(self, max_tokens: int, prior_cv: float = 0.8, prior_weight: float = 3.0, slope_weight: float = 3.0):
         self.cap = float(max_tokens)
         self.prior_cv, self.prior_weight, self.slope_weight = prior_cv, prior_weight, slope_weight
         # rows finished below the cap: count, and the sums of x = log(predicted), x^2, y = sqrt(length), xy, y^2, log 2y
         self.n, self.sx, self.sxx, self.sy, self.sxy, self.syy, self.slog = 0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0
-        self.capped: dict[int, int] = {}
+        self.capped: dict[tuple[int, int], int] = {}  # (log(predicted) / BIN, tokens) -> rows
         self.p_sum, self.p_n = 0.0, 0
         self.p_mean = self.cap / 2
         self.x0 = math.log(self.p_mean)
@@ -352,8 +352,11 @@ class SqrtLengthModel:
     def observe(self, predicted, actual, hit_cap) -> None:
         p, a, cut = finished_rows(predicted, actual, hit_cap, self.cap)
         x = np.log(p)
-        for k in np.round(x[cut] / self.BIN).astype(int).tolist():
-            self.capped[k] = self.capped.get(k, 0) + 1
+        # a row cut short ran at least as long as it did: max_tokens, or less where its own limit or the context's
+        # cut it (and a row of n samples gives their mean)
+        for key in zip(np.round(x[cut] / self.BIN).astype(int).tolist(),
+                       np.round(np.minimum(a[cut], self.cap)).astype(int).tolist()):
+            self.capped[key] = self.capped.get(key, 0) + 1
         x, y = x[~cut], np.sqrt(a[~cut])
         self.n += len(y)
         self.sx += float(x.sum())
@@ -372,8 +375,9 @@ class SqrtLengthModel:
         ts = [np.sqrt(running_g[keep])]
         ws = [np.ones(int(keep.sum()))]
         if self.capped:
-            xs.append(np.fromiter(self.capped.keys(), np.float64) * self.BIN)
-            ts.append(np.full(len(self.capped), math.sqrt(self.cap)))
+            keys = np.array(list(self.capped.keys()), np.float64)
+            xs.append(keys[:, 0] * self.BIN)
+            ts.append(np.sqrt(keys[:, 1]))
             ws.append(np.fromiter(self.capped.values(), np.float64))
         return np.concatenate(xs) - self.x0, np.concatenate(ts), np.concatenate(ws)
 
@@ -467,7 +471,7 @@ class SqrtLengthModel:
         return m, np.full(m.shape, self.s * k)
 
     def _between(self, m, s, lo, hi, power: int):
-        """The integral of min(L, .)^power over lo < L < hi (L = y^2, y ~ N(m, s), y > 0), as sums of z moments."""
+        """E[L^power; lo < L < hi] (L = y^2, y ~ N(m, s); lo >= 1, so y > 0 there), as sums of z moments."""
         alpha = (np.sqrt(lo) - m) / s
         beta = (np.sqrt(hi) - m) / s
         z = _z_moments(alpha, beta, 2 * power)
@@ -516,9 +520,10 @@ def _mills(z) -> np.ndarray:
 
 
 class LengthMixture:
-    """Both length models fitted on the same rows, weighed by how likely each makes what the run has seen
+    """The log ratio and the normal fitted on the same rows, weighed by how likely each makes what the run has seen
     (finished lengths, and rows still running or cut at max_tokens as "at least"): the posterior of two models
-    of two parameters each, equal a priori. The forecast's expected lengths, moments and tail are the mixture;
+    of two parameters each, equal a priori. The forecast's expected lengths, moments and tail are the mixture (but
+    for the tail of the rows running under longest predicted first, below);
     its summaries (mu, sigma, their standard error) the weightier model's. Early on, when the evidence is thin,
     the two are averaged rather than flipped between: from the first step, not only once a few rows have finished,
     because the first rows to finish are few under any order and the log ratio alone errs with the order. Under
@@ -538,11 +543,12 @@ class LengthMixture:
     six full runs, benchmarks/length_shape.py): the drain's tail came out 15-34% long from 58% of rows on
     (benchmarks/drain_steps.py). There the tail's CDF of the rows running (``quantile_cdf`` where generated > 0)
     comes from SqrtLengthModel when the run makes it likelier than the log ratio by more than a nat (its third
-    parameter's price); the token sums, and the tail of the rows not started, stay the log ratio's: replayed on five
-    longest-first and auto runs, the square root weighed in for them made the tokens to come x0.84-1.30 at 25-50% of
-    rows, the log ratio x0.83-1.08 (benchmarks/length_replay.py --variants, "ratio or sqrt"). Where lengths are
-    log-normal around their predictions (tests/test_forecast.py's fake clock) the likelihood keeps the log ratio for
-    the tail too."""
+    parameter's price). The drain's steps still come from the log ratio's expected lengths, so its end is then the
+    larger of those steps and the expected latest end under the square root. The token sums, and the tail of the rows
+    not started, stay the log ratio's: replayed on five longest-first and auto runs, the square root weighed in for
+    them made the tokens to come x0.84-1.30 at 25-50% of rows, the log ratio x0.83-1.08 (benchmarks/length_replay.py
+    --variants, "ratio or sqrt"). Where lengths are log-normal around their predictions (tests/test_forecast.py's
+    fake clock) the likelihood keeps the log ratio for the tail too, once 5% of the rows are done."""
 
     def __init__(self, max_tokens: int):
         self.ratio, self.normal = LengthModel(max_tokens), NormalLengthModel(max_tokens)
@@ -558,8 +564,9 @@ class LengthMixture:
 
     def fit(self, running_p: np.ndarray, running_g: np.ndarray, left_shortest: bool = False,
             rest: tuple[float, float] = (0.0, 0.0)) -> tuple[float, float]:
-        """Refit both on the finished rows and the rows running (predicted p, g tokens so far), and weigh them;
-        rest: the sum and the count of the predictions of the rows still to start (the normal's prior)."""
+        """Refit on the finished rows and the rows running (predicted p, g tokens so far) and weigh the log ratio and
+        the normal, or (left_shortest) choose the tail's model; rest: the sum and the count of the predictions of the
+        rows still to start (the priors of the normal and the square root)."""
         running_p, running_g = np.asarray(running_p, np.float64), np.asarray(running_g, np.float64)
         self.ratio.fit(running_p, running_g)
         self.weight = 0.0
@@ -598,4 +605,6 @@ class LengthMixture:
         return np.where(np.asarray(generated) > 0, self.tail.quantile_cdf(x, predicted, generated, shift), mixed)
 
     def __getattr__(self, name):  # cap, mu, sigma, mu_stderr, num_events
+        if "best" not in self.__dict__:  # (copying, unpickling)
+            raise AttributeError(name)
         return getattr(self.__dict__["best"], name)
