@@ -178,6 +178,16 @@ def _log_tail(z) -> np.ndarray:
     return np.log(np.clip(1.0 - norm_cdf(z), 1e-300, None))
 
 
+def _prior_mean(model, running_p: np.ndarray, running_g: np.ndarray, rest: tuple[float, float]) -> float:
+    """The mean prediction of every row the job knows (finished, running, still to start: ``rest``, their sum and
+    count), within 1..max_tokens; half max_tokens before any: where NormalLengthModel and SqrtLengthModel put their
+    priors."""
+    keep = (running_p > 0) & (running_g > 0)
+    total_p = model.p_sum + float(running_p[keep].sum()) + float(rest[0])
+    count_p = model.p_n + int(keep.sum()) + float(rest[1])
+    return min(max(total_p / count_p, 1.0), model.cap) if count_p else model.cap / 2
+
+
 class NormalLengthModel:
     """Actual output lengths L ~ Normal(m, s), whatever their predictions; the same interface as LengthModel.
 
@@ -218,11 +228,9 @@ class NormalLengthModel:
             rest: tuple[float, float] = (0.0, 0.0)) -> tuple[float, float]:
         """Refit on the finished rows and the rows running now (predicted p, g tokens so far); rest: the sum and
         the count of the predictions of the rows still to start, for the prior."""
-        keep = (running_p > 0) & (running_g > 0)
-        total_p = self.p_sum + float(running_p[keep].sum()) + float(rest[0])
-        count_p = self.p_n + int(keep.sum()) + float(rest[1])
-        self.p_mean = min(max(total_p / count_p, 1.0), self.cap) if count_p else self.cap / 2
+        self.p_mean = _prior_mean(self, running_p, running_g, rest)
         m0, s0 = self.p_mean, self.prior_cv * self.p_mean
+        keep = (running_p > 0) & (running_g > 0)
         c, w = running_g[keep], np.ones(int(keep.sum()))
         if self.n_cap:
             c, w = np.append(c, self.cap), np.append(w, float(self.n_cap))
@@ -385,10 +393,7 @@ class SqrtLengthModel:
             rest: tuple[float, float] = (0.0, 0.0)) -> tuple[float, float]:
         """Refit on the finished rows and the rows running now (predicted p, g tokens so far); rest: the sum and
         the count of the predictions of the rows still to start, for the prior."""
-        keep = (running_p > 0) & (running_g > 0)
-        total_p = self.p_sum + float(running_p[keep].sum()) + float(rest[0])
-        count_p = self.p_n + int(keep.sum()) + float(rest[1])
-        self.p_mean = min(max(total_p / count_p, 1.0), self.cap) if count_p else self.cap / 2
+        self.p_mean = _prior_mean(self, running_p, running_g, rest)
         new_x0 = math.log(self.p_mean)
         if self._fitted:  # the same line about the new centre
             self.a += self.b * (new_x0 - self.x0)
