@@ -337,9 +337,9 @@ class SqrtLengthModel:
     peaks between the 1/4 and the 3/4 power (at 1/2 on four), and the square root's tail is within -10% to +14%
     there. The prediction enters as a slope the run fits (0 for predictions that do not rank, as the normal
     assumes; about sqrt(p) / 2 where lengths follow them, as the log ratio assumes; 0.9-2.2 on the six runs). A
-    prior of prior_weight rows at the mean prediction
-    of every row the job knows (as NormalLengthModel's), and a weak one on the slope at 0 (``slope_weight``, in rows
-    a factor e apart in prediction), hold the fit until rows finish. ``mu`` and ``sigma`` are the log-normal ones of
+    prior of prior_weight rows at the mean prediction of every row the job knows (as NormalLengthModel's), and a
+    weak one on the slope at 0 (``slope_weight``, in rows a factor e apart in prediction), hold the fit until rows
+    finish. ``mu`` and ``sigma`` are the log-normal ones of
     the same mean and spread at the mean prediction; ``shift`` scales lengths by exp(shift)."""
 
     BIN = 0.02  # rows cut at max_tokens are kept as a histogram of (log(predicted), tokens they ran)
