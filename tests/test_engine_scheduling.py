@@ -151,7 +151,7 @@ def test_early_warning_comes_before_five_percent_of_rows(warm, tmp_path, monkeyp
 def test_longest_first_forecasts_say_which_shape_their_tail_took(warm, tmp_path):
     """Longest predicted first on real prompts, where the forecast fits the square root beside the log ratio and
     chooses the drain's tail of the rows running by likelihood: every forecast says which it took, and the run
-    completes with an ETA inside its range in the timeline. Which shape wins on 120 short rows is the data's (the
+    completes with an ETA and its range in the timeline. Which shape wins on 120 short rows is the data's (the
     square root at none of 6 forecasts in one run, at some in another); tests/test_lengths.py checks the choice."""
     import logging
 
