@@ -169,6 +169,21 @@ def job_seconds_per_row(meta) -> float:
 # Each: (name, kind, factory). kind "static": fit(train fb, train lengths) -> predictor; "online": a learning
 # predictor replayed over the held-out fold; "reference": a function of the other samplings.
 
+def with_tokens(linear):
+    """The default fit with the served model's token model beside it, as `overnight predictor train` makes it for
+    the data's model; the embeddings are read once."""
+    inputs = []
+
+    def make(fb, y, capped):
+        if not inputs:
+            from overnight.buckets.tokens import TokenInputs
+
+            inputs.append(TokenInputs.of_model("smollm2-135m"))
+        return linear(tokens=inputs[0])(fb, y, capped)
+
+    return make
+
+
 def variants(args):
     from overnight.buckets.predictors import HeuristicPredictor, OnlinePredictor
     from overnight.buckets.trained import TrainedPredictor
@@ -213,6 +228,7 @@ def variants(args):
         ("trained: ridge, no kind or chat features", "static", without_kinds(linear())),
         ("trained: pairwise (RankNet)", "static", linear(objective="pairwise")),
         ("trained + online (warm start)", "warm", lambda prior: OnlinePredictor(prior=prior)),
+        ("trained: with the model's token embeddings (buckets/tokens.py)", "static", with_tokens(linear)),
     ]
     if args.only:
         v = [x for x in v if any(s in x[0] for s in args.only.split(","))]

@@ -15,6 +15,8 @@ benchmarks/length_prediction.py scores it beside the others (--probe).
     python benchmarks/length_prediction_probe.py layers  # transformers cut to its first 1, 2, 4 layers: cost a row,
                                                          # and their states as blocks cut1, cut2, cut4
     python benchmarks/length_prediction_probe.py cost    # vLLM's pooling runner: cost per row, and its features
+    python benchmarks/length_prediction_probe.py tokens  # pools of the input embeddings alone, no layer run:
+                                                         # blocks tok_last, tok_users, tok_sif, tok_meanmax
 
 `cost` runs the same weights as a vLLM pooling model (runner="pooling",
 the last token's state), over the data's prompts, whole and cut to its first
@@ -283,9 +285,44 @@ def _cut_model(model_dir: str, layers: int) -> str:
     return folder
 
 
+def tokens(path: str) -> None:
+    """Blocks of the input embeddings alone (what buckets/tokens.py reads), pooled over the user's words rather
+    than the whole templated prompt (mean0): tok_last, the mean over the text the predictor reads (a chat's last
+    user message: the product's); tok_users, over every user message; tok_sif, tok_last weighted a / (a + p) by a
+    frequency guessed from the token's id (BPE merges come roughly in frequency order); tok_meanmax, tok_last
+    beside the maximum over the tokens (not a mean, so no table could hold it). Added to `embed`'s cache."""
+    from overnight.buckets.features import prompt_text
+    from overnight.buckets.tokens import TokenInputs, token_ids
+
+    inputs = TokenInputs.of_model("smollm2-135m")
+    emb = inputs.emb.float().numpy()
+    p = 1.0 / (np.arange(len(emb)) + 100.0)
+    p /= p.sum()
+    ids, chats = _chats(path)
+    last = token_ids(inputs.tokenizer, [prompt_text(None, c) for c in chats])
+    users = token_ids(inputs.tokenizer, ["\n".join(m["content"] for m in c if m["role"] == "user") for c in chats])
+    feats = {"tok_last": [], "tok_users": [], "tok_sif": [], "tok_meanmax": []}
+    for t, u in zip(last, users):
+        e = emb[t]
+        w = 1e-3 / (1e-3 + p[t])
+        feats["tok_last"].append(e.mean(0))
+        feats["tok_users"].append(emb[u].mean(0))
+        feats["tok_sif"].append((w[:, None] * e).sum(0) / w.sum())
+        feats["tok_meanmax"].append(np.concatenate([e.mean(0), e.max(0)]))
+    out = _cache_path(path)
+    if not os.path.exists(out):
+        sys.exit(f"no cache {out}: run `python benchmarks/length_prediction_probe.py embed` first")
+    z = dict(np.load(out))
+    if list(z["ids"]) != list(ids):
+        sys.exit(f"{out} holds other rows: run `embed` again")
+    z.update({k: np.stack(v).astype(np.float32) for k, v in feats.items()})
+    np.savez_compressed(out, **z)
+    print(f"{len(ids)} prompts: blocks {', '.join(feats)} -> {out}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("what", choices=["embed", "cost", "layers"])
+    ap.add_argument("what", choices=["embed", "cost", "layers", "tokens"])
     ap.add_argument("--data", default=DATA)
     ap.add_argument("--layers", type=int, default=15, help="cost: layers of the cut model")
     ap.add_argument("--no-whole", action="store_true", help="cost: only the cut model")
@@ -294,6 +331,8 @@ def main() -> None:
         embed(args.data)
     elif args.what == "layers":
         layers_cost(args.data)
+    elif args.what == "tokens":
+        tokens(args.data)
     else:
         cost(args.data, args.layers, whole=not args.no_whole)
 

@@ -12,6 +12,7 @@ thread, in order (tests, `overnight plan`).
 from __future__ import annotations
 
 import collections
+import logging
 import threading
 import time
 from typing import Optional
@@ -22,6 +23,7 @@ from overnight.buckets.bucketing import assign, make_bounds
 from overnight.buckets.features import featurize, stack
 from overnight.buckets.predictors import Predictor
 
+log = logging.getLogger("overnight")
 
 # How often the learner thread looks for finished rows to learn from.
 LEARN_POLL_S = 0.25
@@ -64,6 +66,13 @@ class LengthAnnotator:
         self._background = background and predictor.learns
 
     # -- the input thread ----------------------------------------------------------------------
+    def bind(self, tokenizer) -> None:
+        """The job's tokenizer, for a predictor that reads token ids (a trained file with a token model)."""
+        bind = getattr(self.predictor, "bind", None)
+        why_not = bind(tokenizer) if bind is not None else None
+        if why_not:
+            log.warning(f"predictor: {why_not}")
+
     def annotate(self, rows: list, texts: list[str]) -> None:
         """Set each row's features, predicted_tokens and bucket."""
         if not rows:

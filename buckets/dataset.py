@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -21,6 +21,7 @@ class LengthData:
     stored_prediction: np.ndarray  # the run's own predicted_tokens (nan where none)
     finished_at: np.ndarray     # for replaying an online predictor in finish order
     sources: list[str]
+    models: list[str] = field(default_factory=list)  # the models the runs served (--model as given), each once
 
     def __len__(self) -> int:
         return len(self.actual)
@@ -36,12 +37,14 @@ def load_outputs(urls: list[str]) -> LengthData:
     from overnight.pipeline.output.layout import job_manifest
     from overnight.pipeline.tools.inspection import open_results
 
-    texts, ptok, caps, actual, hit, stored, finished = [], [], [], [], [], [], []
+    texts, ptok, caps, actual, hit, stored, finished, models = [], [], [], [], [], [], [], []
     for url in urls:
         manifest = job_manifest(url)
         if manifest is None:
             raise DatasetError(f"{url} has no manifest.json: pass the --out folder of an `overnight run`.")
         fields = manifest.get("fingerprint_fields", {})
+        if fields.get("model") and fields["model"] not in models:
+            models.append(fields["model"])
         prompt_col = fields.get("prompt_column", "prompt")
         messages_col = fields.get("messages_column", "messages")
         default_cap = int(fields.get("sampling", {}).get("max_tokens", 512))
@@ -68,4 +71,4 @@ def load_outputs(urls: list[str]) -> LengthData:
     if not actual:
         raise DatasetError(f"{', '.join(urls)} hold no finished ok rows to learn from.")
     return LengthData(featurize(texts, ptok, caps), np.asarray(actual, dtype=np.float64), np.asarray(hit),
-                      np.asarray(stored), np.asarray(finished), list(urls))
+                      np.asarray(stored), np.asarray(finished), list(urls), models)

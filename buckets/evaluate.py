@@ -48,7 +48,9 @@ def evaluate(data: LengthData, predictor: Optional[str] = None, rows: Optional[n
         caps = fb.caps[keep]
     else:
         p = make_predictor(predictor)
-        name = p.name if predictor in ("heuristic", "online") else f"trained ({predictor})"
+        if hasattr(p, "bind") and len(data.models) == 1:
+            p.bind(_tokenizer_of(data.models[0]))
+        name = p.name if predictor in ("heuristic", "online") else f"{p.name} ({predictor})"
         caps = fb.caps
         if p.learns:
             pred = replay(p, fb, actual, data.hit_cap[idx], np.argsort(data.finished_at[idx], kind="stable"))
@@ -64,6 +66,16 @@ def evaluate(data: LengthData, predictor: Optional[str] = None, rows: Optional[n
         mean_actual=float(np.mean(actual)) if len(actual) else float("nan"),
         mean_predicted=float(np.mean(pred)) if len(pred) else float("nan"),
     )
+
+
+def _tokenizer_of(model: str):
+    """The tokenizer of the model a run served, or None where it cannot be loaded here."""
+    from overnight.pipeline.tools.models import ModelError, load_tokenizer, resolve
+
+    try:
+        return load_tokenizer(resolve(model, auto_prepare=False))
+    except ModelError:
+        return None
 
 
 def replay(p, fb: FeatureBatch, actual: np.ndarray, hit_cap: np.ndarray, order: np.ndarray, chunk: int = 16) -> np.ndarray:

@@ -17,8 +17,15 @@ row's max_tokens) equals the mean actual length. The scheduler's deadline
 forecast sums predicted tokens, so the mean is what must be right: exp of a
 mean log length would undershoot it by the spread of the lengths.
 
+With the served model's token embeddings (tokens.py, ``fit(tokens=...)``), a second model, a ridge on the
+mean embedding of the prompt's tokens kept as one score per token, is averaged with this one in log tokens, and
+the average is calibrated again the same way, on out-of-fold (word model) and leave-one-out (token model)
+predictions. It is used where the job's tokenizer is the one it was fitted with (``bind``); elsewhere the word
+model predicts alone, with its own calibration.
+
 Files are NumPy .npz archives read with ``allow_pickle=False``: no pickled
-code is ever executed. Files of format 2 (the torch MLP) still load.
+code is ever executed. Files of format 2 (the torch MLP) still load; files of format 3 without a token table
+load as the word model alone.
 """
 
 from __future__ import annotations
@@ -37,6 +44,7 @@ from overnight.buckets.features import HASH_DIM, NUMERIC_NAMES, FeatureBatch, su
 from overnight.buckets.linear import Design, dense, fit_pairwise, fit_ridge
 from overnight.buckets.metrics import kendall_tau
 from overnight.buckets.predictors import Prediction, Predictor
+from overnight.buckets.tokens import TokenInputs, TokenTable, fingerprint, rows_of, token_ids
 
 FORMAT = "overnight-predictor/3"
 # Penalty grids searched by cross-validation: the dense block's as a share of the rows, the hashed words' as is
@@ -66,6 +74,9 @@ class TrainReport:
     val_mae: Optional[float] = None
     val_calibration: Optional[float] = None  # mean predicted / mean actual on the held-out rows
     config: dict = field(default_factory=dict)
+    # The token model's part: None without one; else how many rows it was fitted on, and the word model's own
+    # out-of-fold tau on those rows beside the average's (cv_tau is the average's then)
+    tokens: Optional[dict] = None
 
 
 def normal_scores(y: np.ndarray) -> np.ndarray:
@@ -106,10 +117,9 @@ def calibrate(s: np.ndarray, actual: np.ndarray, caps: np.ndarray) -> tuple[floa
 
 
 class TrainedPredictor(Predictor):
-    name = "trained"
-
     def __init__(self, bias: float, wd: np.ndarray, ws: np.ndarray, mean: np.ndarray, std: np.ndarray,
-                 calib: tuple[float, float, float], meta: dict):
+                 calib: tuple[float, float, float], meta: dict, tokens: Optional[TokenTable] = None,
+                 token_calib: Optional[tuple[float, float, float]] = None):
         self.bias = float(bias)
         self.wd = np.asarray(wd, dtype=np.float64)
         self.ws = np.asarray(ws, dtype=np.float32)  # [HASH_DIM]
@@ -117,6 +127,27 @@ class TrainedPredictor(Predictor):
         self.std = np.asarray(std, dtype=np.float64)
         self.calib = tuple(float(x) for x in calib)
         self.meta = meta
+        self.tokens = tokens  # the token model, and the calibration of the average (None: the word model alone)
+        self.token_calib = None if token_calib is None else tuple(float(x) for x in token_calib)
+        self.tokenizer = None  # set by bind(): the token model predicts only with the tokenizer it was fitted on
+
+    @property
+    def name(self) -> str:
+        return "trained, with the model's token embeddings" if self.tokenizer is not None else "trained"
+
+    def bind(self, tokenizer) -> Optional[str]:
+        """Use the token model with this tokenizer (the job's), if it is the one the file was fitted with. Returns
+        why not, when the file has a token model that cannot be used; None otherwise."""
+        if self.tokens is None or tokenizer is None:
+            return None
+        info = self.meta.get("tokens") or {}
+        if fingerprint(tokenizer) != info.get("fingerprint"):
+            self.tokenizer = None
+            return (f"the predictor file's token model was fitted on the vocabulary of {info.get('model')!r}, not "
+                    f"this model's: its word model predicts alone. Train it on this model's runs with "
+                    f"`overnight predictor train OUT --model MODEL`.")
+        self.tokenizer = tokenizer
+        return None
 
     def raw_score(self, fb: FeatureBatch) -> np.ndarray:
         """The linear model's output, before calibration."""
@@ -132,6 +163,9 @@ class TrainedPredictor(Predictor):
             return Prediction(np.zeros(0), np.zeros(0))
         a, b, c = self.calib
         log_t = a + b * (self.raw_score(fb) + (0.0 if offset is None else offset))
+        if self.tokenizer is not None:
+            a, b, c = self.token_calib
+            log_t = a + b * (0.5 * log_t + 0.5 * self.tokens.scores(token_ids(self.tokenizer, fb.texts)))
         tokens = np.clip(c * np.exp(log_t), 1.0, np.maximum(fb.caps, 1).astype(np.float64))
         return Prediction(tokens=tokens, score=log_t)
 
@@ -143,7 +177,7 @@ class TrainedPredictor(Predictor):
             offset: Optional[np.ndarray] = None, one_se: bool = True, grid: Optional[list] = None,
             cv_repeats: int = 1, holdout: Optional[FeatureBatch] = None, holdout_actual: Optional[np.ndarray] = None,
             log: Callable[[str], None] = lambda s: None, sources: Optional[list] = None,
-            epochs: Optional[int] = None) -> tuple["TrainedPredictor", TrainReport]:
+            epochs: Optional[int] = None, tokens: Optional[TokenInputs] = None) -> tuple["TrainedPredictor", TrainReport]:
         """Fit on rows fb with their actual output tokens. objective: ridge (regression) or pairwise (RankNet);
         target: log (log tokens) or rank (normal scores of the ranks); select: the penalties with the highest
         out-of-fold tau (tau), or the most penalised within one standard error (one_se) of the least out-of-fold
@@ -151,7 +185,9 @@ class TrainedPredictor(Predictor):
         instead of LAM_DENSE x LAM_SPARSE (inf leaves a block out); cv_repeats: the criterion is averaged over
         this many splits into folds, which makes the choice less a matter of one split's luck. Fixed lam_dense and
         lam_sparse skip the search; words=False leaves the hashed words out. offset: a prior log estimate per row;
-        the model learns a correction to it, which the penalties shrink towards none. hit_cap and epochs are accepted for callers of format 2 and unused: a row
+        the model learns a correction to it, which the penalties shrink towards none. tokens: the served model's
+        embeddings and tokenizer, to fit the token model beside the word model (tokens.py); it needs the
+        out-of-fold predictions of cross-validation, so at least 8 rows and no offset. hit_cap and epochs are accepted for callers of format 2 and unused: a row
         that stopped at max_tokens cost exactly that many tokens, which is what the scheduler needs predicted."""
         if objective not in ("ridge", "pairwise") or target not in ("log", "rank") or select not in ("mse", "tau"):
             raise ValueError(f"objective={objective!r}, target={target!r}, select={select!r}: use ridge|pairwise, "
@@ -219,6 +255,10 @@ class TrainedPredictor(Predictor):
                 "lam_dense": ld if math.isfinite(ld) else None, "lam_sparse": ls if math.isfinite(ls) else None, "num_rows": n,
                 "mean_actual": float(np.mean(actual)), "sources": sources or [], "trained_at": time.time()}
         p = cls(b, wd, ws, mean, std, calib, meta)
+        token_report = None
+        if tokens is not None and best_oof is not None and offset is None:
+            token_report = p._fit_tokens(tokens, cv_fb, best_oof, a_cv, cv_rows, seed)
+            cv_tau = token_report["cv_tau"]
         train_tau = kendall_tau(p.predict(fb, offset).score, actual)
         val_tau = val_mae = val_cal = None
         if holdout is not None and len(holdout):
@@ -230,15 +270,35 @@ class TrainedPredictor(Predictor):
         meta.update(train_tau=train_tau, cv_tau=cv_tau, val_tau=val_tau)
         config = {"objective": objective, "target": target, "lam_dense": ld, "lam_sparse": ls,
                   "calibration": {"a": calib[0], "b": calib[1], "c": calib[2]}}
-        return p, TrainReport(n, 0, time.monotonic() - started, train_tau, val_tau, cv_tau, val_mae, val_cal, config)
+        return p, TrainReport(n, 0, time.monotonic() - started, train_tau, val_tau, cv_tau, val_mae, val_cal, config,
+                              token_report)
+
+    def _fit_tokens(self, inputs: TokenInputs, cv_fb: FeatureBatch, oof: np.ndarray, actual: np.ndarray,
+                    cv_rows: np.ndarray, seed: int) -> dict:
+        """Fit the token model on (a sample of) the cross-validation rows, and calibrate the average of its
+        leave-one-out predictions with the word model's out-of-fold ones."""
+        pick, ids = rows_of(inputs.tokenizer, cv_fb.texts, len(cv_fb), seed)
+        table, loo = TokenTable.fit(inputs.emb, ids, actual[pick])
+        a, b, _ = self.calib
+        words_log = a + b * oof[pick]
+        average = 0.5 * words_log + 0.5 * loo
+        self.tokens = table
+        self.token_calib = calibrate(average, actual[pick], cv_fb.caps[pick])
+        self.tokenizer = inputs.tokenizer
+        self.meta["tokens"] = {"model": inputs.model, "fingerprint": inputs.fingerprint, "vocab": len(table.table),
+                               "lam": table.lam, "num_rows": len(pick)}
+        return {"num_rows": len(pick), "cv_tau": kendall_tau(average, actual[pick]),
+                "words_cv_tau": kendall_tau(oof[pick], actual[pick]), "tokens_cv_tau": kendall_tau(loo, actual[pick])}
 
     # -- files ---------------------------------------------------------------------------------
     def save(self, path: str) -> None:
         from overnight.pipeline.output.storage import url_to_fs, write_atomic
 
         buf = io.BytesIO()
+        extra = {} if self.tokens is None else {"token_table": self.tokens.table, "token_bias": np.array([self.tokens.bias, self.tokens.empty]),
+                                                 "token_calib": np.array(self.token_calib)}
         np.savez_compressed(buf, meta=np.array(json.dumps(self.meta)), bias=np.array(self.bias), wd=self.wd,
-                            ws=self.ws, mean=self.mean, std=self.std, calib=np.array(self.calib))
+                            ws=self.ws, mean=self.mean, std=self.std, calib=np.array(self.calib), **extra)
         fs, p = url_to_fs(path)
         write_atomic(fs, p, buf.getvalue())
 
@@ -267,7 +327,13 @@ class TrainedPredictor(Predictor):
         if meta.get("format") != FORMAT or meta.get("hash_dim") != HASH_DIM or len(blob["wd"]) != len(NUMERIC_NAMES) + 1:
             raise PredictorFileError(f"{path} was written by an incompatible version ({meta.get('format')}); "
                                      f"train it again with `overnight predictor train`.")
-        return cls(float(blob["bias"]), blob["wd"], blob["ws"], blob["mean"], blob["std"], tuple(blob["calib"]), meta)
+        tokens = token_calib = None
+        if "token_table" in blob:
+            bias, empty = blob["token_bias"]
+            tokens = TokenTable(blob["token_table"], float(bias), float(meta["tokens"]["lam"]), float(empty))
+            token_calib = tuple(blob["token_calib"])
+        return cls(float(blob["bias"]), blob["wd"], blob["ws"], blob["mean"], blob["std"], tuple(blob["calib"]), meta,
+                   tokens, token_calib)
 
 
 def _criterion(select: str, oof: np.ndarray, y: np.ndarray, actual: np.ndarray) -> tuple[float, float]:

@@ -30,15 +30,23 @@ def predictor() -> None:
 @click.option("--holdout", type=click.FloatRange(0, 0.9), default=0.2, show_default=True,
               help="Share of rows kept out of training to report validation Kendall's tau.")
 @click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--model", default=None,
+              help="The model whose token embeddings it also learns from (alias, folder or downloaded hub id). "
+                   "[default: the model the runs served]")
+@click.option("--no-embeddings", is_flag=True, help="Learn from the prompt's words alone, not from the model's "
+                                                    "token embeddings.")
 @user_errors
-def train(outs, save_to, epochs, holdout, seed):
+def train(outs, save_to, epochs, holdout, seed, model, no_embeddings):
     """Fit a length model on earlier runs' outputs (their actual output lengths).
 
     A linear model of log length over the prompt's words, its kind of task and
     its token counts, with penalties chosen by cross-validation on the
-    training rows and its mean calibrated to the mean actual length. It
-    reports the cross-validated Kendall's tau (what new rows should see) and,
-    on the --holdout rows, tau, MAE and mean predicted / mean actual.
+    training rows and its mean calibrated to the mean actual length. Beside
+    it, where the model's weights are on this machine, a ridge on the mean of
+    the model's own embeddings of the prompt's tokens; the two are averaged.
+    Jobs that serve a model with another tokenizer use the word model alone.
+    It reports the cross-validated Kendall's tau (what new rows should see)
+    and, on the --holdout rows, tau, MAE and mean predicted / mean actual.
 
     \b
     Example:
@@ -49,20 +57,51 @@ def train(outs, save_to, epochs, holdout, seed):
     from overnight.buckets.trained import TrainedPredictor
 
     data = load_outputs(list(outs))
+    tokens, why_not = None, None
+    if not no_embeddings:
+        tokens, why_not = _token_inputs(model, data.models)
     train_idx, val_idx = data.split(holdout, seed) if holdout else (list(range(len(data))), [])
     rows = data.features.rows()
     fb_train = stack([rows[i] for i in train_idx])
     fb_val = stack([rows[i] for i in val_idx]) if len(val_idx) else None
     p, report = TrainedPredictor.fit(fb_train, data.actual[train_idx], data.hit_cap[train_idx], seed=seed,
                                      holdout=fb_val, holdout_actual=data.actual[val_idx] if len(val_idx) else None,
-                                     sources=list(outs))
+                                     sources=list(outs), tokens=tokens)
     p.save(save_to)
     cv = f"cross-validated Kendall's tau {report.cv_tau:.3f}, " if report.cv_tau is not None else ""
     val = (f"; validation tau {report.val_tau:.3f}, MAE {report.val_mae:.0f} tokens, mean predicted / actual "
            f"{report.val_calibration:.2f} on {len(val_idx)} held-out rows" if report.val_tau is not None else "")
     words = "without the hashed words" if report.config["lam_sparse"] == float("inf") else "with the hashed words"
+    if report.tokens is not None:
+        t = report.tokens
+        words += (f", and {tokens.model}'s token embeddings (out-of-fold tau on {t['num_rows']} rows: words "
+                  f"{t['words_cv_tau']:.3f}, token embeddings {t['tokens_cv_tau']:.3f}, both {t['cv_tau']:.3f})")
+    elif tokens is not None:
+        words += ", without the token embeddings (too few rows to cross-validate)"
     click.echo(f"trained on {report.num_rows} rows in {report.seconds:.1f} s ({words}): {cv}on the training rows "
                f"themselves {report.train_tau:.3f}{val} -> {save_to}")
+    if why_not:
+        click.echo(f"token embeddings not used: {why_not}")
+
+
+def _token_inputs(model, served):
+    """(TokenInputs, None), or (None, why not) when the default model's embeddings cannot be read here; a
+    --model given that cannot be read is an error."""
+    from overnight.buckets.tokens import EmbeddingsUnavailable, TokenInputs
+    from overnight.pipeline.tools.models import ModelError
+
+    name = model or (served[0] if len(served) == 1 else None)
+    if name is None:
+        why = (f"the runs served {len(served)} models ({', '.join(served)})" if served else
+               "the runs do not say which model served them")
+        return None, f"{why}; pass --model MODEL"
+    try:
+        return TokenInputs.of_model(name), None
+    except (EmbeddingsUnavailable, ModelError) as e:
+        if model:
+            raise click.UsageError(f"--model {model}: its token embeddings cannot be read: {e}. Pass a model "
+                                   f"folder with its .safetensors weights, or --no-embeddings.") from None
+        return None, f"{e}; pass --model FOLDER with the weights of {name}, or --no-embeddings"
 
 
 @predictor.command("eval")

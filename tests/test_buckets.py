@@ -284,6 +284,8 @@ def test_predictor_train_and_eval_commands(tmp_path, cfg):
     assert res.exit_code == 0, res.output
     assert "trained on 90 rows" in res.output and "cross-validated Kendall's tau" in res.output
     assert "validation tau" in res.output and "mean predicted / actual" in res.output
+    # the tiny model has a tokenizer but no weights: the word model alone, and why
+    assert "token embeddings not used: " in res.output and "holds no .safetensors weights" in res.output
     ev = CliRunner().invoke(cli, ["predictor", "eval", str(out), "--predictor", str(model), "--json"],
                             catch_exceptions=False)
     e = json.loads(ev.output)

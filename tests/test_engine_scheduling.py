@@ -94,8 +94,11 @@ def test_predictor_train_eval_and_run_with_it(warm, tmp_path):
     model = tmp_path / "lengths.pt"
     out = invoke("predictor", "train", first, "--save", model, "--epochs", "20", "--holdout", "0.25").output
     assert "trained on 30 rows" in out and "validation tau" in out and model.exists()
+    # beside the words, the embedded model's own token embeddings (read from its weights)
+    assert "and smollm2-135m's token embeddings (out-of-fold tau on 30 rows" in out, out
     ev = json.loads(invoke("predictor", "eval", first, "--predictor", model, "--json").output)
     assert ev["num_rows"] == 40 and -1 <= ev["kendall_tau"] <= 1 and ev["mae"] >= 0
+    assert ev["predictor"] == f"trained, with the model's token embeddings ({model})"
     stored = invoke("predictor", "eval", first).output
     assert "predictor: stored in the run" in stored and "Kendall's tau:" in stored and "bucket hit rate:" in stored
     heur = json.loads(invoke("predictor", "eval", first, "--predictor", "heuristic", "--json").output)
@@ -103,7 +106,17 @@ def test_predictor_train_eval_and_run_with_it(warm, tmp_path):
     run_out = tmp_path / "with-model"
     invoke("run", inp, "--out", run_out, "--limit", "10", "--predictor", model)
     status = json.loads((run_out / "status.json").read_text())
-    assert status["scheduler"]["predictor"] == "trained"
+    assert status["scheduler"]["predictor"] == "trained, with the model's token embeddings"
+    # the rows' stored predictions are the file's, token model included
+    from overnight.buckets.features import featurize
+    from overnight.buckets.trained import TrainedPredictor
+    from overnight.pipeline.tools.models import load_tokenizer, resolve
+    done = pq.read_table(run_out / "parts").to_pylist()
+    p = TrainedPredictor.load(str(model))
+    assert p.bind(load_tokenizer(resolve("smollm2-135m"))) is None
+    expect = p.predict(featurize([r["prompt"] for r in done], [r["prompt_tokens"] for r in done],
+                                 [r["max_tokens"] for r in done])).tokens
+    assert [r["predicted_tokens"] for r in done] == [int(round(x)) for x in expect]
     bad = CliRunner().invoke(cli, ["run", str(inp), "--out", str(tmp_path / "x"), "--predictor", str(tmp_path / "no.pt")])
     assert bad.exit_code == 1 and f"Predictor file {tmp_path / 'no.pt'} does not exist" in bad.output
 

@@ -95,6 +95,8 @@ def prepare(cfg: JobConfig, source: ParquetSource, model: OpenModel, annotator=N
     annotator: a ``LengthAnnotator`` that predicts each row's output length; resume: a ``ResumeFilter`` that
     leaves out rows already done and duplicate ids; tally: counts rows read and predicted tokens."""
     builder = PromptBuilder(model.tokenizer, model.chat, cfg.prompt.system_prompt, model.max_model_len)
+    if annotator is not None:
+        annotator.bind(model.tokenizer)  # a trained predictor's token model needs the tokenizer it was fitted on
     defaults = sampling_defaults(cfg.sampling)
     route = model_route(cfg, model)  # an OpenAI Batch line's body.model may pick a --lora adapter
 
