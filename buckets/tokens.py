@@ -21,8 +21,6 @@ import hashlib
 import json
 import os
 from dataclasses import dataclass
-from typing import Optional
-
 import numpy as np
 
 # Names of the input embedding matrix in Hugging Face checkpoints (Llama, Qwen, Mistral, SmolLM: embed_tokens;
@@ -176,9 +174,9 @@ class TokenInputs:
         return cls(emb, tokenizer, model, fingerprint(tokenizer))
 
 
-def rows_of(tokenizer, texts, n: int, seed: int, among: Optional[np.ndarray] = None) -> tuple[np.ndarray, list]:
-    """At most MAX_ROWS of the n rows (a seeded sample of `among`, default all), and their token ids."""
-    among = np.arange(n) if among is None else np.asarray(among)
-    if len(among) > MAX_ROWS:
-        among = np.sort(np.random.default_rng(seed + 1).choice(among, MAX_ROWS, replace=False))
-    return among, token_ids(tokenizer, [texts[i] for i in among])
+def rows_of(tokenizer, texts, n: int, seed: int) -> tuple[np.ndarray, list]:
+    """At most MAX_ROWS of the n rows (a seeded sample), and their token ids."""
+    pick = np.arange(n)
+    if n > MAX_ROWS:
+        pick = np.sort(np.random.default_rng(seed + 1).choice(n, MAX_ROWS, replace=False))
+    return pick, token_ids(tokenizer, [texts[i] for i in pick])

@@ -187,8 +187,9 @@ class TrainedPredictor(Predictor):
         lam_sparse skip the search; words=False leaves the hashed words out. offset: a prior log estimate per row;
         the model learns a correction to it, which the penalties shrink towards none. tokens: the served model's
         embeddings and tokenizer, to fit the token model beside the word model (tokens.py); it needs the
-        out-of-fold predictions of cross-validation, so at least 8 rows and no offset. hit_cap and epochs are accepted for callers of format 2 and unused: a row
-        that stopped at max_tokens cost exactly that many tokens, which is what the scheduler needs predicted."""
+        out-of-fold predictions of cross-validation, so at least 8 rows and no offset. hit_cap and epochs are
+        accepted for callers of format 2 and unused: a row that stopped at max_tokens cost exactly that many
+        tokens, which is what the scheduler needs predicted."""
         if objective not in ("ridge", "pairwise") or target not in ("log", "rank") or select not in ("mse", "tau"):
             raise ValueError(f"objective={objective!r}, target={target!r}, select={select!r}: use ridge|pairwise, "
                              f"log|rank, mse|tau.")
@@ -257,7 +258,7 @@ class TrainedPredictor(Predictor):
         p = cls(b, wd, ws, mean, std, calib, meta)
         token_report = None
         if tokens is not None and best_oof is not None and offset is None:
-            token_report = p._fit_tokens(tokens, cv_fb, best_oof, a_cv, cv_rows, seed)
+            token_report = p._fit_tokens(tokens, cv_fb, best_oof, a_cv, seed)
             cv_tau = token_report["cv_tau"]
         train_tau = kendall_tau(p.predict(fb, offset).score, actual)
         val_tau = val_mae = val_cal = None
@@ -274,7 +275,7 @@ class TrainedPredictor(Predictor):
                               token_report)
 
     def _fit_tokens(self, inputs: TokenInputs, cv_fb: FeatureBatch, oof: np.ndarray, actual: np.ndarray,
-                    cv_rows: np.ndarray, seed: int) -> dict:
+                    seed: int) -> dict:
         """Fit the token model on (a sample of) the cross-validation rows, and calibrate the average of its
         leave-one-out predictions with the word model's out-of-fold ones."""
         pick, ids = rows_of(inputs.tokenizer, cv_fb.texts, len(cv_fb), seed)

@@ -102,6 +102,37 @@ def test_the_engines_first_seconds_are_not_measured():
     assert tracker.steps.fit()[0] + 16 * tracker.steps.fit()[1] == pytest.approx(0.05)
 
 
+def test_an_engine_of_fast_steps_settles_after_its_first_steps():
+    """5 ms steps (a GPU's): the settle ends after SETTLE_STEPS steps, not 4 s (800 steps at a quarter of the
+    engine), and the probe after it takes its 2 x 12 steps; once the engine is full, the fixed and per-sequence
+    costs come out."""
+    from overnight.pipeline.scheduling.deadline import PROBE_STEPS, SETTLE_STEPS
+
+    clock = FakeClock(0.0)
+    tracker = DeadlineTracker(None, 0.0, clock, max_tokens=512, settle_s=4.0)
+    tracker.engine_started(256)
+    for i in range(256):
+        tracker.admitted(str(i), 500, 50)
+    steps = 0
+    while not tracker.probe_done:
+        cap = tracker.probe_cap(256)
+        tracker.inflight.resize(cap or 256)
+        tracker.before_step()
+        seconds = 0.004 + 0.00002 * tracker._step_n
+        clock.t += seconds
+        tracker.after_step(seconds, [])
+        steps += 1
+    assert steps == SETTLE_STEPS + 2 * PROBE_STEPS + 1 and clock.t < 0.6  # the last probe step runs at half
+    tracker.inflight.resize(256)  # the engine fills: a second size, once the steps after the growth are past
+    for _ in range(30):
+        tracker.before_step()
+        seconds = 0.004 + 0.00002 * tracker._step_n
+        clock.t += seconds
+        tracker.after_step(seconds, [])
+    a, b, _ = tracker.steps.fit()
+    assert a == pytest.approx(0.004) and b == pytest.approx(0.00002)
+
+
 def test_the_warning_waits_for_the_steps_after_the_engines_first_seconds(caplog):
     """A forecast from the first seconds' slow steps expects nearly every row left undone: neither the warning
     nor the status's at-risk flag (runner: will_miss and is_settled) goes out on it; the first forecast from

