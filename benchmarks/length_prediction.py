@@ -170,8 +170,8 @@ def job_seconds_per_row(meta) -> float:
 # predictor replayed over the held-out fold; "reference": a function of the other samplings.
 
 def with_tokens(linear):
-    """The default fit with the served model's token model beside it, as `overnight predictor train` makes it for
-    the data's model; the embeddings are read once."""
+    """The default fit with the token model beside it, as `overnight predictor train` makes it, on the embedded
+    model's embeddings (the data's model: benchmarks/length_prediction_data.py); they are read once."""
     inputs = []
 
     def make(fb, y, capped):

@@ -303,6 +303,7 @@ def tokens(path: str) -> None:
     users = token_ids(inputs.tokenizer, ["\n".join(m["content"] for m in c if m["role"] == "user") for c in chats])
     feats = {"tok_last": [], "tok_users": [], "tok_sif": [], "tok_meanmax": []}
     for t, u in zip(last, users):
+        t, u = t or [0], u or [0]  # an empty message: the first token's embedding stands in
         e = emb[t]
         w = 1e-3 / (1e-3 + p[t])
         feats["tok_last"].append(e.mean(0))

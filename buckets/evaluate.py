@@ -24,6 +24,7 @@ class Evaluation:
     bucket_hit_rate: float
     mean_actual: float
     mean_predicted: float
+    note: Optional[str] = None  # why a predictor file's token model was not used, where it was not
 
     @property
     def calibration(self) -> float:
@@ -41,6 +42,7 @@ def evaluate(data: LengthData, predictor: Optional[str] = None, rows: Optional[n
     idx = np.arange(len(data)) if rows is None else rows
     fb = stack([data.features.rows()[i] for i in idx]) if rows is not None else data.features
     actual = data.actual[idx]
+    note = None
     if predictor is None:
         pred = data.stored_prediction[idx]
         keep = ~np.isnan(pred)
@@ -48,8 +50,8 @@ def evaluate(data: LengthData, predictor: Optional[str] = None, rows: Optional[n
         caps = fb.caps[keep]
     else:
         p = make_predictor(predictor)
-        if hasattr(p, "bind") and len(data.models) == 1:
-            p.bind(_tokenizer_of(data.models[0]))
+        if getattr(p, "tokens", None) is not None:
+            note = _bind(p, data.models)
         name = p.name if predictor in ("heuristic", "online") else f"{p.name} ({predictor})"
         caps = fb.caps
         if p.learns:
@@ -65,17 +67,23 @@ def evaluate(data: LengthData, predictor: Optional[str] = None, rows: Optional[n
         bucket_hit_rate=bucket_hit_rate(assign(pred, bounds), assign(actual, bounds)),
         mean_actual=float(np.mean(actual)) if len(actual) else float("nan"),
         mean_predicted=float(np.mean(pred)) if len(pred) else float("nan"),
+        note=note,
     )
 
 
-def _tokenizer_of(model: str):
-    """The tokenizer of the model a run served, or None where it cannot be loaded here."""
-    from overnight.pipeline.tools.models import ModelError, load_tokenizer, resolve
+def _bind(p, models: list[str]) -> Optional[str]:
+    """Bind a trained predictor's token model to the tokenizer of the model the runs served; why not, if not."""
+    from overnight.buckets.tokens import model_folder
+    from overnight.pipeline.tools.models import load_tokenizer, resolve
 
+    if len(models) != 1:
+        return (f"the runs served {len(models)} models ({', '.join(models)})" if models else
+                "the runs do not say which model served them") + ": the word model predicts alone"
     try:
-        return load_tokenizer(resolve(model, auto_prepare=False))
-    except ModelError:
-        return None
+        tokenizer = load_tokenizer(resolve(model_folder(models[0])))  # local files only: no hub download
+    except Exception as e:
+        return f"the tokenizer of {models[0]} cannot be loaded here ({e}): the word model predicts alone"
+    return p.bind(tokenizer)
 
 
 def replay(p, fb: FeatureBatch, actual: np.ndarray, hit_cap: np.ndarray, order: np.ndarray, chunk: int = 16) -> np.ndarray:

@@ -1,10 +1,10 @@
-"""The served model's token embeddings as a length predictor: a ridge on the mean embedding of the prompt's words.
+"""The served model's token embeddings as a length predictor: a ridge on the mean embedding of the prompt's tokens.
 
 The model that will answer a prompt has its own representation of it. Its hidden states predict the answer's
 length best (docs/BENCHMARKS.md: a probe on 15 of 30 layers reached the noise ceiling), but they cost a prefill
 of every prompt. Its input embeddings cost nothing: the mean of the embeddings of the prompt's tokens (the
 text the predictor reads: the prompt, or a chat's last user message), with a ridge on top, averaged with the
-word model (trained.py), raised held-out Kendall's tau from 0.243 to 0.263 over 480 rows and from 0.173 to 0.215
+word model (trained.py), raised held-out Kendall's tau from 0.243 to 0.263 over 480 rows and from 0.173 to 0.223
 on the open-ended ones (docs/BENCHMARKS.md).
 
 A linear model of a mean is the mean of a linear model: w . mean_t E[t] = mean_t (E[t] . w). So the fitted
@@ -55,24 +55,30 @@ def _weights_files(folder: str) -> list[str]:
         with open(index) as f:
             weight_map = json.load(f)["weight_map"]
         names = [k for k in weight_map if k.endswith(EMBEDDING_NAMES)]
+        if not names:
+            raise EmbeddingsUnavailable(f"{index} names no input embedding ({' or '.join(EMBEDDING_NAMES)})")
         return sorted({os.path.join(folder, weight_map[k]) for k in names})
     return sorted(glob.glob(os.path.join(folder, "*.safetensors")))
 
 
 def load_embeddings(folder: str):
     """The input embedding matrix [vocab, width] of the model in `folder` (safetensors, one file or sharded),
-    as a torch tensor in its stored dtype."""
+    as a torch tensor in its stored dtype. The shortest matching name wins: model.embed_tokens.weight before a
+    sub-model's (a multimodal checkpoint's talker.model.embed_tokens.weight)."""
     from safetensors import safe_open
 
     files = _weights_files(folder)
     if not files:
         raise EmbeddingsUnavailable(f"{folder} holds no .safetensors weights")
+    found = []
     for path in files:
         with safe_open(path, framework="pt") as f:
-            for name in f.keys():
-                if name.endswith(EMBEDDING_NAMES):
-                    return f.get_tensor(name)
-    raise EmbeddingsUnavailable(f"no input embedding ({' or '.join(EMBEDDING_NAMES)}) in {', '.join(files)}")
+            found += [(len(name), name, path) for name in f.keys() if name.endswith(EMBEDDING_NAMES)]
+    if not found:
+        raise EmbeddingsUnavailable(f"no input embedding ({' or '.join(EMBEDDING_NAMES)}) in {', '.join(files)}")
+    _, name, path = min(found)
+    with safe_open(path, framework="pt") as f:
+        return f.get_tensor(name)
 
 
 def model_folder(model: str) -> str:
@@ -90,15 +96,18 @@ def model_folder(model: str) -> str:
         raise EmbeddingsUnavailable(f"{model} is not downloaded on this machine ({type(e).__name__})") from None
 
 
-def mean_embeddings(emb, ids: list[list[int]]) -> np.ndarray:
-    """[rows, width]: each row's mean token embedding (zeros for a row without tokens)."""
+def mean_embeddings(emb, ids: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
+    """([rows, width] each row's mean token embedding, [rows] whether it had any token the matrix holds)."""
     import torch
 
     out = np.zeros((len(ids), emb.shape[1]), np.float64)
+    has = np.zeros(len(ids), bool)
     for i, t in enumerate(ids):
+        t = [x for x in t if x < emb.shape[0]]
         if t:
             out[i] = emb[torch.as_tensor(t, dtype=torch.long)].float().mean(dim=0).double().numpy()
-    return out
+            has[i] = True
+    return out, has
 
 
 @dataclass
@@ -112,20 +121,23 @@ class TokenTable:
     empty: float        # the score of a row without tokens (an empty prompt): the training rows' mean
 
     def scores(self, ids: list[list[int]]) -> np.ndarray:
-        """Each row's score (log tokens, before calibration)."""
-        table, n = self.table, len(self.table)
-        out = np.full(len(ids), self.empty)
-        for i, r in enumerate(ids):
-            known = [t for t in r if t < n]  # ids past the table: tokens added to the tokenizer after the model
-            if known:
-                out[i] = self.bias + float(table[known].mean())
-        return out
+        """Each row's score (log tokens, before calibration). Ids past the table (tokens added to a tokenizer
+        after its model) are left out; a row with no other token gets `empty`."""
+        lens = np.fromiter((len(r) for r in ids), np.int64, len(ids))
+        flat = np.fromiter((t for r in ids for t in r), np.int64, int(lens.sum()))
+        row_of = np.repeat(np.arange(len(ids)), lens)
+        known = flat < len(self.table)
+        counts = np.bincount(row_of[known], minlength=len(ids))
+        sums = np.bincount(row_of[known], weights=self.table[flat[known]].astype(np.float64), minlength=len(ids))
+        return np.where(counts > 0, self.bias + sums / np.maximum(counts, 1), self.empty)
 
     @classmethod
     def fit(cls, emb, ids: list[list[int]], actual: np.ndarray) -> tuple["TokenTable", np.ndarray]:
         """Ridge of log tokens on the standardised mean embeddings, its penalty chosen by leave-one-out squared
         error; returns the table and each row's leave-one-out prediction (log tokens), for calibration."""
-        x = mean_embeddings(emb, ids)
+        x, has = mean_embeddings(emb, ids)
+        if has.any():  # a row without tokens sits at the mean row, whose score is the mean (`empty`)
+            x[~has] = x[has].mean(axis=0)
         y = np.log(np.maximum(np.asarray(actual, np.float64), 1.0))
         mu, sd = x.mean(axis=0), x.std(axis=0) + 1e-6
         a = (x - mu) / sd
@@ -171,6 +183,10 @@ class TokenInputs:
         folder = model_folder(model)
         emb = load_embeddings(folder)
         tokenizer = load_tokenizer(resolve(folder))
+        vocab = len(tokenizer.get_vocab())
+        if emb.shape[0] < 0.99 * vocab:  # padded matrices have more rows; a few added tokens may have none
+            raise EmbeddingsUnavailable(f"the input embedding in {folder} has {emb.shape[0]} rows for a vocabulary "
+                                        f"of {vocab}: it is not this tokenizer's")
         return cls(emb, tokenizer, model, fingerprint(tokenizer))
 
 

@@ -139,6 +139,7 @@ class TrainedPredictor(Predictor):
         """Use the token model with this tokenizer (the job's), if it is the one the file was fitted with. Returns
         why not, when the file has a token model that cannot be used; None otherwise."""
         if self.tokens is None or tokenizer is None:
+            self.tokenizer = None
             return None
         info = self.meta.get("tokens") or {}
         if fingerprint(tokenizer) != info.get("fingerprint"):
@@ -271,6 +272,8 @@ class TrainedPredictor(Predictor):
         meta.update(train_tau=train_tau, cv_tau=cv_tau, val_tau=val_tau)
         config = {"objective": objective, "target": target, "lam_dense": ld, "lam_sparse": ls,
                   "calibration": {"a": calib[0], "b": calib[1], "c": calib[2]}}
+        if p.token_calib is not None:
+            config["token_calibration"] = dict(zip("abc", p.token_calib))
         return p, TrainReport(n, 0, time.monotonic() - started, train_tau, val_tau, cv_tau, val_mae, val_cal, config,
                               token_report)
 
@@ -330,9 +333,13 @@ class TrainedPredictor(Predictor):
                                      f"train it again with `overnight predictor train`.")
         tokens = token_calib = None
         if "token_table" in blob:
-            bias, empty = blob["token_bias"]
-            tokens = TokenTable(blob["token_table"], float(bias), float(meta["tokens"]["lam"]), float(empty))
-            token_calib = tuple(blob["token_calib"])
+            try:
+                bias, empty = blob["token_bias"]
+                tokens = TokenTable(blob["token_table"], float(bias), float(meta["tokens"]["lam"]), float(empty))
+                token_calib = tuple(blob["token_calib"])
+            except (KeyError, TypeError, ValueError) as e:
+                raise PredictorFileError(f"{path} has a token model that cannot be read ({type(e).__name__}: {e}); "
+                                         f"train it again with `overnight predictor train`.") from None
         return cls(float(blob["bias"]), blob["wd"], blob["ws"], blob["mean"], blob["std"], tuple(blob["calib"]), meta,
                    tokens, token_calib)
 

@@ -56,6 +56,9 @@ def train(outs, save_to, epochs, holdout, seed, model, no_embeddings):
     from overnight.buckets.features import stack
     from overnight.buckets.trained import TrainedPredictor
 
+    if model and no_embeddings:
+        raise click.UsageError("--model names the model whose token embeddings to learn from; --no-embeddings "
+                               "learns from none. Pass one or the other.")
     data = load_outputs(list(outs))
     tokens, why_not = None, None
     if not no_embeddings:
@@ -97,11 +100,12 @@ def _token_inputs(model, served):
         return None, f"{why}; pass --model MODEL"
     try:
         return TokenInputs.of_model(name), None
-    except (EmbeddingsUnavailable, ModelError) as e:
+    except Exception as e:  # not there, not prepared, a missing or corrupt shard ...
+        why = str(e) if isinstance(e, (EmbeddingsUnavailable, ModelError)) else f"{type(e).__name__}: {e}"
         if model:
-            raise click.UsageError(f"--model {model}: its token embeddings cannot be read: {e}. Pass a model "
+            raise click.UsageError(f"--model {model}: its token embeddings cannot be read: {why}. Pass a model "
                                    f"folder with its .safetensors weights, or --no-embeddings.") from None
-        return None, f"{e}; pass --model FOLDER with the weights of {name}, or --no-embeddings"
+        return None, f"{why}; pass --model FOLDER with the weights of {name}, or --no-embeddings"
 
 
 @predictor.command("eval")
@@ -130,4 +134,4 @@ def eval_cmd(out, spec, as_json):
         return
     click.echo(f"predictor: {e.predictor}\nrows: {e.num_rows}\nKendall's tau: {e.kendall_tau:.3f}\n"
                f"MAE: {e.mae:.1f} tokens (mean actual {e.mean_actual:.1f}, mean predicted {e.mean_predicted:.1f})\n"
-               f"bucket hit rate: {e.bucket_hit_rate:.1%}")
+               f"bucket hit rate: {e.bucket_hit_rate:.1%}" + (f"\nnote: {e.note}" if e.note else ""))

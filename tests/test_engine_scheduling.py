@@ -113,7 +113,7 @@ def test_predictor_train_eval_and_run_with_it(warm, tmp_path):
     from overnight.pipeline.tools.models import load_tokenizer, resolve
     done = pq.read_table(run_out / "parts").to_pylist()
     p = TrainedPredictor.load(str(model))
-    assert p.bind(load_tokenizer(resolve("smollm2-135m"))) is None
+    assert p.bind(load_tokenizer(resolve("smollm2-135m"))) is None and p.name == status["scheduler"]["predictor"]
     expect = p.predict(featurize([r["prompt"] for r in done], [r["prompt_tokens"] for r in done],
                                  [r["max_tokens"] for r in done])).tokens
     assert [r["predicted_tokens"] for r in done] == [int(round(x)) for x in expect]

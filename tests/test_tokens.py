@@ -88,20 +88,19 @@ def test_embeddings_predict_words_never_seen_in_training(model, tmp_path):
     loaded = TrainedPredictor.load(str(path))
     assert loaded.name == "trained"  # not bound to a tokenizer yet: the word model alone
     np.testing.assert_allclose(loaded.predict(batch(te_texts)).tokens, words_of(both).predict(batch(te_texts)).tokens)
-    assert loaded.bind(inputs.tokenizer) is None
+    assert loaded.bind(inputs.tokenizer) is None and loaded.name == "trained, with the model's token embeddings"
     np.testing.assert_allclose(loaded.predict(batch(te_texts)).tokens, pred, rtol=1e-5)
     assert loaded.meta["tokens"]["model"] == model and loaded.meta["tokens"]["fingerprint"] == fingerprint(inputs.tokenizer)
 
 
 def words_of(p):
     """The same predictor unbound: its word model alone."""
-    p2 = TrainedPredictor(p.bias, p.wd, p.ws, p.mean, p.std, p.calib, p.meta)
-    return p2
+    return TrainedPredictor(p.bias, p.wd, p.ws, p.mean, p.std, p.calib, p.meta)
 
 
 def test_another_tokenizer_leaves_the_word_model_alone(model, tmp_path, caplog):
-    """A file fitted on one vocabulary and a job whose model has another (same words, other ids): bind says why,
-    and the predictions are the word model's."""
+    """A file fitted on one vocabulary and a job whose model has another (the same words and 100 more): bind says
+    why, and the predictions are the word model's."""
     other = write_model(tmp_path / "other", seed=0, vocab_size=700)  # w600..w699 added: another vocabulary
     inputs = TokenInputs.of_model(model)
     texts, y = prompts(120, 3, LONG_SEEN, PLAIN_SEEN)
@@ -124,7 +123,8 @@ def test_the_table_is_the_ridge_on_the_mean_embedding(model):
     texts, y = prompts(200, 4, LONG_SEEN + LONG_UNSEEN, PLAIN_SEEN + PLAIN_UNSEEN)
     ids = token_ids(inputs.tokenizer, texts)
     table, loo = TokenTable.fit(inputs.emb, ids, y)
-    x = mean_embeddings(inputs.emb, ids)
+    x, has = mean_embeddings(inputs.emb, ids)
+    assert has.all()
     mu, sd = x.mean(axis=0), x.std(axis=0) + 1e-6
     a = (x - mu) / sd
     ly = np.log(y)
@@ -132,6 +132,13 @@ def test_the_table_is_the_ridge_on_the_mean_embedding(model):
     np.testing.assert_allclose(table.scores(ids), ly.mean() + a @ w, atol=1e-4)
     assert kendall_tau(loo, y) > 0.35 and len(loo) == 200  # measured: 0.47
     assert table.scores([[]])[0] == pytest.approx(ly.mean())  # a row without tokens: the mean
+    # leave-one-out: what refitting the ridge (its intercept unpenalised) without each row predicts for it
+    for i in (0, 57, 199):
+        keep = np.arange(200) != i
+        centre = a[keep].mean(axis=0)
+        w_i = np.linalg.solve((a[keep] - centre).T @ (a[keep] - centre) + table.lam * np.eye(WIDTH),
+                              (a[keep] - centre).T @ (ly[keep] - ly[keep].mean()))
+        assert loo[i] == pytest.approx(ly[keep].mean() + (a[i] - centre) @ w_i, abs=1e-9)
 
 
 def test_train_command_reports_the_token_model(model, tmp_path, cfg):
@@ -167,3 +174,15 @@ def test_train_command_reports_the_token_model(model, tmp_path, cfg):
     bad = CliRunner().invoke(cli, ["predictor", "train", str(out), "--save", str(tmp_path / "x.npz"),
                                    "--model", str(tmp_path)])
     assert bad.exit_code == 2 and f"--model {tmp_path}" in bad.output and "--no-embeddings" in bad.output
+    both = CliRunner().invoke(cli, ["predictor", "train", str(out), "--save", str(tmp_path / "y.npz"),
+                                    "--model", model, "--no-embeddings"])
+    assert both.exit_code == 2 and "Pass one or the other" in both.output
+    # eval says why a file's token model is left out: here, runs of two models
+    import dataclasses
+
+    from overnight.buckets.dataset import load_outputs
+    from overnight.buckets.evaluate import evaluate
+    data = load_outputs([str(out)])
+    e = evaluate(dataclasses.replace(data, models=[model, "other"]), str(tmp_path / "p.npz"))
+    assert e.predictor.startswith("trained (") and e.note.startswith("the runs served 2 models")
+    assert evaluate(data, str(tmp_path / "p.npz")).note is None

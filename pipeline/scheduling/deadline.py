@@ -57,7 +57,7 @@ MIN_STEPS = 8
 class DeadlineTracker:
     def __init__(self, deadline: Optional[float], margin_s: float = 0.0, clock: Callable[[], float] = time.time,
                  initial_tokens_per_s: Optional[float] = None, window_s: float = 30.0, warmup_s: float = 10.0,
-                 max_tokens: Optional[int] = None, settle_s: float = SETTLE_S):
+                 max_tokens: Optional[int] = None, settle_s: float = SETTLE_S, settle_steps: int = SETTLE_STEPS):
         # warmup_s: the first seconds of a run measure prefill and start-up more than generation; a rate
         # measured over less than this is not trusted (a configured tokens_per_second is used meanwhile).
         # settle_s: the engine's first seconds of steps, not measured (SETTLE_S), or its first SETTLE_STEPS steps
@@ -78,6 +78,7 @@ class DeadlineTracker:
         self.lengths = LengthMixture(max_tokens or 256)
         self.probe_done = False
         self.settle_s = settle_s
+        self.settle_steps = settle_steps
         self._first_step_at: Optional[float] = None
         self._engine_steps = 0  # steps since the engine started
         self._measured = 0  # steps measured since the engine settled
@@ -104,7 +105,7 @@ class DeadlineTracker:
             self._first_step_at = now
         self._engine_steps += 1
         self.steps.saw(self._step_n)  # every step: a jump in the batch during the first seconds counts too
-        settled = now - self._first_step_at >= self.settle_s or self._engine_steps > SETTLE_STEPS
+        settled = now - self._first_step_at >= self.settle_s or self._engine_steps > self.settle_steps
         if seconds is not None and settled:
             self.steps.observe(self._step_n, self._step_prefill, seconds)
             self._measured += 1
