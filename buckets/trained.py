@@ -145,8 +145,9 @@ class TrainedPredictor(Predictor):
         if fingerprint(tokenizer) != info.get("fingerprint"):
             self.tokenizer = None
             return (f"the predictor file's token model was fitted on the vocabulary of {info.get('model')!r}, not "
-                    f"this model's: its word model predicts alone. Train it on this model's runs with "
-                    f"`overnight predictor train OUT --model MODEL`.")
+                    f"this model's: its word model predicts alone. For both, train it on runs of this model "
+                    f"(`overnight predictor train OUT --save FILE`), or with this model's embeddings "
+                    f"(`--model MODEL`).")
         self.tokenizer = tokenizer
         return None
 
