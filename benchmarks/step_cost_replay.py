@@ -7,7 +7,7 @@ actually came after (their number, sequences and prompt tokens) against their ac
 product's rule, which leaves out the AFTER_GROWTH decode steps after the batch grows by a quarter, and the fit
 without it (AFTER_GROWTH = 0).
 
-    python benchmarks/step_cost_replay.py steps.json [steps.json ...] [--shares 0.1 0.25 0.5] [--weights]
+    python benchmarks/step_cost_replay.py steps.json [steps.json ...] [--shares 0.1 0.25 0.5] [--weights] [--context]
 
 Prints, per log and share, the fit and (fitted cost of the future steps) / (their actual seconds), then per rule
 the mean |log| of that ratio and the share of points within 5%.
@@ -54,12 +54,50 @@ def replay(rec: list, after_growth: int, shares=SHARES, weigh=None) -> list[tupl
     return out
 
 
+def replay_context(rec: list, shares=SHARES) -> list[tuple[float, float, float]]:
+    """Tried, not in the product: decode steps fitted as fixed + per sequence + per 1,000 tokens of the running
+    rows' context (least squares over the last StepCost.KEEP decode steps of each size, after the same settle and
+    growth rules), prefill as the product's excess; the steps to come costed with the context they actually had,
+    which a forecast would have to predict. (fixed s, s per sequence, future cost / actual) at each share."""
+    from overnight.pipeline.scheduling import deadline as dl
+    from overnight.pipeline.scheduling.forecast import StepCost
+
+    finished = [i for i, r in enumerate(rec) for _ in range(r[5])]
+    out = []
+    for share in shares:
+        i = finished[int(math.ceil(share * len(finished))) - 1]
+        sc, ctx_of = StepCost(), {}
+        for t, n, prefill, seconds, _, _, ctx in rec[:i + 1]:
+            sc.saw(n)
+            if seconds is not None and t >= dl.SETTLE_S:
+                before = len(sc.sizes.get(n, ()))
+                full = before == sc.KEEP
+                sc.observe(n, prefill, seconds)
+                q = sc.sizes.get(n)
+                if q is not None and (len(q) > before or (full and q[-1] == seconds and not prefill)):
+                    ctx_of.setdefault(n, []).append((ctx, seconds))
+        pts = [x for v in ctx_of.values() for x in v[-sc.KEEP:]]
+        x = np.array([[1.0, n, c / 1000.0] for n, v in ctx_of.items() for c, _ in v[-sc.KEEP:]])
+        y = np.array([t for _, t in pts])
+        a, b, e = np.linalg.lstsq(x, y, rcond=None)[0]
+        ps = np.array(sc.prefill_steps, np.float64)
+        c = max(0.0, float((ps[:, 3] - (a * ps[:, 1] + b * ps[:, 0] + e * np.median(x[:, 2]) * ps[:, 1])).sum()
+                           / max(ps[:, 2].sum(), 1.0))) if len(ps) else 0.0
+        future = rec[i + 1:]
+        cost = sum(a + b * r[1] + e * r[6] / 1000.0 + c * r[2] for r in future)
+        actual = sum(r[3] for r in future if r[3] is not None)
+        out.append((a, b, cost / actual))
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("logs", nargs="+")
     ap.add_argument("--shares", type=float, nargs="+", default=list(SHARES),
                     help="shares of rows finished to fit at (0.75 0.9: late, where the batch empties)")
     ap.add_argument("--weights", action="store_true", help="also the sizes weighed equally and by sqrt(steps)")
+    ap.add_argument("--context", action="store_true", help="also a fit with a term for the running rows' context, "
+                                                           "costing the steps to come with their actual context")
     args = ap.parse_args()
     from overnight.pipeline.scheduling.forecast import StepCost
 
@@ -71,10 +109,18 @@ def main() -> None:
     ratios = {name: [] for name in rules}
     print("fitted cost of the steps to come / their actual seconds, at " +
           " / ".join(f"{s:.0%}" for s in args.shares) + " of rows")
+    if args.context:
+        ratios["with a context term (actual context)"] = []
     for log in args.logs:
         rec = json.load(open(log))
         for name, (k, weigh) in rules.items():
             r = replay(rec, k, args.shares, weigh)
+            ratios[name] += [x[2] for x in r]
+            print(f"  {log}  {name:34s} " + "  ".join(f"{1000 * a:.0f} ms + {1000 * b:.2f} ms/seq: x{x:.3f}"
+                                                       for a, b, x in r))
+        if args.context:
+            name = "with a context term (actual context)"
+            r = replay_context(rec, args.shares)
             ratios[name] += [x[2] for x in r]
             print(f"  {log}  {name:34s} " + "  ".join(f"{1000 * a:.0f} ms + {1000 * b:.2f} ms/seq: x{x:.3f}"
                                                        for a, b, x in r))
