@@ -54,11 +54,13 @@ def replay(rec: list, after_growth: int, shares=SHARES, weigh=None) -> list[tupl
     return out
 
 
-def replay_context(rec: list, shares=SHARES) -> list[tuple[float, float, float]]:
-    """Tried, not in the product: decode steps fitted as fixed + per sequence + per 1,000 tokens of the running
-    rows' context (least squares over the last StepCost.KEEP decode steps of each size, after the same settle and
-    growth rules), prefill as the product's excess; the steps to come costed with the context they actually had,
-    which a forecast would have to predict. (fixed s, s per sequence, future cost / actual) at each share."""
+def replay_context(rec: list, shares=SHARES, how: str = "free", keep: int = 64) -> list[tuple[float, float, float]]:
+    """Tried, not in the product: decode steps costed as fixed + per sequence + per 1,000 tokens of the running
+    rows' context, on the last `keep` decode steps of each size kept by the product's settle and growth rules;
+    prefill as the product's excess. how="free": the three by least squares; how="within": the context's cost
+    from the variation within each size (each size centred), then the product's weighted line through each
+    size's median of what is left. The steps to come are costed with the context they actually had, which a
+    forecast would have to predict. (fixed s, s per sequence, future cost / actual) at each share."""
     from overnight.pipeline.scheduling import deadline as dl
     from overnight.pipeline.scheduling.forecast import StepCost
 
@@ -66,22 +68,33 @@ def replay_context(rec: list, shares=SHARES) -> list[tuple[float, float, float]]
     out = []
     for share in shares:
         i = finished[int(math.ceil(share * len(finished))) - 1]
-        sc, ctx_of = StepCost(), {}
+        sc, kept = StepCost(), {}
         for t, n, prefill, seconds, _, _, ctx in rec[:i + 1]:
             sc.saw(n)
             if seconds is not None and t >= dl.SETTLE_S:
-                before = len(sc.sizes.get(n, ()))
-                full = before == sc.KEEP
+                plain = not prefill and sc._pending is None and not sc._unsettled  # what observe() keeps by size
                 sc.observe(n, prefill, seconds)
-                q = sc.sizes.get(n)
-                if q is not None and (len(q) > before or (full and q[-1] == seconds and not prefill)):
-                    ctx_of.setdefault(n, []).append((ctx, seconds))
-        pts = [x for v in ctx_of.values() for x in v[-sc.KEEP:]]
-        x = np.array([[1.0, n, c / 1000.0] for n, v in ctx_of.items() for c, _ in v[-sc.KEEP:]])
-        y = np.array([t for _, t in pts])
-        a, b, e = np.linalg.lstsq(x, y, rcond=None)[0]
+                if plain:
+                    kept.setdefault(n, []).append((ctx / 1000.0, seconds))
+        kept = {n: v[-keep:] for n, v in kept.items()}
+        if how == "free":
+            x = np.array([[1.0, n, c] for n, v in kept.items() for c, _ in v])
+            y = np.array([t for v in kept.values() for _, t in v])
+            a, b, e = np.linalg.lstsq(x, y, rcond=None)[0]
+        else:
+            xs = [np.array([c for c, _ in v]) for v in kept.values() if len(v) >= 8]
+            ys = [np.array([t for _, t in v]) for v in kept.values() if len(v) >= 8]
+            xc = np.concatenate([x - x.mean() for x in xs]) if xs else np.zeros(0)
+            yc = np.concatenate([y - y.mean() for y in ys]) if ys else np.zeros(0)
+            e = max(0.0, float(xc @ yc / max(float(xc @ xc), 1e-12)))
+            line = StepCost()
+            for n, v in kept.items():
+                line.sizes[n] = [t - e * c for c, t in v]
+            line.num_steps = 1
+            a, b, _ = line.fit()
         ps = np.array(sc.prefill_steps, np.float64)
-        c = max(0.0, float((ps[:, 3] - (a * ps[:, 1] + b * ps[:, 0] + e * np.median(x[:, 2]) * ps[:, 1])).sum()
+        mid = float(np.median([c for v in kept.values() for c, _ in v]))
+        c = max(0.0, float((ps[:, 3] - (a * ps[:, 1] + b * ps[:, 0] + e * mid * ps[:, 1])).sum()
                            / max(ps[:, 2].sum(), 1.0))) if len(ps) else 0.0
         future = rec[i + 1:]
         cost = sum(a + b * r[1] + e * r[6] / 1000.0 + c * r[2] for r in future)
@@ -109,8 +122,11 @@ def main() -> None:
     ratios = {name: [] for name in rules}
     print("fitted cost of the steps to come / their actual seconds, at " +
           " / ".join(f"{s:.0%}" for s in args.shares) + " of rows")
-    if args.context:
-        ratios["with a context term (actual context)"] = []
+    context_rules = {"context term, free least squares": ("free", 64),
+                     "context term from within sizes": ("within", 64),
+                     "context term from within sizes, 256": ("within", 256)} if args.context else {}
+    for name in context_rules:
+        ratios[name] = []
     for log in args.logs:
         rec = json.load(open(log))
         for name, (k, weigh) in rules.items():
@@ -118,9 +134,8 @@ def main() -> None:
             ratios[name] += [x[2] for x in r]
             print(f"  {log}  {name:34s} " + "  ".join(f"{1000 * a:.0f} ms + {1000 * b:.2f} ms/seq: x{x:.3f}"
                                                        for a, b, x in r))
-        if args.context:
-            name = "with a context term (actual context)"
-            r = replay_context(rec, args.shares)
+        for name, (how, keep) in context_rules.items():
+            r = replay_context(rec, args.shares, how, keep)
             ratios[name] += [x[2] for x in r]
             print(f"  {log}  {name:34s} " + "  ".join(f"{1000 * a:.0f} ms + {1000 * b:.2f} ms/seq: x{x:.3f}"
                                                        for a, b, x in r))
