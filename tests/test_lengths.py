@@ -4,6 +4,7 @@ between it and the log-ratio model by the likelihood of what a run has seen. No 
 import numpy as np
 import pytest
 
+from overnight.pipeline.scheduling.censored import norm_cdf
 from overnight.pipeline.scheduling.lengths import LengthMixture, LengthModel, NormalLengthModel, SqrtLengthModel
 
 CAP = 512
@@ -218,3 +219,9 @@ def test_rows_cut_short_count_as_at_least_their_own_length():
     assert 0.2 < cut.mean() < 0.6 and len(m.capped) > 100
     assert m.a + m.b * (np.log(180) - m.x0) == pytest.approx(15.0, abs=0.3)
     assert m.b == pytest.approx(1.0, abs=0.3) and m.s == pytest.approx(5.0, rel=0.06)
+
+
+def test_norm_cdf():
+    assert norm_cdf(0.0) == pytest.approx(0.5)
+    assert norm_cdf(1.2816) == pytest.approx(0.9, abs=1e-4)
+    assert norm_cdf(-1.96) == pytest.approx(0.025, abs=1e-4)
