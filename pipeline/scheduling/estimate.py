@@ -164,6 +164,11 @@ def model_forecast(t, scheduler, lengths, counts, unread: int, mean_predicted: f
     tail = eta_s - (a * d.steps + b * d.tokens + c * prefill)
     low = max(0.0, low * (1 - rel))
     high = high * (1 + rel) + tail
+    # the step cost's own drift over the run, which no fit foresees (StepCost.drift), beside the lengths' spread
+    drift = Z80 * t.step_cost.drift
+    if drift > 0:
+        low = max(0.0, eta_s - math.hypot(max(0.0, eta_s - low), eta_s * -math.expm1(-drift)))
+        high = eta_s + math.hypot(max(0.0, high - eta_s), eta_s * math.expm1(drift))
     tokens_per_s = max_num_seqs / step_full if step_full > 0 else 0.0
     will_miss = t.stop_at is not None and eta_s > left
     left_rows = max(0, round(rows - rows_by / per_row)) if t.stop_at is not None else 0
@@ -172,9 +177,10 @@ def model_forecast(t, scheduler, lengths, counts, unread: int, mean_predicted: f
     calibration = math.exp(model.mu + model.sigma ** 2 / 2)  # before max_tokens cuts the longest
     log.debug("forecast: step %.4f + %.5f/seq + %.2e/prompt token; %d steps + %.0f tail, %.0f tokens, %.0f "
               "prompt tokens over %d slots (rows capped at %s); lengths mu %.3f sigma %.3f from %.1f rows; "
-              "ETA %.1f s (%.1f-%.1f); tail of the rows running: %s",
+              "step cost drift %.3f; ETA %.1f s (%.1f-%.1f); tail of the rows running: %s",
               a, b, c, d.steps, d.tail_steps, d.tokens, prefill, max_num_seqs, cap, model.mu, model.sigma,
-              model.num_events, eta_s, low, high, "square root" if model.tail is not None else "mixture")
+              model.num_events, t.step_cost.drift, eta_s, low, high,
+              "square root" if model.tail is not None else "mixture")
     return Forecast(float(tokens_per_s), float(d.tokens), rows, float(eta_s), left, bool(will_miss),
                     int(left_rows) if will_miss else 0, float(min(low, eta_s)), float(max(high, eta_s)),
                     calibration, (a, b, c), cap)

@@ -3,7 +3,8 @@
 Pure objects, no engine, clock or I/O; the runner feeds them every step.
 
     StepCost     a step's seconds ~ fixed + per_seq * sequences + per_token * prompt tokens prefilled, fitted by
-                 least squares over the steps seen (decayed, so the fit follows the run)
+                 least squares over the steps seen (decayed, so the fit follows the run), and how much that cost
+                 drifts over the run (the ETA's range widens by it)
     InFlight     which admitted rows the engine runs and for how many steps: vLLM runs up to max_num_seqs in the
                  order they came and queues the rest, and does not say which; this emulates it
     (LengthModel, the rows' lengths against their predictions, is in scheduling/lengths.py.)
@@ -43,10 +44,17 @@ class StepCost:
     against 110-116 ms and 130-150 ms once settled. The probe's short 32-sequence level was all slow, and it
     pulled the line's fixed part from about 45 to about 70 ms: the steps still to come, which end in a drain where
     the batch empties, were costed 7-18% long. ``saw`` is told of every step, the engine's first seconds' too,
-    so that a jump among them is seen."""
+    so that a jump among them is seen.
+
+    ``drift`` is how much a step's cost moves over the run that the fit cannot foresee: the spread, in log
+    seconds, of the medians of consecutive blocks of BLOCK decode steps of one size. On a shared CPU the same
+    64-sequence step took 113 ms in one stretch and 132 ms in the next; the fit follows it, the steps still to come
+    can differ again either way (docs/BENCHMARKS.md, "The step cost's drift and the ETA's range")."""
 
     KEEP = 64
     AFTER_GROWTH = 12
+    BLOCK = 32  # decode steps of one size per block of the drift
+    BLOCKS = 64  # the last blocks kept, per size
 
     def __init__(self):
         self.sizes: dict[int, deque] = {}  # sequences -> the last KEEP decode-only step times of that size
@@ -58,6 +66,8 @@ class StepCost:
         self._fit: Optional[tuple[float, float, float]] = None
         self._last_seqs: Optional[int] = None
         self._unsettled = 0  # decode steps still to leave out after the batch grew
+        self._block: dict[int, list] = {}  # sequences -> the decode steps of the block being filled
+        self.block_medians: dict[int, deque] = {}  # sequences -> the medians of the last BLOCKS blocks
 
     def saw(self, num_seqs: int) -> None:
         """A step of ``num_seqs`` sequences ran (observed or not): notes a jump in the batch."""
@@ -91,8 +101,22 @@ class StepCost:
             if q is None:
                 q = self.sizes[num_seqs] = deque(maxlen=self.KEEP)
             q.append(seconds)
+            block = self._block.setdefault(num_seqs, [])
+            block.append(seconds)
+            if len(block) >= self.BLOCK:
+                self.block_medians.setdefault(num_seqs, deque(maxlen=self.BLOCKS)).append(float(np.median(block)))
+                block.clear()
         self.num_steps += 1
         self._fit = None
+
+    @property
+    def drift(self) -> float:
+        """The standard deviation of the log of the block medians of the size with the most blocks; 0 before it
+        has 3."""
+        blocks = max(self.block_medians.values(), key=len, default=())
+        if len(blocks) < 3:
+            return 0.0
+        return float(np.std(np.log(np.asarray(blocks, np.float64)), ddof=1))
 
     def _points(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(sizes, median seconds, steps) of the sizes seen at least 3 times."""
