@@ -8,6 +8,7 @@ product's rule, which leaves out the AFTER_GROWTH decode steps after the batch g
 without it (AFTER_GROWTH = 0).
 
     python benchmarks/step_cost_replay.py steps.json [steps.json ...] [--shares 0.1 0.25 0.5] [--weights] [--context]
+        [--physics] [--keep 64 128 256 512 0] [--stretches]
 
 Prints, per log and share, the fit and (fitted cost of the future steps) / (their actual seconds), then per rule
 the mean |log| of that ratio and the share of points within 5%. For the product's rule, also the step cost's drift
@@ -108,6 +109,74 @@ def replay_context(rec: list, shares=SHARES, how: str = "free", keep: int = 64) 
     return out
 
 
+# SmolLM2-135M: the keys and values of one token (2 x layers x kv heads x head dim) over the weights
+SMOLLM2_RHO = 2 * 30 * 3 * 64 / 134.5e6
+
+
+def replay_physics(rec: list, shares=SHARES, rho: float = SMOLLM2_RHO,
+                   on: str = "fixed") -> list[tuple[float, float, float]]:
+    """Tried, not in the product: the context's cost pinned by its physics. A decode step reads the weights once
+    and each running row's keys and values once per context token, so (on="fixed") a step costs
+    a * (1 + rho * context) + b * sequences, rho the keys and values of a token over the weights; or
+    (on="per_seq") a + b * (sequences + rho * context). a and b: the product's line through each size's median
+    (the last 64 kept decode steps), at that size's median context; prefill as the product's excess. The steps to
+    come are costed with the context they actually had. (a, b, future cost / actual) at each share."""
+    from overnight.pipeline.scheduling import deadline as dl
+    from overnight.pipeline.scheduling.forecast import StepCost
+
+    finished = [i for i, r in enumerate(rec) for _ in range(r[5])]
+    out = []
+    for share in shares:
+        i = finished[int(math.ceil(share * len(finished))) - 1]
+        sc, kept = StepCost(), {}
+        for t, n, prefill, seconds, _, _, ctx in rec[:i + 1]:
+            sc.saw(n)
+            if seconds is not None and t >= dl.SETTLE_S:
+                plain = not prefill and sc._pending is None and not sc._unsettled
+                sc.observe(n, prefill, seconds)
+                if plain:
+                    kept.setdefault(n, []).append((ctx, seconds))
+        pts = [(n, np.median([c for c, _ in v[-64:]]), np.median([t for _, t in v[-64:]]), len(v[-64:]))
+               for n, v in kept.items() if len(v) >= 3]
+        n_, c_, t_, w_ = (np.array(x, np.float64) for x in zip(*pts))
+
+        def cost(n, ctx, a, b):
+            return a * (1 + rho * ctx) + b * n if on == "fixed" else a + b * (n + rho * ctx)
+
+        x = np.stack([1 + rho * c_, n_], 1) if on == "fixed" else np.stack([np.ones_like(n_), n_ + rho * c_], 1)
+        sw = np.sqrt(w_)
+        a, b = np.linalg.lstsq(x * sw[:, None], t_ * sw, rcond=None)[0]
+        if a < 0:
+            a, b = 0.0, float(w_ @ t_ / (w_ @ x[:, 1]))
+        ps = np.array(sc.prefill_steps, np.float64)
+        mid = float(np.median([c for v in kept.values() for c, _ in v[-64:]]))
+        c = max(0.0, float((ps[:, 3] - np.array([cost(p[0] / p[1], mid, a, b) * p[1] for p in ps])).sum()
+                           / max(ps[:, 2].sum(), 1.0))) if len(ps) else 0.0
+        future = rec[i + 1:]
+        total = sum(cost(r[1], r[6], a, b) + c * r[2] for r in future)
+        out.append((a, b, total / sum(r[3] for r in future if r[3] is not None)))
+    return out
+
+
+def stretches(rec: list, shares=SHARES) -> list[tuple[float, float]]:
+    """At each share of rows finished: (median of the last 64 decode-only steps of the size with the most, mean of
+    that size's decode-only steps after), in seconds: how much a step of the same size moves from one stretch of the
+    run to the next."""
+    from overnight.pipeline.scheduling import deadline as dl
+
+    finished = [i for i, r in enumerate(rec) for _ in range(r[5])]
+    out = []
+    for share in shares:
+        i = finished[int(math.ceil(share * len(finished))) - 1]
+        plain = [(j, r[1], r[3]) for j, r in enumerate(rec) if r[3] is not None and not r[2] and r[0] >= dl.SETTLE_S]
+        sizes = [n for j, n, _ in plain if j <= i]
+        n0 = max(set(sizes), key=sizes.count)
+        past = [t for j, n, t in plain if j <= i and n == n0][-64:]
+        future = [t for j, n, t in plain if j > i and n == n0]
+        out.append((float(np.median(past)), float(np.mean(future)) if future else math.nan))
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("logs", nargs="+")
@@ -116,6 +185,13 @@ def main() -> None:
     ap.add_argument("--weights", action="store_true", help="also the sizes weighed equally and by sqrt(steps)")
     ap.add_argument("--context", action="store_true", help="also a fit with a term for the running rows' context, "
                                                            "costing the steps to come with their actual context")
+    ap.add_argument("--physics", action="store_true",
+                    help="also the context's cost pinned by its physics (SmolLM2-135M's keys and values per token "
+                         "over its weights), scaled")
+    ap.add_argument("--keep", type=int, nargs="*", default=[],
+                    help="also the product's rule keeping this many decode steps of each size (0: all)")
+    ap.add_argument("--stretches", action="store_true",
+                    help="also the last 64 steps' median of the commonest size against the mean of those after")
     args = ap.parse_args()
     from overnight.pipeline.scheduling.forecast import StepCost
 
@@ -130,8 +206,16 @@ def main() -> None:
     context_rules = {"context term, free least squares": ("free", 64),
                      "context term from within sizes": ("within", 64),
                      "context term from within sizes, 256": ("within", 256)} if args.context else {}
+    if args.physics:
+        context_rules.update({"physics: rho on the fixed part": ("physics", SMOLLM2_RHO, "fixed"),
+                              "rho / 2 on the fixed part": ("physics", SMOLLM2_RHO / 2, "fixed"),
+                              "rho x 2 on the fixed part": ("physics", SMOLLM2_RHO * 2, "fixed"),
+                              "per sequence: context / 2,000": ("physics", 1 / 2000, "per_seq"),
+                              "per sequence: context / 500": ("physics", 1 / 500, "per_seq")})
     for name in context_rules:
         ratios[name] = []
+    for keep in args.keep:
+        ratios[f"KEEP={keep or 'all'}"] = []
     product = next(iter(rules))
     drifts = []
     for log in args.logs:
@@ -143,8 +227,18 @@ def main() -> None:
                                                        for a, b, x in r))
         print(f"  {log}  {'drift (log sd of block medians)':34s} " + "  ".join(f"{d:.3f}"
                                                                              for d in drifts[-len(args.shares):]))
-        for name, (how, keep) in context_rules.items():
-            r = replay_context(rec, args.shares, how, keep)
+        for keep in args.keep:
+            saved, StepCost.KEEP = StepCost.KEEP, keep or 10 ** 9
+            try:
+                ratios[f"KEEP={keep or 'all'}"] += [x[2] for x in replay(rec, StepCost.AFTER_GROWTH, args.shares)]
+            finally:
+                StepCost.KEEP = saved
+        if args.stretches:
+            print(f"  {log}  {'last 64 steps, then the mean after':34s} " + "  ".join(
+                f"{1000 * a:.0f} ms, then {1000 * b:.0f}" for a, b in stretches(rec, args.shares)))
+        for name, (how, *opts) in context_rules.items():
+            r = replay_physics(rec, args.shares, *opts) if how == "physics" else replay_context(rec, args.shares, how,
+                                                                                                *opts)
             ratios[name] += [x[2] for x in r]
             print(f"  {log}  {name:34s} " + "  ".join(f"{1000 * a:.0f} ms + {1000 * b:.2f} ms/seq: x{x:.3f}"
                                                        for a, b, x in r))
