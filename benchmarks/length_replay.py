@@ -15,11 +15,12 @@ log ratio alone where the run ran longest predicted first, which it reads from t
 for reference, is no model a run could have: every row drawn from the run's own lengths, known in hindsight
 (Hindsight).
 
-    python benchmarks/length_replay.py OUT [OUT ...] [--max-tokens 512] [--variants] [--running]
+    python benchmarks/length_replay.py OUT [OUT ...] [--max-tokens 512] [--variants] [--running] [--trace N]
 
 Prints, per run and share, expected / actual tokens to come, and per model the mean |log| of that ratio. With
 --running, the tokens still to come of the rows running at that moment only (what the end of the drain and its
-tail draw on).
+tail draw on). With --trace N, the forecast's mixture at every N rows done up to a fifth of the rows: expected /
+actual tokens to come, the normal's weight, and the log ratio's fit (a transient early in a run shows there).
 """
 
 from __future__ import annotations
@@ -258,6 +259,24 @@ def replay(d: dict, make, clock, running_only: bool = False, **fit_kw) -> list[f
     return ratios
 
 
+def trace(out: str, every: int, max_tokens: int) -> None:
+    """The mixture at every `every` rows done, up to a fifth of the rows."""
+    from overnight.pipeline.scheduling.lengths import LengthMixture
+
+    d = load(out)
+    clock = step_clock(d)
+    order = np.sort(d["e"])
+    for k in range(every, max(every, len(order) // 5) + 1, every):
+        fin, run, pool, g, actual = state(d, order[k - 1] + 0.01, clock)
+        m = LengthMixture(max_tokens)
+        m.observe(d["p"][fin], d["a"][fin], d["cut"][fin])
+        m.fit(d["p"][run], g[run], left_shortest=runs_longest_first(out),
+              rest=(float(d["p"][pool].sum()), float(pool.sum())))
+        e = float(m.expected(d["p"][run], g[run]).sum() + m.expected(d["p"][pool]).sum())
+        print(f"  {out}  {k:4d} rows done: x{e / actual:.2f}, normal's weight {m.weight:.2f}, log ratio mu "
+              f"{m.ratio.mu:.2f} sigma {m.ratio.sigma:.2f}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("outs", nargs="+")
@@ -265,7 +284,13 @@ def main() -> None:
     ap.add_argument("--variants", action="store_true", help="also the weighings tried and not kept")
     ap.add_argument("--running", action="store_true", help="score the tokens still to come of the rows running "
                                                            "only (what the drain's end and its tail draw on)")
+    ap.add_argument("--trace", type=int, default=0, metavar="N",
+                    help="only the mixture at every N rows done, up to a fifth of the rows")
     args = ap.parse_args()
+    if args.trace:
+        for out in args.outs:
+            trace(out, args.trace, args.max_tokens)
+        return
     from overnight.pipeline.scheduling.lengths import LengthMixture, LengthModel, NormalLengthModel
 
     models = {"log ratio (LengthModel)": lambda: LengthModel(args.max_tokens),
