@@ -60,18 +60,14 @@ def replay(rec: list, after_growth: int, shares=SHARES, weigh=None, drifts=None)
     return out
 
 
-def replay_context(rec: list, shares=SHARES, how: str = "free", keep: int = 64) -> list[tuple[float, float, float]]:
-    """Tried, not in the product: decode steps costed as fixed + per sequence + per 1,000 tokens of the running
-    rows' context, on the last `keep` decode steps of each size kept by the product's settle and growth rules;
-    prefill as the product's excess. how="free": the three by least squares; how="within": the context's cost
-    from the variation within each size (each size centred), then the product's weighted line through each
-    size's median of what is left. The steps to come are costed with the context they actually had, which a
-    forecast would have to predict. (fixed s, s per sequence, future cost / actual) at each share."""
+def kept_until(rec: list, shares):
+    """For each share of rows finished: (the index of the step it was reached at, the StepCost fed every step until
+    then as the tracker feeds it, {sequences: [(context tokens, seconds)]} of the decode steps that StepCost kept by
+    size)."""
     from overnight.pipeline.scheduling import deadline as dl
     from overnight.pipeline.scheduling.forecast import StepCost
 
     finished = [i for i, r in enumerate(rec) for _ in range(r[5])]
-    out = []
     for share in shares:
         i = finished[int(math.ceil(share * len(finished))) - 1]
         sc, kept = StepCost(), {}
@@ -81,8 +77,22 @@ def replay_context(rec: list, shares=SHARES, how: str = "free", keep: int = 64) 
                 plain = not prefill and sc._pending is None and not sc._unsettled  # what observe() keeps by size
                 sc.observe(n, prefill, seconds)
                 if plain:
-                    kept.setdefault(n, []).append((ctx / 1000.0, seconds))
-        kept = {n: v[-keep:] for n, v in kept.items()}
+                    kept.setdefault(n, []).append((ctx, seconds))
+        yield i, sc, kept
+
+
+def replay_context(rec: list, shares=SHARES, how: str = "free", keep: int = 64) -> list[tuple[float, float, float]]:
+    """Tried, not in the product: decode steps costed as fixed + per sequence + per 1,000 tokens of the running
+    rows' context, on the last `keep` decode steps of each size kept by the product's settle and growth rules;
+    prefill as the product's excess. how="free": the three by least squares; how="within": the context's cost
+    from the variation within each size (each size centred), then the product's weighted line through each
+    size's median of what is left. The steps to come are costed with the context they actually had, which a
+    forecast would have to predict. (fixed s, s per sequence, future cost / actual) at each share."""
+    from overnight.pipeline.scheduling.forecast import StepCost
+
+    out = []
+    for i, sc, kept in kept_until(rec, shares):
+        kept = {n: [(c / 1000.0, t) for c, t in v[-keep:]] for n, v in kept.items()}
         if how == "free":
             x = np.array([[1.0, n, c] for n, v in kept.items() for c, _ in v])
             y = np.array([t for v in kept.values() for _, t in v])
@@ -121,21 +131,8 @@ def replay_physics(rec: list, shares=SHARES, rho: float = SMOLLM2_RHO,
     (on="per_seq") a + b * (sequences + rho * context). a and b: the product's line through each size's median
     (the last 64 kept decode steps), at that size's median context; prefill as the product's excess. The steps to
     come are costed with the context they actually had. (a, b, future cost / actual) at each share."""
-    from overnight.pipeline.scheduling import deadline as dl
-    from overnight.pipeline.scheduling.forecast import StepCost
-
-    finished = [i for i, r in enumerate(rec) for _ in range(r[5])]
     out = []
-    for share in shares:
-        i = finished[int(math.ceil(share * len(finished))) - 1]
-        sc, kept = StepCost(), {}
-        for t, n, prefill, seconds, _, _, ctx in rec[:i + 1]:
-            sc.saw(n)
-            if seconds is not None and t >= dl.SETTLE_S:
-                plain = not prefill and sc._pending is None and not sc._unsettled
-                sc.observe(n, prefill, seconds)
-                if plain:
-                    kept.setdefault(n, []).append((ctx, seconds))
+    for i, sc, kept in kept_until(rec, shares):
         pts = [(n, np.median([c for c, _ in v[-64:]]), np.median([t for _, t in v[-64:]]), len(v[-64:]))
                for n, v in kept.items() if len(v) >= 3]
         n_, c_, t_, w_ = (np.array(x, np.float64) for x in zip(*pts))
