@@ -49,7 +49,8 @@ class StepCost:
     ``drift`` is how much a step's cost moves over the run that the fit cannot foresee: the spread, in log
     seconds, of the medians of consecutive blocks of BLOCK decode steps of one size. On a shared CPU the same
     64-sequence step took a median 202 ms over one stretch of a run and 172 ms on average after it; the fit follows
-    such moves, but the steps still to come can move again either way (docs/BENCHMARKS.md, "The step cost's drift and the ETA's range")."""
+    such moves, but the steps still to come can move again either way (docs/BENCHMARKS.md, "The step cost's drift
+    and the ETA's range")."""
 
     KEEP = 64
     AFTER_GROWTH = 12
