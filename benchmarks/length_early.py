@@ -122,6 +122,8 @@ def before_mixture(max_tokens: int):
     from overnight.pipeline.scheduling.lengths import LengthMixture
 
     class Before(LengthMixture):
+        SQRT_PRICE = float("inf")  # (no square root then)
+
         def fit(self, running_p, running_g, left_shortest=False, rest=(0.0, 0.0)):
             super().fit(running_p, running_g, left_shortest)
             if self.ratio.n < 5:

@@ -9,11 +9,11 @@ tokens of the rows still running late in a run, when the batch empties and steps
 model on what was seen and compares the tokens it expects still to come with the tokens that came.
 
 Models (pipeline/scheduling/lengths.py): LengthModel (log(actual / predicted) ~ Normal, censored),
-NormalLengthModel (the length itself ~ Normal, the prediction not used) and LengthMixture (the forecast's: the two
-weighed by how likely each makes what the run has seen, the normal's prior at the mean prediction of every row; the
-log ratio alone where the run ran longest predicted first, which it reads from the run's status.json). A last line,
-for reference, is no model a run could have: every row drawn from the run's own lengths, known in hindsight
-(Hindsight).
+NormalLengthModel (the length itself ~ Normal, the prediction not used) and LengthMixture (the forecast's: those two
+and SqrtLengthModel weighed by how likely each makes what the run has seen, the priors at the mean prediction of
+every row; the log ratio alone where the run ran longest predicted first, which it reads from the run's
+status.json). A last line, for reference, is no model a run could have: every row drawn from the run's own lengths,
+known in hindsight (Hindsight).
 
     python benchmarks/length_replay.py OUT [OUT ...] [--max-tokens 512] [--variants] [--running] [--trace N]
 
@@ -98,14 +98,20 @@ class Hindsight:
 
 
 def variants(max_tokens: int) -> dict:
-    """Other ways to weigh the two length models, tried and not kept (docs/BENCHMARKS.md): the square root of
-    the length (SqrtLengthModel) alone or weighed in with the others; equal weights from 5 finished rows on; the
+    """Other ways to weigh the length models, tried and not kept (docs/BENCHMARKS.md): the log ratio and the normal
+    alone, as the mixture was before the square root was weighed in ("before"); the square root of the length
+    (SqrtLengthModel) alone or weighed in with the others, the normal left out under longest first too ("three",
+    "ratio or sqrt"); equal weights from 5 finished rows on; the
     likelihood difference divided by the square root of the rows; a log-normal on the length itself, blind to the
     predictions (LengthModel on a constant prediction); and the log ratio without a shape (its Kaplan-Meier
     estimate)."""
     from overnight.pipeline.scheduling.lengths import LengthMixture, LengthModel
 
-    class Equal(LengthMixture):
+    class Two(LengthMixture):
+        """The mixture before the square root was weighed in for the token sums: the log ratio and the normal."""
+        SQRT_PRICE = math.inf
+
+    class Equal(Two):
         def fit(self, p, g, left_shortest=False, rest=(0.0, 0.0)):
             super().fit(p, g, left_shortest, rest)
             if self.ratio.n >= 5 and not left_shortest:
@@ -114,7 +120,7 @@ def variants(max_tokens: int) -> dict:
                 self.weight, self.best = 0.0, self.ratio
             return self.best.mu, self.best.sigma
 
-    class Damped(LengthMixture):
+    class Damped(Two):
         def fit(self, p, g, left_shortest=False, rest=(0.0, 0.0)):
             super().fit(p, g, left_shortest, rest)
             if self.ratio.n >= 5 and not left_shortest:
@@ -194,8 +200,8 @@ def variants(max_tokens: int) -> dict:
 
     class Three(LengthMixture):
         """The log ratio, the normal and the square root (LengthMixture's sqrt) weighed by likelihood for the token
-        sums too (the normal left out under longest first, or always: "ratio or sqrt"); the square root pays one
-        nat for its third parameter ("no penalty": none)."""
+        sums under longest first too (the normal left out there, or always: "ratio or sqrt"); the square root pays
+        one nat for its third parameter ("no penalty": none)."""
 
         def __init__(self, max_tokens, penalty=1.0, with_normal=True):
             super().__init__(max_tokens)
@@ -218,7 +224,7 @@ def variants(max_tokens: int) -> dict:
         def expected(self, predicted, generated=None, shift=0.0):
             return sum(w * m.expected(predicted, generated, shift) for m, w in self.parts)
 
-    return {"three, weighed": lambda: Three(max_tokens), "three, no penalty": lambda: Three(max_tokens, 0.0),
+    return {"ratio or normal (before)": lambda: Two(max_tokens), "three, no penalty": lambda: Three(max_tokens, 0.0),
             "ratio or sqrt": lambda: Three(max_tokens, with_normal=False),
             "sqrt length": lambda: SqrtLengthModel(max_tokens),
             "equal weights": lambda: Equal(max_tokens), "likelihood / sqrt(rows)": lambda: Damped(max_tokens),
@@ -305,8 +311,8 @@ def main() -> None:
         d = load(out)
         clock = step_clock(d)
         for name, make in models.items():
-            mixture = "Mixture" in name or name in ("equal weights", "likelihood / sqrt(rows)", "three, weighed",
-                                                   "three, no penalty", "ratio or sqrt")
+            mixture = "Mixture" in name or name in ("equal weights", "likelihood / sqrt(rows)", "three, no penalty",
+                                                   "ratio or sqrt", "ratio or normal (before)")
             r = replay(d, make, clock, args.running, **({"left_shortest": runs_longest_first(out)} if mixture else {}))
             table[name].append(r)
             print(f"  {out}  {name:22s} " + " ".join(f"{x:.2f}" for x in r))

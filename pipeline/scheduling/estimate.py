@@ -177,9 +177,10 @@ def model_forecast(t, scheduler, lengths, counts, unread: int, mean_predicted: f
     calibration = math.exp(model.mu + model.sigma ** 2 / 2)  # before max_tokens cuts the longest
     log.debug("forecast: step %.4f + %.5f/seq + %.2e/prompt token; %d steps + %.0f tail, %.0f tokens, %.0f "
               "prompt tokens over %d slots (rows capped at %s); lengths mu %.3f sigma %.3f from %.1f rows; "
-              "step cost drift %.3f; ETA %.1f s (%.1f-%.1f); tail of the rows running: %s",
+              "step cost drift %.3f; ETA %.1f s (%.1f-%.1f); lengths weighed %.2f normal, %.2f square root; "
+              "tail of the rows running: %s",
               a, b, c, d.steps, d.tail_steps, d.tokens, prefill, max_num_seqs, cap, model.mu, model.sigma,
-              model.num_events, t.step_cost.drift, eta_s, low, high,
+              model.num_events, t.step_cost.drift, eta_s, low, high, model.weight, model.sqrt_weight,
               "square root" if model.tail is not None else "mixture")
     return Forecast(float(tokens_per_s), float(d.tokens), rows, float(eta_s), left, bool(will_miss),
                     int(left_rows) if will_miss else 0, float(min(low, eta_s)), float(max(high, eta_s)),
