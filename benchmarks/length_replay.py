@@ -20,7 +20,8 @@ known in hindsight (Hindsight).
 Prints, per run and share, expected / actual tokens to come, and per model the mean |log| of that ratio. With
 --running, the tokens still to come of the rows running at that moment only (what the end of the drain and its
 tail draw on). With --trace N, the forecast's mixture at every N rows done up to a fifth of the rows: expected /
-actual tokens to come, the normal's weight, and the log ratio's fit (a transient early in a run shows there).
+actual tokens to come, the weights of the normal and the square root, and the log ratio's fit (a transient early in
+a run shows there).
 """
 
 from __future__ import annotations
@@ -279,8 +280,8 @@ def trace(out: str, every: int, max_tokens: int) -> None:
         m.fit(d["p"][run], g[run], left_shortest=runs_longest_first(out),
               rest=(float(d["p"][pool].sum()), float(pool.sum())))
         e = float(m.expected(d["p"][run], g[run]).sum() + m.expected(d["p"][pool]).sum())
-        print(f"  {out}  {k:4d} rows done: x{e / actual:.2f}, normal's weight {m.weight:.2f}, log ratio mu "
-              f"{m.ratio.mu:.2f} sigma {m.ratio.sigma:.2f}")
+        print(f"  {out}  {k:4d} rows done: x{e / actual:.2f}, normal's weight {m.weight:.2f}, the square root's "
+              f"{m.sqrt_weight:.2f}, log ratio mu {m.ratio.mu:.2f} sigma {m.ratio.sigma:.2f}")
 
 
 def main() -> None:
