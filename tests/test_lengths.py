@@ -39,9 +39,8 @@ def test_lengths_that_follow_their_predictions_keep_the_log_ratio_model(seed):
 def test_the_embedded_models_own_lengths_all_rows_started_together():
     """The embedded model's lengths and stored predictions (benchmarks/data/lengths.parquet, 480 prompts sampled
     twice): 256 rows started together, seen when those no longer than 100, 150 or 250 tokens have finished and the
-    rest run, the tail still to come hidden. The predictions barely rank these lengths, and the lengths are skewed
-    to the left even as a square root: weighed by likelihood, the log ratio's tail counts the rows running long and
-    the normal's short. The square root of the length, weighed in with them, is the likeliest, and the mixture
+    rest run, the tail still to come hidden. The predictions barely rank these lengths, whose shape is between the
+    log ratio's and the normal's: the log ratio's tail counts the rows running long and the normal's short. The square root of the length, weighed in with them, is the likeliest, and the mixture
     came out x0.99, x0.93 and x0.88 of the tokens to come on average over these 10 draws (x0.72-1.24 each); without
     it (the square root priced out) x0.84, x0.69 and x0.64."""
     import pyarrow.parquet as pq

@@ -167,12 +167,14 @@ class LengthMixture:
     mostly high, of the tokens to come at 1-3 finished rows in benchmarks/length_early.py's emulation of 8 runs;
     x0.81-1.05 weighed).
 
-    The square root is there because the embedded model's lengths are skewed to the left even as a square root:
-    the log ratio's one spread gives a row that has run long a tail too long, and the normal's too short, and the
-    likelihood flipped between the two early in a run (x0.77-1.27 of the tokens to come at 2-30 rows done in
-    benchmarks/length_replay.py --trace on open-workload fifo runs). Replayed on 12 full runs blind to the
+    The square root is there because the embedded model's lengths are between the two shapes (in hindsight, a
+    power of the length is likeliest between the 1/4 and the 3/4 power: SqrtLengthModel): the log ratio's one spread
+    gives a row that has run long a tail too long, and the normal's too short, and the likelihood flipped between
+    the two early in a run (x0.77-1.27 of the tokens to come at 2-30 rows done in
+    benchmarks/length_replay.py --trace on open-workload fifo runs). Replayed on 16 full runs blind to the
     predictions' order (fifo on both workloads, one shortest-first), the tokens to come at 10-50% of rows were off
-    by 0.056 in mean |log|, and by 0.069 with the log ratio and the normal alone; at 5%, 0.124 and 0.140.
+    by 0.054 in mean |log|, and by 0.066 with the log ratio and the normal alone; at 5%, 0.129 and 0.144
+    (docs/BENCHMARKS.md, "The square root of the length weighed in").
 
     Where the rows run longest predicted first (``left_shortest``), LengthModel alone. The rows left are then the
     ones predicted shortest, and the rows seen cannot say what the normal, blind to the predictions, would need to
