@@ -7,8 +7,8 @@ each row one token a step. When k rows have finished, it fits a length model on 
 (the finished rows; the rows running, with their tokens so far, as "at least") and compares the tokens it expects
 still to come with those that came.
 
-Models: the forecast's LengthMixture (pipeline/scheduling/lengths.py; the two models weighed by likelihood from the
-first step, the normal's prior at the mean prediction of every row), the same as at bfbd4bd (LengthModel alone
+Models: the forecast's LengthMixture (pipeline/scheduling/lengths.py; the three models weighed by likelihood from
+the first step, the priors at the mean prediction of every row), the same as at bfbd4bd (LengthModel alone
 until 5 rows had finished; the normal's prior at the mean prediction of the rows seen), NormalLengthModel alone
 (its prior from the rows seen), and a censored regression of log length on log
 prediction (tried, not kept: log L = a + b log p + Normal, b shrunk towards b0 by 20 rows), which sits between
@@ -126,6 +126,7 @@ def before_mixture(max_tokens: int):
 
         def fit(self, running_p, running_g, left_shortest=False, rest=(0.0, 0.0)):
             super().fit(running_p, running_g, left_shortest)
+            self.sqrt_weight = 0.0
             if self.ratio.n < 5:
                 self.weight, self.best = 0.0, self.ratio
             return self.best.mu, self.best.sigma

@@ -112,6 +112,11 @@ def variants(max_tokens: int) -> dict:
         """The mixture before the square root was weighed in for the token sums: the log ratio and the normal."""
         SQRT_PRICE = math.inf
 
+        def fit(self, p, g, left_shortest=False, rest=(0.0, 0.0)):
+            out = super().fit(p, g, left_shortest, rest)
+            self.sqrt_weight = 0.0
+            return out
+
     class Equal(Two):
         def fit(self, p, g, left_shortest=False, rest=(0.0, 0.0)):
             super().fit(p, g, left_shortest, rest)
@@ -302,7 +307,7 @@ def main() -> None:
 
     models = {"log ratio (LengthModel)": lambda: LengthModel(args.max_tokens),
               "normal on length": lambda: NormalLengthModel(args.max_tokens),
-              "both, weighed (LengthMixture)": lambda: LengthMixture(args.max_tokens)}
+              "all, weighed (LengthMixture)": lambda: LengthMixture(args.max_tokens)}
     if args.variants:
         models.update(variants(args.max_tokens))
     hindsight = "hindsight (the run's own lengths)"

@@ -4,9 +4,8 @@
     SqrtLengthModel    sqrt(length) ~ Normal(a + b log(predicted), s), censored the same way: the shape of what a
                        row that has run long has left, where lengths are skewed to the left in log
 
-LengthMixture (lengths.py) weighs both with the log ratio where the order the rows run in is blind to their
-predictions, and takes the drain's tail from the second where the rows run longest predicted first and the run makes
-it likelier. Pure numpy.
+LengthMixture (lengths.py) weighs both with the log ratio in every order but longest predicted first, and there
+takes the drain's tail from the second where the run makes it likelier. Pure numpy.
 """
 
 from __future__ import annotations

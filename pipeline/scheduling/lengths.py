@@ -160,19 +160,19 @@ class LengthMixture:
     nat (``SQRT_PRICE``). The forecast's expected lengths, moments and tail are the mixture (but for the rows run
     longest predicted first, below);
     its summaries (mu, sigma, their standard error) the weightiest model's. Early on, when the evidence is thin,
-    the models are averaged rather than flipped between: from the first step, not only once a few rows have finished,
+    the models are averaged rather than chosen between: from the first step, not only once a few rows have finished,
     because the first rows to finish are few under any order and the log ratio alone errs with the order. Under
     shortest predicted first, auto's near a deadline, the rows running are the ones predicted shortest, and their
     lengths, which the predictions barely tell apart, make the log ratio's scale high for every row to come (x0.80-1.45,
     mostly high, of the tokens to come at 1-3 finished rows in benchmarks/length_early.py's emulation of 8 runs;
-    x0.81-1.05 weighed).
+    x0.81-1.05 with the log ratio and the normal weighed, before the square root was weighed in too).
 
     The square root is there because the embedded model's lengths are between the two shapes (in hindsight, a
     power of the length is likeliest between the 1/4 and the 3/4 power: SqrtLengthModel): the log ratio's one spread
-    gives a row that has run long a tail too long, and the normal's too short, and the likelihood flipped between
-    the two early in a run (x0.77-1.27 of the tokens to come at 2-30 rows done in
-    benchmarks/length_replay.py --trace on open-workload fifo runs). Replayed on 16 full runs blind to the
-    predictions' order (fifo on both workloads, one shortest-first), the tokens to come at 10-50% of rows were off
+    gives a row that has run long a tail too long, and the normal's too short, and the weight swung between the two
+    early in a run (x0.77-1.27 of the tokens to come at 2-30 rows done in
+    benchmarks/length_replay.py --trace on open-workload fifo runs). Replayed on 16 full runs in every order but
+    longest predicted first (fifo on both workloads, one shortest-first), the tokens to come at 10-50% of rows were off
     by 0.054 in mean |log|, and by 0.066 with the log ratio and the normal alone; at 5%, 0.129 and 0.144
     (docs/BENCHMARKS.md, "The square root of the length weighed in").
 
@@ -211,8 +211,8 @@ class LengthMixture:
 
     def fit(self, running_p: np.ndarray, running_g: np.ndarray, left_shortest: bool = False,
             rest: tuple[float, float] = (0.0, 0.0)) -> tuple[float, float]:
-        """Refit on the finished rows and the rows running (predicted p, g tokens so far) and weigh the log ratio and
-        the normal, or (left_shortest) choose the tail's model; rest: the sum and the count of the predictions of the
+        """Refit on the finished rows and the rows running (predicted p, g tokens so far) and weigh the three models,
+        or (left_shortest) choose the tail's model; rest: the sum and the count of the predictions of the
         rows still to start (the priors of the normal and the square root)."""
         running_p, running_g = np.asarray(running_p, np.float64), np.asarray(running_g, np.float64)
         self.ratio.fit(running_p, running_g)
@@ -226,7 +226,9 @@ class LengthMixture:
             self.tail = self.sqrt if sqrt_ll > ratio_ll else None
             return self.best.mu, self.best.sigma
         self.normal.fit(running_p, running_g, rest=rest)
-        ll = np.array([ratio_ll, self.normal.loglik(running_p, running_g), sqrt_ll])
+        ll = np.nan_to_num(np.array([ratio_ll, self.normal.loglik(running_p, running_g), sqrt_ll]), nan=-np.inf)
+        if not np.isfinite(ll.max()):  # no model can be weighed (none before any row): the log ratio
+            return self.best.mu, self.best.sigma
         w = np.exp(np.maximum(ll - ll.max(), -50.0))
         w /= w.sum()
         self.weight, self.sqrt_weight = float(w[1]), float(w[2])
