@@ -100,7 +100,8 @@ class Hindsight:
 
 def variants(max_tokens: int) -> dict:
     """Other ways to weigh the length models, tried and not kept (docs/BENCHMARKS.md): the log ratio and the normal
-    alone, as the mixture was before the square root was weighed in ("before"); the square root of the length
+    alone, as the mixture was before the square root was weighed in ("before"); under longest first, a log-linear
+    model with its slope on the prediction fixed at 0.75 or 0.875 instead of the log ratio's 1 ("slope"); the square root of the length
     (SqrtLengthModel) alone or weighed in with the others, the normal left out under longest first too ("three",
     "ratio or sqrt"); equal weights from 5 finished rows on; the
     likelihood difference divided by the square root of the rows; a log-normal on the length itself, blind to the
@@ -230,7 +231,42 @@ def variants(max_tokens: int) -> dict:
         def expected(self, predicted, generated=None, shift=0.0):
             return sum(w * m.expected(predicted, generated, shift) for m, w in self.parts)
 
-    return {"ratio or normal (before)": lambda: Two(max_tokens), "three, no penalty": lambda: Three(max_tokens, 0.0),
+    class FixedSlope(LengthMixture):
+        """Under longest predicted first, log(actual) ~ Normal(mu + b log(predicted), sigma) with b fixed below the
+        log ratio's 1 (LengthModel on predictions p_mean^(1 - b) p^b, p_mean the mean prediction of every row);
+        elsewhere the mixture."""
+
+        def __init__(self, max_tokens, b):
+            super().__init__(max_tokens)
+            self.b, self.seen, self.sloped = b, ([], [], []), None
+
+        def observe(self, p, a, cut):
+            super().observe(p, a, cut)
+            for kept, x in zip(self.seen, (p, a, cut)):
+                kept.extend(np.asarray(x).tolist())
+
+        def _eff(self, p):
+            return self.p_mean ** (1.0 - self.b) * np.maximum(np.asarray(p, np.float64), 1.0) ** self.b
+
+        def fit(self, p, g, left_shortest=False, rest=(0.0, 0.0)):
+            out = super().fit(p, g, left_shortest, rest)
+            self.sloped = None
+            if left_shortest:
+                count = len(self.seen[0]) + len(p) + rest[1]
+                self.p_mean = (sum(self.seen[0]) + float(np.sum(p)) + rest[0]) / max(count, 1)
+                self.sloped = LengthModel(max_tokens)
+                self.sloped.observe(self._eff(self.seen[0]), self.seen[1], self.seen[2])
+                self.sloped.fit(self._eff(p), np.asarray(g, np.float64))
+            return out
+
+        def expected(self, predicted, generated=None, shift=0.0):
+            if self.sloped is None:
+                return super().expected(predicted, generated, shift)
+            return self.sloped.expected(self._eff(predicted), generated, shift)
+
+    return {"ratio or normal (before)": lambda: Two(max_tokens),
+            "slope 0.75 under longest first": lambda: FixedSlope(max_tokens, 0.75),
+            "slope 0.875 under longest first": lambda: FixedSlope(max_tokens, 0.875), "three, no penalty": lambda: Three(max_tokens, 0.0),
             "ratio or sqrt": lambda: Three(max_tokens, with_normal=False),
             "sqrt length": lambda: SqrtLengthModel(max_tokens),
             "equal weights": lambda: Equal(max_tokens), "likelihood / sqrt(rows)": lambda: Damped(max_tokens),
@@ -319,6 +355,7 @@ def main() -> None:
         for name, make in models.items():
             mixture = "Mixture" in name or name in ("equal weights", "likelihood / sqrt(rows)", "three, no penalty",
                                                    "ratio or sqrt", "ratio or normal (before)")
+            mixture = mixture or name.startswith("slope")
             r = replay(d, make, clock, args.running, **({"left_shortest": runs_longest_first(out)} if mixture else {}))
             table[name].append(r)
             print(f"  {out}  {name:22s} " + " ".join(f"{x:.2f}" for x in r))
