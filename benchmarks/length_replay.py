@@ -101,12 +101,11 @@ class Hindsight:
 def variants(max_tokens: int) -> dict:
     """Other ways to weigh the length models, tried and not kept (docs/BENCHMARKS.md): the log ratio and the normal
     alone, as the mixture was before the square root was weighed in ("before"); under longest first, a log-linear
-    model with its slope on the prediction fixed at 0.75 or 0.875 instead of the log ratio's 1 ("slope"); the square root of the length
-    (SqrtLengthModel) alone or weighed in with the others, the normal left out under longest first too ("three",
-    "ratio or sqrt"); equal weights from 5 finished rows on; the
-    likelihood difference divided by the square root of the rows; a log-normal on the length itself, blind to the
-    predictions (LengthModel on a constant prediction); and the log ratio without a shape (its Kaplan-Meier
-    estimate)."""
+    model with its slope on the prediction fixed at 0.75 or 0.875 instead of the log ratio's 1 ("slope"); the square
+    root of the length (SqrtLengthModel) alone or weighed in with the others, the normal left out under longest
+    first too ("three", "ratio or sqrt"); equal weights from 5 finished rows on; the likelihood difference divided
+    by the square root of the rows; a log-normal on the length itself, blind to the predictions (LengthModel on a
+    constant prediction); and the log ratio without a shape (its Kaplan-Meier estimate)."""
     from overnight.pipeline.scheduling.lengths import LengthMixture, LengthModel
 
     class Two(LengthMixture):
@@ -266,7 +265,8 @@ def variants(max_tokens: int) -> dict:
 
     return {"ratio or normal (before)": lambda: Two(max_tokens),
             "slope 0.75 under longest first": lambda: FixedSlope(max_tokens, 0.75),
-            "slope 0.875 under longest first": lambda: FixedSlope(max_tokens, 0.875), "three, no penalty": lambda: Three(max_tokens, 0.0),
+            "slope 0.875 under longest first": lambda: FixedSlope(max_tokens, 0.875),
+            "three, no penalty": lambda: Three(max_tokens, 0.0),
             "ratio or sqrt": lambda: Three(max_tokens, with_normal=False),
             "sqrt length": lambda: SqrtLengthModel(max_tokens),
             "equal weights": lambda: Equal(max_tokens), "likelihood / sqrt(rows)": lambda: Damped(max_tokens),
