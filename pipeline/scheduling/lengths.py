@@ -227,7 +227,7 @@ class LengthMixture:
             return self.best.mu, self.best.sigma
         self.normal.fit(running_p, running_g, rest=rest)
         ll = np.nan_to_num(np.array([ratio_ll, self.normal.loglik(running_p, running_g), sqrt_ll]), nan=-np.inf)
-        if not np.isfinite(ll.max()):  # no model can be weighed (none before any row): the log ratio
+        if not np.isfinite(ll.max()):  # the likelihoods cannot be compared (NaN, infinite): the log ratio
             return self.best.mu, self.best.sigma
         w = np.exp(np.maximum(ll - ll.max(), -50.0))
         w /= w.sum()
