@@ -1,7 +1,9 @@
 """Deadlines, plans and predictors through the real vLLM engine with the embedded model."""
 
 import json
+import re
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -161,11 +163,14 @@ def test_early_warning_comes_before_five_percent_of_rows(warm, tmp_path, monkeyp
     assert abs(warned[0]["rows_expected_left"] - left) <= 0.5 * left, (warned[0], done)
 
 
-def test_longest_first_forecasts_say_which_shape_their_tail_took(warm, tmp_path):
-    """Longest predicted first on real prompts, where the forecast fits the square root beside the log ratio and
-    chooses the drain's tail of the rows running by likelihood: every forecast says which it took, and the run
-    completes with an ETA and its range in the timeline. Which shape wins on 120 short rows is the data's (the
-    square root at none of 6 forecasts in one run, at some in another); tests/test_lengths.py checks the choice."""
+@pytest.mark.parametrize("policy", ["longest-first", "fifo"])
+def test_forecasts_say_how_they_weighed_the_length_models(warm, tmp_path, policy):
+    """Real prompts. Longest predicted first: the forecast fits the square root beside the log ratio and chooses
+    the drain's tail of the rows running by likelihood, and weighs nothing else (the log ratio alone). fifo: it
+    weighs the log ratio, the normal and the square root, and the tail is the mixture's. Every forecast says so,
+    and the run completes with an ETA and its range in the timeline. Which shape wins on 120 short rows is the
+    data's (the square root's tail at none of 6 forecasts in one run, at some in another); tests/test_lengths.py
+    checks the choices."""
     import logging
 
     inp = tmp_path / "in.parquet"
@@ -180,13 +185,21 @@ def test_longest_first_forecasts_say_which_shape_their_tail_took(warm, tmp_path)
     logger = logging.getLogger("overnight")
     logger.addHandler(handler)
     try:
-        invoke("-v", "run", inp, "--out", tmp_path / "out", "--policy", "longest-first", "--max-tokens", "96")
+        invoke("-v", "run", inp, "--out", tmp_path / "out", "--policy", policy, "--max-tokens", "96")
     finally:
         logger.removeHandler(handler)
         logger.setLevel(logging.INFO)
     forecasts = [ln for ln in lines if ln.startswith("forecast: step")]
     assert forecasts, lines[-20:]
     tails = [ln.rsplit("tail of the rows running: ", 1)[1] for ln in forecasts]
-    assert set(tails) <= {"square root", "mixture"}
+    weights = [re.search(r"lengths weighed ([0-9.]+) normal, ([0-9.]+) square root", ln).groups() for ln in forecasts]
+    normal, sqrt = (np.array([float(w[i]) for w in weights]) for i in (0, 1))
+    if policy == "longest-first":
+        assert set(tails) <= {"square root", "mixture"}
+        assert not normal.any() and not sqrt.any()
+    else:
+        assert set(tails) == {"mixture"}
+        # the log ratio alone (as above) would print 0.00 and 0.00 throughout; one run printed 0.33-0.64 and 0.11-0.26
+        assert (normal + sqrt <= 1.005).all() and (normal + sqrt).max() > 0.2 and sqrt.max() > 0, weights
     timeline = json.loads((tmp_path / "out" / "timeline.json").read_text())
     assert any(s.get("eta_low_s") is not None and s["eta_low_s"] <= s["eta_s"] <= s["eta_high_s"] for s in timeline)
