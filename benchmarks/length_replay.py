@@ -275,13 +275,15 @@ def variants(max_tokens: int) -> dict:
 
 
 def runs_longest_first(out: str) -> bool:
-    """Whether the run ran the rows predicted longest first (longest-first; auto without a deadline at risk), as
-    the forecast's LengthMixture is told."""
+    """Whether the run ran the rows predicted longest first (longest-first; auto without a deadline at risk) and
+    drew none at random, as the forecast's LengthMixture is told (its left_shortest)."""
     import json
     import os
 
     status = json.load(open(os.path.join(out, "status.json")))
     policy = (status.get("scheduler") or {}).get("policy")
+    if (status.get("scheduler") or {}).get("sampled"):  # one row in eight at random (Scheduler.sample_every)
+        return False
     return policy == "longest-first" or (policy == "auto" and (status.get("forecast") or {}).get("mode") == "throughput")
 
 

@@ -44,6 +44,40 @@ def test_policies_order(policy, expected):
     assert drain(s) == expected
 
 
+def test_longest_first_draws_one_row_in_eight_at_random():
+    """Under longest-first (and auto while the deadline is safe) every eighth admission is a pending row drawn at
+    random, the same each run (seeded); the others go longest predicted first. fifo, shortest-first and auto near a
+    deadline draw none."""
+    preds = [1000 - i for i in range(200)]  # row i: the i-th longest
+
+    def order(policy, mode=None, **kw):
+        s = one_at_a_time(policy, **kw)
+        s.add([row(i, p) for i, p in enumerate(preds)])
+        if mode is not None:
+            s.set_mode(mode)
+        reasons = []
+        while s.num_pending:
+            (a,) = s.schedule(0.0)
+            reasons.append(a.reason)
+            s.finish(a.request_id)
+        return reasons, s
+
+    for policy in ("longest-first", "auto"):
+        reasons, s = order(policy)
+        assert [i for i, r in enumerate(reasons) if r == "sample"][:5] == [7, 15, 23, 31, 39]
+        assert s.stats.num_sampled == reasons.count("sample") >= 20
+    s = one_at_a_time("longest-first")
+    s.add([row(i, p) for i, p in enumerate(preds)])
+    first = drain(s)
+    assert first[:7] == list(range(7)) and first[7] > 8  # the eighth: drawn from the 193 left
+    s2 = one_at_a_time("longest-first")
+    s2.add([row(i, p) for i, p in enumerate(preds)])
+    assert drain(s2) == first  # seeded
+    assert order("longest-first", sample_every=0)[0].count("sample") == 0
+    for policy, mode in (("fifo", None), ("shortest-first", None), ("auto", Mode.DEADLINE)):
+        assert order(policy, mode)[0].count("sample") == 0
+
+
 def test_priority_policy_lower_first_then_input_order():
     s = one_at_a_time("priority")
     s.add([row("a", priority=5), row("b", priority=1), row("c", priority=5), row("d", priority=-2)])
