@@ -78,6 +78,20 @@ def test_longest_first_draws_one_row_in_eight_at_random():
         assert order(policy, mode)[0].count("sample") == 0
 
 
+def test_rows_drawn_at_random_do_not_pile_up_in_the_pool():
+    """A long job under longest-first, its pool kept at the lookahead: the rows predicted short stay, and the ones
+    of them drawn at random stay in the heap, taken, since rows predicted longer keep arriving. The heap is rebuilt
+    before those outnumber the rows pending."""
+    s = Scheduler(max_running=4, queue_factor=0, policy="longest-first", lookahead=100)
+    s.add([row(i, 10) for i in range(100)])
+    for k in range(4000):
+        s.add([row(f"n{k}-{j}", 50 + (k * 7 + j) % 450) for j in range(100 - s.num_pending)])
+        for a in s.schedule(float(k)):
+            s.finish(a.request_id)
+    assert s.stats.num_sampled >= 1900
+    assert len(s._heap) <= 2 * s.num_pending + 64 + s.sample_every
+
+
 def test_priority_policy_lower_first_then_input_order():
     s = one_at_a_time("priority")
     s.add([row("a", priority=5), row("b", priority=1), row("c", priority=5), row("d", priority=-2)])

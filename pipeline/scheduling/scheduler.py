@@ -229,8 +229,12 @@ class Scheduler:
         if self.samples_rows:
             self._picked += 1
             if self._picked % self.sample_every == 0:
+                # Rows taken out of turn stay in the heap until popped, and a row drawn at random may not be popped
+                # for long (rows predicted longer keep arriving): once they outnumber the pending, rebuild it.
+                if len(self._heap) > 2 * self._num_pending + 64:
+                    self.rekey()
                 heap = self._heap
-                for _ in range(64):  # taken rows stay in the heap until popped: draw again
+                for _ in range(64):  # a taken row: draw again
                     e = heap[self._rng.randrange(len(heap))][2]
                     if not e.is_taken:
                         self.stats.num_sampled += 1

@@ -1,0 +1,113 @@
+"""Rows drawn at random under longest predicted first: what they give the forecast and what they cost the order.
+Emulated from finished runs.
+
+Under longest-first (and auto while its deadline is safe) the rows seen early are the ones predicted longest, and
+the rows left the ones predicted shortest. Where the predictions barely rank, those run far longer than their
+predictions say, and no model fitted on the rows seen can tell. The Scheduler therefore admits one row in
+``sample_every`` (8) drawn at random from the pool, and the forecast weighs its length models on them as under fifo.
+
+This takes each finished `overnight run` folder's rows (prediction, length, cut at max_tokens), orders them with the
+real Scheduler under longest-first at each --sample-every, and lays them over --slots engine slots, each row one
+token a step. When 5%, 10%, 25% and 50% of the rows have finished, it fits the forecast's LengthMixture on what a
+forecast would see then (the finished rows; the rows running as "at least"), as the forecast does under that order
+(the log ratio alone at 0, the three weighed otherwise), and compares the tokens it expects still to come with those
+that came. The predictions are the ones the run gave its rows; with rows drawn at random the online predictor
+would have learned from other rows, which this does not emulate.
+
+    python benchmarks/length_sampling.py OUT [OUT ...] [--sample-every 0 16 8 4] [--seeds 3] [--slots 64]
+
+Prints, per run and setting (the first seed), expected / actual tokens to come at the four shares; then per setting
+the mean |log| of that ratio over runs and seeds, and the makespan (in steps) over longest-first's without rows
+drawn at random, side by side.
+"""
+
+from __future__ import annotations
+
+import argparse
+import heapq
+import os
+import sys
+
+import numpy as np
+
+SHARES = (0.05, 0.10, 0.25, 0.50)
+
+
+def scheduler_order(p, sample_every: int, seed: int) -> list[int]:
+    """The admission order of the real Scheduler under longest-first, one row at a time."""
+    from overnight.pipeline.records import Row
+    from overnight.pipeline.scheduling.scheduler import Scheduler
+
+    s = Scheduler(max_running=1, queue_factor=0, policy="longest-first", sample_every=sample_every, seed=seed)
+    s.add([Row(id=i, prompt_token_ids=[1], sampling={}, passthrough={}, origin=str(i), predicted_tokens=int(x))
+           for i, x in enumerate(p)])
+    order = []
+    while s.num_pending:
+        (a,) = s.schedule(0.0)
+        order.append(a.row.id)
+        s.finish(a.request_id)
+    return order
+
+
+def lay_out(a, order, slots: int):
+    start, end = np.full(len(a), np.inf), np.full(len(a), np.inf)
+    free = [0.0] * slots
+    for i in order:
+        t = heapq.heappop(free)
+        start[i], end[i] = t, t + a[i]
+        heapq.heappush(free, end[i])
+    return start, end
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("outs", nargs="+")
+    ap.add_argument("--sample-every", type=int, nargs="+", default=[0, 16, 8, 4])
+    ap.add_argument("--seeds", type=int, default=3)
+    ap.add_argument("--slots", type=int, default=64)
+    ap.add_argument("--max-tokens", type=int, default=512)
+    args = ap.parse_args()
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from length_replay import load
+
+    from overnight.pipeline.scheduling.lengths import LengthMixture
+
+    cap = args.max_tokens
+    errors: dict = {}
+    spans: dict = {}
+    print("expected / actual output tokens to come at " + ", ".join(f"{s:.0%}" for s in SHARES) + " of rows")
+    for out in args.outs:
+        d = load(out)
+        p, a, cut = d["p"], np.minimum(d["a"], cap), d["cut"]
+        base = None
+        for every in args.sample_every:
+            for seed in range(args.seeds if every else 1):
+                start, end = lay_out(a, scheduler_order(p, every, seed), args.slots)
+                span = float(end.max())
+                base = span if every == 0 else base
+                spans.setdefault(every, []).append(span / base)
+                ends = np.sort(end)
+                r = []
+                for share in SHARES:
+                    t = ends[max(1, int(round(share * len(p)))) - 1] + 0.5
+                    fin, run, pool = end <= t, (start <= t) & (end > t), start > t
+                    g = np.where(run, t - start, 0.0)
+                    actual = float((a[run] - g[run]).sum() + a[pool].sum())
+                    m = LengthMixture(cap)
+                    m.observe(p[fin], a[fin], cut[fin])
+                    m.fit(p[run], g[run], left_shortest=every == 0, rest=(float(p[pool].sum()), float(pool.sum())))
+                    r.append(float(m.expected(p[run], g[run]).sum() + m.expected(p[pool]).sum()) / actual)
+                errors.setdefault(every, []).append(r)
+                if seed == 0:
+                    print(f"  {out:40s} sample_every {every:2d}  " + " ".join(f"{x:.2f}" for x in r), flush=True)
+    print("sample_every: mean |log(expected / actual)| at " + " / ".join(f"{s:.0%}" for s in SHARES)
+          + "; at 10-50%; within 10% at 10-50%; makespan / longest-first's (min-max)")
+    for every, rows in errors.items():
+        le = np.abs(np.log(np.array(rows)))
+        sp = np.array(spans[every])
+        print(f"  {every:2d}  " + " / ".join(f"{x:.3f}" for x in le.mean(0)) + f"; {le[:, 1:].mean():.3f}; "
+              f"{(le[:, 1:] <= np.log(1.1)).mean():.0%}; x{sp.mean():.3f} ({sp.min():.3f}-{sp.max():.3f})")
+
+
+if __name__ == "__main__":
+    main()
