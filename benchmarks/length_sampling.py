@@ -1,20 +1,25 @@
-"""Rows drawn at random under longest predicted first: what they give the forecast and what they cost the order.
-Emulated from finished runs.
+"""Rows drawn at random under longest predicted first, so that the forecast can weigh its length models there as
+under fifo: tried at 9b3b854, not kept (docs/BENCHMARKS.md, "Rows drawn at random under longest-first").
 
 Under longest-first (and auto while its deadline is safe) the rows seen early are the ones predicted longest, and
-the rows left the ones predicted shortest. Where the predictions barely rank, those run far longer than their
-predictions say, and no model fitted on the rows seen can tell. The Scheduler therefore admits one row in
-``sample_every`` (8) drawn at random from the pool, and the forecast weighs its length models on them as under fifo.
+the rows left the ones predicted shortest, so the forecast takes the log ratio alone there (LengthMixture's
+left_shortest). The change tried admitted one row in ``sample_every`` (8) drawn at random from the pool, and with
+those rows weighed the three length models as under fifo.
 
-This takes each finished `overnight run` folder's rows (prediction, length, cut at max_tokens), orders them with the
-real Scheduler under longest-first at each --sample-every, and lays them over --slots engine slots, each row one
-token a step. When 5%, 10%, 25% and 50% of the rows have finished, it fits the forecast's LengthMixture on what a
-forecast would see then (the finished rows; the rows running as "at least"), as the forecast does under that order
-(the log ratio alone at 0, the three weighed otherwise), and compares the tokens it expects still to come with those
-that came. The predictions are the ones the run gave its rows; with rows drawn at random the online predictor
-would have learned from other rows, which this does not emulate.
+Emulated (positional OUTs): each finished `overnight run` folder's rows (prediction, length, cut at max_tokens)
+are ordered longest predicted first, every sample_every-th admission a pending row drawn at random (seeded), and
+laid over --slots engine slots, each row one token a step. When 5%, 10%, 25% and 50% of the rows have finished,
+the forecast's LengthMixture is fitted on what a forecast would see then (the finished rows; the rows running as
+"at least"): the log ratio alone at 0, the three weighed otherwise. The predictions are the ones the run gave its
+rows; with rows drawn at random the online predictor would have learned from other rows, which this does not
+emulate.
+
+Replayed (--replay OUT ...): finished runs that drew rows at random (at 9b3b854), with benchmarks/length_replay.py's
+step clock: the tokens to come the mixture expected weighed (what the change did) and as the log ratio alone (what
+the product does), and in hindsight (every row drawn from the run's own lengths).
 
     python benchmarks/length_sampling.py OUT [OUT ...] [--sample-every 0 16 8 4] [--seeds 3] [--slots 64]
+    python benchmarks/length_sampling.py --replay OUT [OUT ...]
 
 Prints, per run and setting (the first seed), expected / actual tokens to come at the four shares; then per setting
 the mean |log| of that ratio over runs and seeds, and the makespan (in steps) over longest-first's without rows
@@ -33,19 +38,20 @@ import numpy as np
 SHARES = (0.05, 0.10, 0.25, 0.50)
 
 
-def scheduler_order(p, sample_every: int, seed: int) -> list[int]:
-    """The admission order of the real Scheduler under longest-first, one row at a time."""
-    from overnight.pipeline.records import Row
-    from overnight.pipeline.scheduling.scheduler import Scheduler
-
-    s = Scheduler(max_running=1, queue_factor=0, policy="longest-first", sample_every=sample_every, seed=seed)
-    s.add([Row(id=i, prompt_token_ids=[1], sampling={}, passthrough={}, origin=str(i), predicted_tokens=int(x))
-           for i, x in enumerate(p)])
-    order = []
-    while s.num_pending:
-        (a,) = s.schedule(0.0)
-        order.append(a.row.id)
-        s.finish(a.request_id)
+def sampled_order(p, sample_every: int, seed: int) -> list[int]:
+    """Longest predicted first, every sample_every-th admission a pending row drawn at random (0: none)."""
+    rng = np.random.default_rng(seed)
+    by_length = list(np.argsort(-np.asarray(p), kind="stable"))
+    pending, order, i = set(by_length), [], 0
+    while pending:
+        if sample_every and (len(order) + 1) % sample_every == 0:
+            j = int(rng.choice(sorted(pending)))
+        else:
+            while by_length[i] not in pending:
+                i += 1
+            j = int(by_length[i])
+        pending.remove(j)
+        order.append(j)
     return order
 
 
@@ -61,7 +67,8 @@ def lay_out(a, order, slots: int):
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("outs", nargs="+")
+    ap.add_argument("outs", nargs="*")
+    ap.add_argument("--replay", nargs="*", default=[])
     ap.add_argument("--sample-every", type=int, nargs="+", default=[0, 16, 8, 4])
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--slots", type=int, default=64)
@@ -73,6 +80,19 @@ def main() -> None:
     from overnight.pipeline.scheduling.lengths import LengthMixture
 
     cap = args.max_tokens
+    if args.replay:
+        from length_replay import Hindsight, replay, step_clock
+
+        print("replayed: expected / actual output tokens to come at " + ", ".join(f"{s:.0%}" for s in SHARES))
+        for out in args.replay:
+            d = load(out)
+            clock = step_clock(d)
+            for name, kw in (("weighed (the change)", {"left_shortest": False}),
+                             ("log ratio alone (the product)", {"left_shortest": True})):
+                r = replay(d, lambda: LengthMixture(cap), clock, **kw)
+                print(f"  {out:40s} {name:30s} " + " ".join(f"{x:.2f}" for x in r[:len(SHARES)]))
+            r = replay(d, lambda: Hindsight(d["a"]), clock)
+            print(f"  {out:40s} {'hindsight':30s} " + " ".join(f"{x:.2f}" for x in r[:len(SHARES)]))
     errors: dict = {}
     spans: dict = {}
     print("expected / actual output tokens to come at " + ", ".join(f"{s:.0%}" for s in SHARES) + " of rows")
@@ -82,7 +102,7 @@ def main() -> None:
         base = None
         for every in args.sample_every:
             for seed in range(args.seeds if every else 1):
-                start, end = lay_out(a, scheduler_order(p, every, seed), args.slots)
+                start, end = lay_out(a, sampled_order(p, every, seed), args.slots)
                 span = float(end.max())
                 base = span if every == 0 else base
                 spans.setdefault(every, []).append(span / base)

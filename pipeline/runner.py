@@ -52,8 +52,7 @@ class Runner:
         self.clock = clock
         cfg, sc = job.cfg, job.cfg.scheduler
         self.scheduler = Scheduler(cfg.engine.max_num_seqs, sc.queue_factor, sc.policy, sc.lookahead_rows,
-                                   sc.max_wait_s, has_values="value" in job.source.schema.names,
-                                   sample_every=sc.sample_every)
+                                   sc.max_wait_s, has_values="value" in job.source.schema.names)
         self.annotator = LengthAnnotator(make_predictor(cfg.buckets.predictor), cfg.sampling.max_tokens,
                                          cfg.buckets.kind, cfg.buckets.num_buckets, background=True)
         self.tracker = DeadlineTracker(job.deadline_at, job.margin_s, clock, sc.tokens_per_second,

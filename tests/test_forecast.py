@@ -121,7 +121,7 @@ def test_in_flight_emulates_vllm_queue():
 
 # -- a simulated run ---------------------------------------------------------------------------------
 def simulate(policy, cost, n_rows=600, m=64, deadline_share=None, makespan=None, seed=3, probe=True, n_samples=1,
-             blind=False, drift=0.0, sample_every=8):
+             blind=False, drift=0.0):
     """Runs the real Scheduler and DeadlineTracker against a simulated engine; returns the story. With n_samples
     > 1 each row asks for that many completions, which the engine runs as as many sequences (vLLM's parallel
     sampling), each of its own length around the row's. blind: lengths normal, whatever the predictions. drift: a
@@ -139,7 +139,7 @@ def simulate(policy, cost, n_rows=600, m=64, deadline_share=None, makespan=None,
     tracker = DeadlineTracker(deadline, 0.0, clock, max_tokens=512)
     if not probe:
         tracker.probe_done = True
-    sched = Scheduler(m, 1.0, Policy(policy), sample_every=sample_every)
+    sched = Scheduler(m, 1.0, Policy(policy))
     tracker.engine_started(m)
     tracker.start(sched)
     rows = [Row(id=i, prompt_token_ids=[1] * 50, sampling={"max_tokens": 512, "n": n_samples}, passthrough={},
@@ -212,42 +212,23 @@ def test_eta_is_within_ten_percent_from_a_tenth_of_the_rows_on(policy, cost):
         assert abs(err) <= 0.10, (share, err, f.eta_s, actual)
 
 
-def test_the_normal_length_model_is_weighed_only_where_the_rows_seen_span_the_predictions():
-    """Lengths the predictions do not tell apart: under fifo the mixture comes to the normal. Where the rows run
-    longest predicted first (longest-first, auto without a deadline) the one row in eight drawn at random spans the
-    predictions, and it comes to the normal too; without those rows (sample_every=0) the tracker keeps the log
-    ratio, which expects the rows predicted short to run short."""
+def test_the_normal_length_model_is_weighed_only_where_the_order_is_blind_to_predictions():
+    """Lengths the predictions do not tell apart: under fifo the mixture comes to the normal; where the rows run
+    longest predicted first (longest-first, auto without a deadline) the tracker keeps the log ratio."""
     assert max(simulate("fifo", CPU, n_rows=300, blind=True).weights) > 0.5
     for policy in ("longest-first", "auto"):
-        assert max(simulate(policy, CPU, n_rows=300, blind=True).weights) > 0.5
-        assert max(simulate(policy, CPU, n_rows=300, blind=True, sample_every=0).weights) == 0.0
-
-
-def test_rows_drawn_at_random_under_longest_first_keep_the_eta_where_predictions_do_not_rank():
-    """Lengths normal whatever the predictions, rows run longest predicted first: with one row in eight drawn at
-    random the ETA is within 15% from a tenth of the rows on, in three runs; without them (the log ratio alone) one
-    of the runs was 31% short at a quarter of the rows."""
-    worst, worst_without = 0.0, 0.0
-    for seed in (3, 4, 5):
-        for share in (0.10, 0.25, 0.50):
-            worst = max(worst, abs(eta_error(simulate("longest-first", CPU, n_rows=300, blind=True, seed=seed),
-                                             share)[0]))
-            worst_without = max(worst_without, abs(eta_error(simulate(
-                "longest-first", CPU, n_rows=300, blind=True, seed=seed, sample_every=0), share)[0]))
-    assert worst <= 0.15
-    assert worst_without > 0.25
+        assert max(simulate(policy, CPU, n_rows=300, blind=True).weights) == 0.0
 
 
 def test_the_tail_under_longest_first_comes_from_the_square_root_only_where_the_run_says_so():
-    """Rows run longest predicted first and none drawn at random (sample_every=0; with them the mixture is
-    weighed as under fifo). Lengths log-normal around their predictions (the default story): the drain's tail keeps
-    the log ratio's shape once 5% of the rows are done (the square root, with its slope, can fit the first handful
-    of rows a little better). Lengths about normal, blind to the predictions: the square root's, from then on."""
+    """Lengths log-normal around their predictions (the default story): the drain's tail keeps the log ratio's
+    shape once 5% of the rows are done (the square root, with its slope, can fit the first handful of rows a little
+    better). Lengths about normal, blind to the predictions: the square root's, from then on."""
     def after_a_twentieth(story):
         return [tail for (_, done, _), tail in zip(story.samples, story.tails) if done >= 0.05 * story.n]
 
-    assert not any(after_a_twentieth(simulate("longest-first", CPU, sample_every=0)))
-    assert all(after_a_twentieth(simulate("longest-first", CPU, n_rows=300, blind=True, sample_every=0)))
+    assert not any(after_a_twentieth(simulate("longest-first", CPU)))
+    assert all(after_a_twentieth(simulate("longest-first", CPU, n_rows=300, blind=True)))
 
 
 def test_eta_range_holds_the_actual_time():

@@ -44,54 +44,6 @@ def test_policies_order(policy, expected):
     assert drain(s) == expected
 
 
-def test_longest_first_draws_one_row_in_eight_at_random():
-    """Under longest-first (and auto while the deadline is safe) every eighth admission is a pending row drawn at
-    random, the same each run (seeded); the others go longest predicted first. fifo, shortest-first and auto near a
-    deadline draw none."""
-    preds = [1000 - i for i in range(200)]  # row i: the i-th longest
-
-    def order(policy, mode=None, **kw):
-        s = one_at_a_time(policy, **kw)
-        s.add([row(i, p) for i, p in enumerate(preds)])
-        if mode is not None:
-            s.set_mode(mode)
-        reasons = []
-        while s.num_pending:
-            (a,) = s.schedule(0.0)
-            reasons.append(a.reason)
-            s.finish(a.request_id)
-        return reasons, s
-
-    for policy in ("longest-first", "auto"):
-        reasons, s = order(policy)
-        assert [i for i, r in enumerate(reasons) if r == "sample"][:5] == [7, 15, 23, 31, 39]
-        assert s.stats.num_sampled == reasons.count("sample") >= 20
-    s = one_at_a_time("longest-first")
-    s.add([row(i, p) for i, p in enumerate(preds)])
-    first = drain(s)
-    assert first[:7] == list(range(7)) and first[7] > 8  # the eighth: drawn from the 193 left
-    s2 = one_at_a_time("longest-first")
-    s2.add([row(i, p) for i, p in enumerate(preds)])
-    assert drain(s2) == first  # seeded
-    assert order("longest-first", sample_every=0)[0].count("sample") == 0
-    for policy, mode in (("fifo", None), ("shortest-first", None), ("auto", Mode.DEADLINE)):
-        assert order(policy, mode)[0].count("sample") == 0
-
-
-def test_rows_drawn_at_random_do_not_pile_up_in_the_pool():
-    """A long job under longest-first, its pool kept at the lookahead: the rows predicted short stay, and the ones
-    of them drawn at random stay in the heap, taken, since rows predicted longer keep arriving. The heap is rebuilt
-    before those outnumber the rows pending."""
-    s = Scheduler(max_running=4, queue_factor=0, policy="longest-first", lookahead=100)
-    s.add([row(i, 10) for i in range(100)])
-    for k in range(4000):
-        s.add([row(f"n{k}-{j}", 50 + (k * 7 + j) % 450) for j in range(100 - s.num_pending)])
-        for a in s.schedule(float(k)):
-            s.finish(a.request_id)
-    assert s.stats.num_sampled >= 1900
-    assert len(s._heap) <= 2 * s.num_pending + 64 + s.sample_every
-
-
 def test_priority_policy_lower_first_then_input_order():
     s = one_at_a_time("priority")
     s.add([row("a", priority=5), row("b", priority=1), row("c", priority=5), row("d", priority=-2)])

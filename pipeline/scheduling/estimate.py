@@ -109,9 +109,7 @@ def model_forecast(t, scheduler, lengths, counts, unread: int, mean_predicted: f
     qm, pm = queued_rows_p > 0, pend_p > 0
     pend_rows = np.asarray(counts, dtype=np.float64)
     rest = (float(queued_rows_p[qm].sum() + pend_p[pm] @ pend_rows[pm]), float(qm.sum() + pend_rows[pm].sum()))
-    # Rows run longest predicted first and none at random: the log ratio alone (LengthMixture says why)
-    left_shortest = scheduler.runs_longest_first and not scheduler.samples_rows
-    model.fit(*t.inflight.running(per_sequence=False), left_shortest=left_shortest, rest=rest)
+    model.fit(*t.inflight.running(per_sequence=False), left_shortest=scheduler.runs_longest_first, rest=rest)
     # auto near a deadline runs at most `cap` rows at once; every other case keeps the engine full
     cap = None
     left = t.time_left()

@@ -7,9 +7,8 @@
     SqrtLengthModel    sqrt(length) ~ Normal(a + b log(predicted), s), censored the same way: the shape of what a
                        row that has run long has left, where lengths are skewed to the left in log
     LengthMixture      the forecast's: the three, weighed by how likely each makes what the run has seen; the
-                       log ratio alone where the rows run longest predicted first and none at random
-                       (--sample-every 0), and there the drain's tail of the rows running from the square root
-                       where the run makes it likelier
+                       log ratio alone where the rows run longest predicted first, and there the drain's tail of the
+                       rows running from the square root where the run makes it likelier
 
 NormalLengthModel and SqrtLengthModel are in length_shapes.py, the normal's pieces they share in censored.py.
 Pure numpy; the deadline tracker (scheduling/deadline.py) feeds it finished rows, and its forecast
@@ -177,9 +176,7 @@ class LengthMixture:
     by 0.054 in mean |log|, and by 0.066 with the log ratio and the normal alone; at 5%, 0.129 and 0.144
     (docs/BENCHMARKS.md, "The square root of the length weighed in").
 
-    Where the rows run longest predicted first and none at random (``left_shortest``: the Scheduler's
-    sample_every at 0; by default one row in eight goes at random, which spans the predictions, and the three are
-    weighed as above), LengthModel alone. The rows left are then the
+    Where the rows run longest predicted first (``left_shortest``), LengthModel alone. The rows left are then the
     ones predicted shortest, and the rows seen cannot say what the normal, blind to the predictions, would need to
     know: that those run shorter. It takes the mean of the rows seen for them, and the likelihood of the rows seen
     cannot tell it wrong. Replayed on 10 full runs (docs/BENCHMARKS.md), the weighing said x1.13-1.31 at 10-50% of

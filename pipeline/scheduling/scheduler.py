@@ -12,16 +12,6 @@ and need no abort at a deadline. Which rows go first is the policy's call:
     auto            longest-first while the deadline is safe; once it is at risk, the most value per
                     predicted token first (the `value` column, else 1 per row: shortest-first)
 
-Where the rows run longest predicted first (longest-first, and auto while the
-deadline is safe), one admission in ``sample_every`` (8) is a pending row drawn
-at random instead (reason "sample"). The rows run by prediction show the
-forecast only the longest predictions; what the rows predicted short will do
-cannot be learned from them, and with predictions that barely rank those run
-far longer than their predictions say. The random rows span every prediction,
-so the forecast's length models can be weighed under this order as under fifo.
-They cost the order little: the rows left at the end are still the shortest
-predicted.
-
 Two rules apply under every policy. A row with a per-row `deadline` that is at
 risk (little time left for its predicted length) goes first, earliest
 deadline first. And no row waits forever: one pending for longer than
@@ -32,7 +22,6 @@ from __future__ import annotations
 
 import enum
 import heapq
-import random
 from collections import deque
 from dataclasses import dataclass
 from typing import Iterable, Optional
@@ -66,7 +55,7 @@ class Admission:
     row: Row
     # Priority for vLLM's own scheduler (lower runs sooner); 0 unless the policy orders vLLM's queue too.
     priority: int = 0
-    # Why this row went now: "policy", "aged", "deadline" or "sample" (drawn at random under longest-first).
+    # Why this row went now: "policy", "aged" or "deadline".
     reason: str = "policy"
 
 
@@ -75,23 +64,16 @@ class SchedulerStats:
     num_aged: int = 0
     num_deadline_first: int = 0
     num_mode_switches: int = 0
-    num_sampled: int = 0  # rows admitted at random under longest predicted first (sample_every)
 
 
 class Scheduler:
     def __init__(self, max_running: int, queue_factor: float = 1.0, policy: Policy | str = Policy.FIFO,
-                 lookahead: int = 0, max_wait_s: Optional[float] = None, has_values: bool = False,
-                 sample_every: int = 8, seed: int = 0):
+                 lookahead: int = 0, max_wait_s: Optional[float] = None, has_values: bool = False):
         self.policy = Policy(policy)
         self.queue_factor, self.lookahead_rows = queue_factor, lookahead
         self.resize(max_running)
         self.max_wait_s = max_wait_s
         self.has_values = has_values
-        # Under longest predicted first, every sample_every-th admission by the policy is a pending row drawn at
-        # random (0: none); seeded, so that a run's order is the same each time.
-        self.sample_every = sample_every
-        self._rng = random.Random(seed)
-        self._picked = 0  # admissions by the policy under longest predicted first
         self.mode = Mode.THROUGHPUT
         self.running: dict[str, Row] = {}
         self.running_predicted = 0  # predicted output tokens of the running rows (n times for n samples)
@@ -225,21 +207,7 @@ class Scheduler:
                 heapq.heappop(self._deadlines)
                 self.stats.num_deadline_first += 1
                 return e, "deadline"
-        # 3. a row drawn at random, one in sample_every under longest predicted first
-        if self.samples_rows:
-            self._picked += 1
-            if self._picked % self.sample_every == 0:
-                # Rows taken out of turn stay in the heap until popped, and a row drawn at random may not be popped
-                # for long (rows predicted longer keep arriving): once they outnumber the pending, rebuild it.
-                if len(self._heap) > 2 * self._num_pending + 64:
-                    self.rekey()
-                heap = self._heap
-                for _ in range(64):  # a taken row: draw again
-                    e = heap[self._rng.randrange(len(heap))][2]
-                    if not e.is_taken:
-                        self.stats.num_sampled += 1
-                        return e, "sample"
-        # 4. the policy
+        # 3. the policy
         while True:
             _, _, e = heapq.heappop(self._heap)
             if not e.is_taken:
@@ -332,11 +300,6 @@ class Scheduler:
         """Whether the pool runs the rows predicted longest first: longest-first, and auto while the deadline is
         safe (or there is none)."""
         return self.policy == Policy.LONGEST_FIRST or (self.policy == Policy.AUTO and self.mode == Mode.THROUGHPUT)
-
-    @property
-    def samples_rows(self) -> bool:
-        """Whether some rows are admitted at random (see sample_every): while they run longest predicted first."""
-        return self.sample_every > 0 and self.runs_longest_first
 
     def pending_lengths(self) -> tuple[list[int], list[int]]:
         """Predicted output tokens of the pending rows, as (distinct lengths ascending, rows of each)."""
