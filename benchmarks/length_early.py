@@ -35,15 +35,21 @@ import numpy as np
 KS = (0, 1, 2, 3, 5, 8, 12, 20, 40)  # 0: halfway to the first row's finish
 
 
-def states(p, a, order, slots: int, cap: int):
-    """(finished, running, not started, tokens so far, actual tokens to come) when each k of KS rows has finished."""
-    a = np.minimum(a, cap)
-    start, end = np.full(len(p), np.inf), np.full(len(p), np.inf)
+def lay_out(a, order, slots: int):
+    """Each row's start and end step, the rows taken in this order over this many slots, one token a step."""
+    start, end = np.full(len(a), np.inf), np.full(len(a), np.inf)
     free = [0.0] * slots
     for i in order:
         t = heapq.heappop(free)
         start[i], end[i] = t, t + a[i]
         heapq.heappush(free, end[i])
+    return start, end
+
+
+def states(p, a, order, slots: int, cap: int):
+    """(finished, running, not started, tokens so far, actual tokens to come) when each k of KS rows has finished."""
+    a = np.minimum(a, cap)
+    start, end = lay_out(a, order, slots)
     ends = np.sort(end)
     for k in KS:
         t = ends[k - 1] + 0.5 if k else ends[0] / 2

@@ -29,7 +29,6 @@ drawn at random, side by side.
 from __future__ import annotations
 
 import argparse
-import heapq
 import os
 import sys
 
@@ -55,16 +54,6 @@ def sampled_order(p, sample_every: int, seed: int) -> list[int]:
     return order
 
 
-def lay_out(a, order, slots: int):
-    start, end = np.full(len(a), np.inf), np.full(len(a), np.inf)
-    free = [0.0] * slots
-    for i in order:
-        t = heapq.heappop(free)
-        start[i], end[i] = t, t + a[i]
-        heapq.heappush(free, end[i])
-    return start, end
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("outs", nargs="*")
@@ -75,6 +64,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=512)
     args = ap.parse_args()
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from length_early import lay_out
     from length_replay import load
 
     from overnight.pipeline.scheduling.lengths import LengthMixture
