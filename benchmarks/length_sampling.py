@@ -83,6 +83,8 @@ def main() -> None:
                 print(f"  {out:40s} {name:30s} " + " ".join(f"{x:.2f}" for x in r[:len(SHARES)]))
             r = replay(d, lambda: Hindsight(d["a"]), clock)
             print(f"  {out:40s} {'hindsight':30s} " + " ".join(f"{x:.2f}" for x in r[:len(SHARES)]))
+    if not args.outs:
+        return
     errors: dict = {}
     spans: dict = {}
     print("expected / actual output tokens to come at " + ", ".join(f"{s:.0%}" for s in SHARES) + " of rows")
