@@ -23,7 +23,9 @@ the rows cut at max_tokens as "at least" it):
                       hindsight (the shape a perfect estimate of the ratio's distribution would give)
     hindsight         not a model: every row drawn from the draw's own lengths, blind to the predictions
 
-    python benchmarks/length_labelled.py [--draws 40] [--every 8]
+    python benchmarks/length_labelled.py [--draws 40] [--every 8] [--fifo]
+
+With --fifo the rows run in a random order, as under fifo, and the product's model is the mixture weighed as there.
 
 Prints, per predictor, workload and model: the median of expected / actual tokens to come at 10%, 25% and 50% of
 rows over the draws (two samplings alternate), its mean |log| over the three points, and the share of the points
@@ -95,6 +97,8 @@ def main() -> None:
                                                    "lengths.parquet"))
     ap.add_argument("--draws", type=int, default=40)
     ap.add_argument("--every", type=int, default=8)
+    ap.add_argument("--fifo", action="store_true", help="the rows in a random order (fifo's) instead: the product's "
+                                                         "mixture weighed as there, against the sqrt ratio")
     args = ap.parse_args()
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import pyarrow.parquet as pq
@@ -132,7 +136,8 @@ def main() -> None:
     def tokens(m, p, g, run, pool):
         return float(m.expected(p[run], g[run]).sum()), float(m.expected(p[pool]).sum())
 
-    print("expected / actual output tokens to come under longest predicted first, 64 slots; median over "
+    print("expected / actual output tokens to come " + ("in a random order (fifo)" if args.fifo else
+          "under longest predicted first") + ", 64 slots; median over "
           f"{args.draws} draws at " + " / ".join(f"{s:.0%}" for s in SHARES) + " of rows; mean |log| there; "
           "within 10%")
     for predictor in ("heuristic", "trained"):
@@ -145,8 +150,8 @@ def main() -> None:
                 a = np.minimum(out[idx, k], CAP)
                 cut = capped[idx, k] | (a >= CAP)
                 p = heuristic[idx] if predictor == "heuristic" else trained[idx, 1 - k]
-                for every in (0, args.every):
-                    order = sampled_order(p, every, d)
+                for every in ((0,) if args.fifo else (0, args.every)):
+                    order = list(rng.permutation(len(p))) if args.fifo else sampled_order(p, every, d)
                     pos = np.empty(len(p), int)
                     pos[order] = np.arange(len(p))
                     drawn = ((pos + 1) % every == 0) if every else np.zeros(len(p), bool)
@@ -162,8 +167,8 @@ def main() -> None:
                         if every == 0:
                             m = LengthMixture(CAP)
                             m.observe(p[fin], a[fin], cut[fin])
-                            m.fit(p[run], g[run], left_shortest=True, rest=rest)
-                            got["log ratio"] = tokens(m, p, g, run, pool)
+                            m.fit(p[run], g[run], left_shortest=not args.fifo, rest=rest)
+                            got["mixture (fifo's)" if args.fifo else "log ratio"] = tokens(m, p, g, run, pool)
                             sq = SqrtRatio(CAP).fit(p[fin], a[fin], cut[fin], p[run], g[run])
                             got["sqrt ratio"] = tokens(sq, p, g, run, pool)
                             h = Hindsight(a)
@@ -189,7 +194,7 @@ def main() -> None:
                 le = np.abs(np.log(x))
                 line = (f"  {name:28s} " + " / ".join(f"x{np.median(v):.2f}" for v in x)
                         + f"   {le.mean():.3f}   {(le <= np.log(1.1)).mean():4.0%}")
-                if name in ("log ratio", "sqrt ratio"):
+                if name in ("log ratio", "sqrt ratio", "mixture (fifo's)"):
                     parts = [[np.nanmedian([v[i] for v in by_share[s]]) for s in SHARES] for i in (1, 2)]
                     line += ("   running " + " / ".join(f"x{v:.2f}" for v in parts[0])
                              + ", not started " + " / ".join(f"x{v:.2f}" if np.isfinite(v) else "-" for v in parts[1]))
