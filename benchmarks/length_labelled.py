@@ -16,7 +16,9 @@ the rows cut at max_tokens as "at least" it):
     log ratio         the product's under this order: LengthMixture with left_shortest (LengthModel's sums)
     sqrt ratio        sqrt(actual / predicted) ~ Normal(mu, sigma), censored the same way (EM; prior mu 1, sigma
                       0.4, worth 3 rows): each row keeps its prediction's scale, as in the log ratio, but the shape
-                      is the square root's, whose right tail is lighter (not in the product)
+                      is the square root's, whose right tail is lighter. The product's SqrtRatioModel, which
+                      LengthMixture(calibrated=True) uses under this order (a trained predictor's predictions);
+                      until stop 34 a quadrature of the same model in this script
     weighed           with rows drawn at random: the three models weighed as under fifo (tried at 9b3b854)
     log ratio @random with rows drawn at random: LengthModel fitted on those rows alone (stop 32's open idea)
     own r             not a model: each row's prediction times every ratio actual / predicted of the draw, known in
@@ -44,44 +46,6 @@ import numpy as np
 SHARES = (0.10, 0.25, 0.50)
 CAP = 512
 SLOTS = 64
-
-
-class SqrtRatio:
-    """sqrt(actual / predicted) ~ Normal(mu, sigma), fitted by EM with censored rows; expected tokens to come by a
-    quadrature over sigma's quantiles."""
-
-    def __init__(self, cap: int, nodes: int = 400):
-        from statistics import NormalDist
-
-        self.cap = float(cap)
-        self.z = np.array([NormalDist().inv_cdf((i + 0.5) / nodes) for i in range(nodes)])
-
-    def fit(self, pf, af, cutf, pr, gr, prior_mu: float = 1.0, prior_sigma: float = 0.4, prior_weight: float = 3.0):
-        from overnight.pipeline.scheduling.censored import norm_cdf, norm_pdf
-
-        x = np.sqrt(af[~cutf] / pf[~cutf])
-        c = np.concatenate([np.sqrt(self.cap / pf[cutf]), np.sqrt(np.maximum(gr, 1e-9) / pr)])
-        mu, sd = prior_mu, prior_sigma
-        total = len(x) + len(c) + prior_weight
-        for _ in range(50):
-            a = (c - mu) / sd
-            lam = norm_pdf(a) / np.clip(1.0 - norm_cdf(a), 1e-12, None)
-            e1 = mu + sd * lam
-            e2 = mu * mu + sd * sd + sd * (c + mu) * lam
-            new_mu = (x.sum() + e1.sum() + prior_weight * prior_mu) / total
-            var = (x @ x + e2.sum() + prior_weight * (prior_sigma ** 2 + prior_mu ** 2)) / total - new_mu ** 2
-            mu, sd = new_mu, max(float(np.sqrt(max(var, 1e-4))), 0.05)
-        self.mu, self.sigma = mu, sd
-        return self
-
-    def expected(self, p, g=None) -> np.ndarray:
-        p = np.asarray(p, np.float64)
-        g = np.zeros_like(p) if g is None else np.asarray(g, np.float64)
-        x = np.maximum(self.mu + self.sigma * self.z, 0.0)
-        length = np.minimum(p[:, None] * x[None, :] ** 2, self.cap)
-        alive = length > g[:, None]
-        n = alive.sum(1)
-        return np.where(n > 0, np.where(alive, length, 0.0).sum(1) / np.maximum(n, 1) - g, 1.0)
 
 
 def own_r(p, g, ratios, cap):
@@ -169,7 +133,9 @@ def main() -> None:
                             m.observe(p[fin], a[fin], cut[fin])
                             m.fit(p[run], g[run], left_shortest=not args.fifo, rest=rest)
                             got["mixture (fifo's)" if args.fifo else "log ratio"] = tokens(m, p, g, run, pool)
-                            sq = SqrtRatio(CAP).fit(p[fin], a[fin], cut[fin], p[run], g[run])
+                            sq = LengthMixture(CAP, calibrated=True)
+                            sq.observe(p[fin], a[fin], cut[fin])
+                            sq.fit(p[run], g[run], left_shortest=True, rest=rest)
                             got["sqrt ratio"] = tokens(sq, p, g, run, pool)
                             h = Hindsight(a)
                             got["hindsight"] = tokens(h, p, g, run, pool)

@@ -13,7 +13,8 @@ NormalLengthModel (the length itself ~ Normal, the prediction not used) and Leng
 and SqrtLengthModel weighed by how likely each makes what the run has seen, the priors at the mean prediction of
 every row; the log ratio alone where the run ran longest predicted first, which it reads from the run's
 status.json). A last line, for reference, is no model a run could have: every row drawn from the run's own lengths,
-known in hindsight (Hindsight).
+known in hindsight (Hindsight). "calibrated" is LengthMixture told that the predictions are a trained predictor's:
+where the run ran longest predicted first, the sqrt ratio alone (SqrtRatioModel), elsewhere the same as the mixture.
 
     python benchmarks/length_replay.py OUT [OUT ...] [--max-tokens 512] [--variants] [--running] [--trace N]
 
@@ -345,7 +346,8 @@ def main() -> None:
 
     models = {"log ratio (LengthModel)": lambda: LengthModel(args.max_tokens),
               "normal on length": lambda: NormalLengthModel(args.max_tokens),
-              "all, weighed (LengthMixture)": lambda: LengthMixture(args.max_tokens)}
+              "all, weighed (LengthMixture)": lambda: LengthMixture(args.max_tokens),
+              "calibrated (LengthMixture)": lambda: LengthMixture(args.max_tokens, calibrated=True)}
     if args.variants:
         models.update(variants(args.max_tokens))
     hindsight = "hindsight (the run's own lengths)"

@@ -34,6 +34,9 @@ class Prediction:
 class Predictor:
     name = "base"
     learns = False
+    # its predictions' mean is fitted to actual lengths (a trained file, or the online model warm-started from
+    # one): the forecast then takes their scale at its word under longest-first (LengthMixture)
+    calibrated = False
 
     def predict(self, fb: FeatureBatch) -> Prediction:
         raise NotImplementedError
@@ -88,6 +91,7 @@ class OnlinePredictor(Predictor):
         self.prior = prior
         if prior is not None:
             self.name = f"{prior.name}+online"
+        self.calibrated = prior is not None and prior.calibrated
         self.min_rows = min_rows
         self.window = window
         self.num_observed = 0

@@ -117,6 +117,8 @@ def calibrate(s: np.ndarray, actual: np.ndarray, caps: np.ndarray) -> tuple[floa
 
 
 class TrainedPredictor(Predictor):
+    calibrated = True  # its mean is fitted to the training rows' actual mean (calibrate)
+
     def __init__(self, bias: float, wd: np.ndarray, ws: np.ndarray, mean: np.ndarray, std: np.ndarray,
                  calib: tuple[float, float, float], meta: dict, tokens: Optional[TokenTable] = None,
                  token_calib: Optional[tuple[float, float, float]] = None):

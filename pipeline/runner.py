@@ -53,10 +53,11 @@ class Runner:
         cfg, sc = job.cfg, job.cfg.scheduler
         self.scheduler = Scheduler(cfg.engine.max_num_seqs, sc.queue_factor, sc.policy, sc.lookahead_rows,
                                    sc.max_wait_s, has_values="value" in job.source.schema.names)
-        self.annotator = LengthAnnotator(make_predictor(cfg.buckets.predictor), cfg.sampling.max_tokens,
-                                         cfg.buckets.kind, cfg.buckets.num_buckets, background=True)
+        predictor = make_predictor(cfg.buckets.predictor)
+        self.annotator = LengthAnnotator(predictor, cfg.sampling.max_tokens, cfg.buckets.kind,
+                                         cfg.buckets.num_buckets, background=True)
         self.tracker = DeadlineTracker(job.deadline_at, job.margin_s, clock, sc.tokens_per_second,
-                                       max_tokens=cfg.sampling.max_tokens)
+                                       max_tokens=cfg.sampling.max_tokens, calibrated=predictor.calibrated)
         self.tracker.start(self.scheduler)
         scan = job.scan
         self.tally = Tally(job.source.num_rows, scan.num_ok, scan.num_error, scan.num_output_tokens)

@@ -163,14 +163,8 @@ def test_early_warning_comes_before_five_percent_of_rows(warm, tmp_path, monkeyp
     assert abs(warned[0]["rows_expected_left"] - left) <= 0.5 * left, (warned[0], done)
 
 
-@pytest.mark.parametrize("policy", ["longest-first", "fifo"])
-def test_forecasts_say_how_they_weighed_the_length_models(warm, tmp_path, policy):
-    """Real prompts. Longest predicted first: the forecast fits the square root beside the log ratio and chooses
-    the drain's tail of the rows running by likelihood, and weighs nothing else (the log ratio alone). fifo: it
-    weighs the log ratio, the normal and the square root, and the tail is the mixture's. Every forecast says so,
-    and the run completes with an ETA and its range in the timeline. Which shape wins on 120 short rows is the
-    data's (the square root's tail at none of 6 forecasts in one run, at some in another); tests/test_lengths.py
-    checks the choices."""
+def forecast_lines(tmp_path, *args) -> list[str]:
+    """`overnight -v run` over 120 real prompts (max_tokens 96) into tmp_path/out; its forecasts' debug lines."""
     import logging
 
     inp = tmp_path / "in.parquet"
@@ -185,12 +179,24 @@ def test_forecasts_say_how_they_weighed_the_length_models(warm, tmp_path, policy
     logger = logging.getLogger("overnight")
     logger.addHandler(handler)
     try:
-        invoke("-v", "run", inp, "--out", tmp_path / "out", "--policy", policy, "--max-tokens", "96")
+        invoke("-v", "run", inp, "--out", tmp_path / "out", "--max-tokens", "96", *args)
     finally:
         logger.removeHandler(handler)
         logger.setLevel(logging.INFO)
     forecasts = [ln for ln in lines if ln.startswith("forecast: step")]
     assert forecasts, lines[-20:]
+    return forecasts
+
+
+@pytest.mark.parametrize("policy", ["longest-first", "fifo"])
+def test_forecasts_say_how_they_weighed_the_length_models(warm, tmp_path, policy):
+    """Real prompts. Longest predicted first: the forecast fits the square root beside the log ratio and chooses
+    the drain's tail of the rows running by likelihood, and weighs nothing else (the log ratio alone). fifo: it
+    weighs the log ratio, the normal and the square root, and the tail is the mixture's. Every forecast says so,
+    and the run completes with an ETA and its range in the timeline. Which shape wins on 120 short rows is the
+    data's (the square root's tail at none of 6 forecasts in one run, at some in another); tests/test_lengths.py
+    checks the choices."""
+    forecasts = forecast_lines(tmp_path, "--policy", policy)
     tails = [ln.rsplit("tail of the rows running: ", 1)[1] for ln in forecasts]
     weights = [re.search(r"lengths weighed ([0-9.]+) normal, ([0-9.]+) square root", ln).groups() for ln in forecasts]
     normal, sqrt = (np.array([float(w[i]) for w in weights]) for i in (0, 1))
@@ -203,3 +209,19 @@ def test_forecasts_say_how_they_weighed_the_length_models(warm, tmp_path, policy
         assert (normal + sqrt <= 1.005).all() and (normal + sqrt).max() > 0.2 and sqrt.max() > 0, weights
     timeline = json.loads((tmp_path / "out" / "timeline.json").read_text())
     assert any(s.get("eta_low_s") is not None and s["eta_low_s"] <= s["eta_s"] <= s["eta_high_s"] for s in timeline)
+
+
+def test_a_trained_predictor_run_longest_first_is_forecast_by_the_sqrt_ratio(warm, tmp_path):
+    """A trained predictor's predictions are calibrated: run longest predicted first, every forecast takes the
+    rows' lengths from the sqrt ratio alone (tests/test_lengths.py checks the model; benchmarks/forecast.py with
+    benchmarks/heldout_predictor.py measures it), and the run completes with an ETA and its range."""
+    _, first = warm
+    model = tmp_path / "lengths.pt"
+    invoke("predictor", "train", first, "--save", model, "--holdout", "0")
+    forecasts = forecast_lines(tmp_path, "--policy", "longest-first", "--predictor", model)
+    tails = {ln.rsplit("tail of the rows running: ", 1)[1] for ln in forecasts}
+    assert tails == {"sqrt ratio (calibrated predictions)"}, tails
+    timeline = json.loads((tmp_path / "out" / "timeline.json").read_text())
+    assert any(s.get("eta_low_s") is not None and s["eta_low_s"] <= s["eta_s"] <= s["eta_high_s"] for s in timeline)
+    status = json.loads((tmp_path / "out" / "status.json").read_text())
+    assert status["rows"]["done"] == 120 and status["scheduler"]["predictor"].startswith("trained")

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from overnight.pipeline.scheduling.censored import norm_cdf
-from overnight.pipeline.scheduling.lengths import LengthMixture, LengthModel, NormalLengthModel, SqrtLengthModel
+from overnight.pipeline.scheduling.lengths import (LengthMixture, LengthModel, NormalLengthModel, SqrtLengthModel,
+                                                  SqrtRatioModel)
 
 CAP = 512
 
@@ -263,6 +264,97 @@ def test_rows_cut_short_count_as_at_least_their_own_length():
     assert 0.2 < cut.mean() < 0.6 and len(m.capped) > 100
     assert m.a + m.b * (np.log(180) - m.x0) == pytest.approx(15.0, abs=0.3)
     assert m.b == pytest.approx(1.0, abs=0.3) and m.s == pytest.approx(5.0, rel=0.06)
+
+
+def test_sqrt_ratio_model_against_a_simulation():
+    """sqrt(L / p) ~ Normal(mu, s), cut at max_tokens and at least 1: its moments, tokens still to come and tail
+    against draws, for a short and a long prediction."""
+    rng = np.random.default_rng(6)
+    m = SqrtRatioModel(CAP)
+    m.mu_y, m.s_y, m.p_mean = 0.95, 0.35, 200.0
+    for p in (60.0, 300.0):
+        y = rng.normal(0.95, 0.35, 2_000_000) * np.sqrt(p)
+        draws = np.minimum(np.maximum(np.where(y > 0, y * y, 0.0), 1.0), CAP)
+        m1, m2 = m.moments(np.array([p]))
+        assert m1[0] == pytest.approx(draws.mean(), rel=2e-3)
+        assert m2[0] == pytest.approx((draws ** 2).mean(), rel=4e-3)
+        for g in (30.0, 200.0, 450.0):
+            alive = draws[draws > g]
+            if len(alive) < 1000:
+                continue
+            assert m.expected(np.array([p]), np.array([g]))[0] == pytest.approx((alive - g).mean(), rel=5e-3)
+            assert m.quantile_cdf(50.0, np.array([p]), np.array([g]))[0] == pytest.approx(
+                np.mean(alive - g <= 50), abs=3e-3)
+    assert m.expected(np.array([200.0]), None, 0.1)[0] > m.expected(np.array([200.0]))[0]
+    # mu and sigma are the log-normal ones of the same mean and spread at the mean prediction
+    m1, m2 = m.moments(np.array([200.0]))
+    assert np.exp(m.mu + m.sigma ** 2 / 2) == pytest.approx(m1[0] / 200.0)
+
+
+def test_the_sqrt_ratio_fit_finds_its_spread_from_rows_still_running_and_cut():
+    """Rows still running (at least 250 tokens) and rows cut at max_tokens count as "at least": the fit finds the
+    ratio's mean and spread, and the tokens still to come of the rows running."""
+    rng = np.random.default_rng(7)
+    p = np.round(np.exp(rng.normal(np.log(180), 0.5, 4000)))
+    lengths = np.clip(np.round(p * np.maximum(rng.normal(0.95, 0.35, 4000), 0.0) ** 2), 1, CAP)
+    done = lengths <= 250
+    m = SqrtRatioModel(CAP)
+    m.observe(p[done], lengths[done], lengths[done] >= CAP)
+    g = np.full(int((~done).sum()), 250.0)
+    m.fit(p[~done], g)
+    assert m.mu_y == pytest.approx(0.95, abs=0.02) and m.s_y == pytest.approx(0.35, rel=0.06)
+    truth = float((lengths[~done] - 250).sum())
+    assert m.expected(p[~done], g).sum() == pytest.approx(truth, rel=0.03)
+    # a finished fit is likelier under the shape that made the lengths than under the log ratio
+    ratio = LengthModel(CAP)
+    ratio.observe(p[done], lengths[done], lengths[done] >= CAP)
+    ratio.fit(p[~done], g)
+    assert m.loglik(p[~done], g) > ratio.loglik(p[~done], g) + 10
+
+
+def test_calibrated_predictions_under_longest_first_take_the_sqrt_ratio_alone():
+    """A trained predictor's predictions (calibrated) run longest predicted first: every answer of the mixture is
+    the sqrt ratio's; in any other order, or with predictions not calibrated, the mixture is as before."""
+    rng = np.random.default_rng(8)
+    p = np.round(np.exp(rng.normal(np.log(180), 0.5, 3000)))
+    lengths = np.clip(np.round(p * np.maximum(rng.normal(0.94, 0.35, 3000), 0.0) ** 2), 1, CAP)
+    order = np.argsort(-p)
+    started, left = order[:1000], order[1000:]
+    at = 150.0
+    done, running = started[lengths[started] <= at], started[lengths[started] > at]
+    g = np.full(len(running), at)
+    truth = float((lengths[running] - at).sum() + lengths[left].sum())
+
+    def fitted(calibrated, left_shortest):
+        model = LengthMixture(CAP, calibrated=calibrated)
+        model.observe(p[done], lengths[done], lengths[done] >= CAP)
+        model.fit(p[running], g, left_shortest=left_shortest, rest=(float(p[left].sum()), float(len(left))))
+        return model
+
+    told = fitted(True, True)
+    assert told.best is told.sqrt_ratio and told.tail is None
+    ours = float(told.expected(p[running], g).sum() + told.expected(p[left]).sum())
+    np.testing.assert_allclose(told.moments(p[left])[0], told.sqrt_ratio.moments(p[left])[0])
+    xs = np.linspace(0.0, 300.0, 16)[:, None]
+    np.testing.assert_allclose(told.quantile_cdf(xs, p[running[:5]], g[:5]),
+                               told.sqrt_ratio.quantile_cdf(xs, p[running[:5]], g[:5]))
+    untold = fitted(False, True)
+    assert untold.sqrt_ratio is None and untold.best is untold.ratio
+    theirs = float(untold.expected(p[running], g).sum() + untold.expected(p[left]).sum())
+    assert abs(ours / truth - 1) < 0.05 and theirs / truth > 1.10, (ours / truth, theirs / truth)
+    fifo = fitted(True, False)
+    assert fifo.only is None and fifo.best in (fifo.ratio, fifo.normal, fifo.sqrt)
+
+
+def test_a_trained_predictor_says_its_predictions_are_calibrated():
+    from types import SimpleNamespace
+
+    from overnight.buckets.predictors import HeuristicPredictor, OnlinePredictor
+    from overnight.buckets.trained import TrainedPredictor
+
+    assert TrainedPredictor.calibrated
+    assert not HeuristicPredictor().calibrated and not OnlinePredictor().calibrated
+    assert OnlinePredictor(prior=SimpleNamespace(name="trained", calibrated=True)).calibrated  # a warm start
 
 
 def test_norm_cdf():

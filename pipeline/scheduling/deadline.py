@@ -57,11 +57,12 @@ MIN_STEPS = 8
 class DeadlineTracker:
     def __init__(self, deadline: Optional[float], margin_s: float = 0.0, clock: Callable[[], float] = time.time,
                  initial_tokens_per_s: Optional[float] = None, window_s: float = 30.0, warmup_s: float = 10.0,
-                 max_tokens: Optional[int] = None, settle_s: float = SETTLE_S, settle_steps: int = SETTLE_STEPS):
+                 max_tokens: Optional[int] = None, settle_s: float = SETTLE_S, settle_steps: int = SETTLE_STEPS,
+                 calibrated: bool = False):
         # warmup_s: the first seconds of a run measure prefill and start-up more than generation; a rate
         # measured over less than this is not trusted (a configured tokens_per_second is used meanwhile).
         # settle_s: the engine's first seconds of steps, not measured (SETTLE_S), or its first SETTLE_STEPS steps
-        # if those take less.
+        # if those take less. calibrated: the rows' predictions come from a trained predictor (LengthMixture).
         self.deadline = deadline
         self.stop_at = None if deadline is None else deadline - margin_s
         self.clock = clock
@@ -75,7 +76,7 @@ class DeadlineTracker:
         self.steps = StepCost()
         self.early_steps = StepCost()  # the engine's first seconds (settle_s): the forecast's until steps has some
         self.inflight = InFlight(1)
-        self.lengths = LengthMixture(max_tokens or 256)
+        self.lengths = LengthMixture(max_tokens or 256, calibrated)
         self.probe_done = False
         self.settle_s = settle_s
         self.settle_steps = settle_steps

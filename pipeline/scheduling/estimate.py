@@ -181,6 +181,7 @@ def model_forecast(t, scheduler, lengths, counts, unread: int, mean_predicted: f
               "tail of the rows running: %s",
               a, b, c, d.steps, d.tail_steps, d.tokens, prefill, max_num_seqs, cap, model.mu, model.sigma,
               model.num_events, t.step_cost.drift, eta_s, low, high, model.weight, model.sqrt_weight,
+              "sqrt ratio (calibrated predictions)" if getattr(model, "only", None) is not None else
               "square root" if model.tail is not None else "mixture")
     return Forecast(float(tokens_per_s), float(d.tokens), rows, float(eta_s), left, bool(will_miss),
                     int(left_rows) if will_miss else 0, float(min(low, eta_s)), float(max(high, eta_s)),
