@@ -354,10 +354,12 @@ class SqrtRatioModel(SqrtLengthModel):
     ratio, so it is used for trained predictions only. A prior of prior_weight rows at mu_y = prior_mu, s_y =
     prior_sigma holds the fit until rows finish."""
 
+    BIN_R = 0.01  # rows cut at max_tokens are kept as a histogram of sqrt(tokens / predicted), in bins this wide
+
     def __init__(self, max_tokens: int, prior_mu: float = 1.0, prior_sigma: float = 0.4, prior_weight: float = 3.0):
         super().__init__(max_tokens, prior_weight=prior_weight)
         self.prior_mu, self.prior_sigma = prior_mu, prior_sigma
-        self.capped_r: dict[int, int] = {}  # rows cut at max_tokens: round(sqrt(tokens / predicted) / BIN) -> rows
+        self.capped_r: dict[int, int] = {}  # rows cut at max_tokens: round(sqrt(tokens / predicted) / BIN_R) -> rows
         self.n_r, self.s1, self.s2, self.slog_r = 0, 0.0, 0.0, 0.0
         self.mu_y, self.s_y = prior_mu, prior_sigma
 
@@ -366,7 +368,7 @@ class SqrtRatioModel(SqrtLengthModel):
         if not len(p):
             return
         y = np.sqrt(np.minimum(a, self.cap) / p)
-        for k in np.round(y[cut] / self.BIN).astype(int).tolist():
+        for k in np.round(y[cut] / self.BIN_R).astype(int).tolist():
             self.capped_r[k] = self.capped_r.get(k, 0) + 1
         free = y[~cut]
         self.n_r += len(free)
@@ -381,7 +383,7 @@ class SqrtRatioModel(SqrtLengthModel):
         cs = [np.sqrt(running_g[keep] / running_p[keep])]
         ws = [np.ones(int(keep.sum()))]
         if self.capped_r:
-            cs.append(np.fromiter(self.capped_r.keys(), np.float64) * self.BIN)
+            cs.append(np.fromiter(self.capped_r.keys(), np.float64) * self.BIN_R)
             ws.append(np.fromiter(self.capped_r.values(), np.float64))
         return np.concatenate(cs), np.concatenate(ws)
 

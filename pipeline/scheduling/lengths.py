@@ -201,8 +201,9 @@ class LengthMixture:
     mean is fitted to actual lengths), SqrtRatioModel alone: every answer, tail included. A calibrated prediction
     says how long the rows left run, and the log ratio's one spread then over-counts the rows running and those not
     started alike. Replayed on 8 real runs of the mixed workload under longest-first and auto with a predictor
-    trained on rows they do not hold, the tokens to come at 5-50% of rows were off by 0.077 in mean |log| (59% of
-    points within 10%), the log ratio's by 0.120 (50%); on 4 runs of 80 open rows, 0.142 against 0.294
+    trained on rows they do not hold (benchmarks/length_replay.py), the tokens to come at 10-50% of rows were off by
+    0.068 in mean |log| (62% of points within 10%), the log ratio's by 0.090 (58%); at 5%, 0.103 against 0.209; at
+    75% it is the worse, 0.099 against 0.062. On 4 runs of 80 open rows, 0.170 against 0.360 at 10-50%
     (docs/BENCHMARKS.md, "The sqrt ratio for a trained predictor's rows, longest first"). With the heuristic's
     predictions it did worse than the log ratio (benchmarks/length_labelled.py), so it is used for trained ones only.
     In any other order the weighing stands (there it is about even with the sqrt ratio, ibid., --fifo)."""
