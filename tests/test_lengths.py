@@ -177,6 +177,21 @@ def test_the_censored_fit_finds_the_mean_from_rows_still_running():
     assert isinstance(LengthMixture(CAP).ratio, LengthModel)
 
 
+def against_draws(m, p, roots, gs=(100.0, 300.0, 450.0)):
+    """A sqrt model's moments, tokens still to come and tail for rows predicted p, against lengths whose square
+    roots are ``roots`` (cut at max_tokens, at least 1)."""
+    draws = np.minimum(np.maximum(np.where(roots > 0, roots * roots, 0.0), 1.0), CAP)
+    m1, m2 = m.moments(np.array([p]))
+    assert m1[0] == pytest.approx(draws.mean(), rel=2e-3)
+    assert m2[0] == pytest.approx((draws ** 2).mean(), rel=4e-3)
+    for g in gs:
+        alive = draws[draws > g]
+        assert m.expected(np.array([p]), np.array([g]))[0] == pytest.approx((alive - g).mean(), rel=5e-3)
+        assert m.quantile_cdf(50.0, np.array([p]), np.array([g]))[0] == pytest.approx(np.mean(alive - g <= 50),
+                                                                                      abs=3e-3)
+    assert m.expected(np.array([200.0]), None, 0.1)[0] > m.expected(np.array([200.0]))[0]
+
+
 def test_sqrt_length_model_against_a_simulation():
     """sqrt(L) ~ Normal(a + b log p, s), cut at max_tokens and at least 1: its moments, its tokens still to come
     and its tail against draws."""
@@ -184,17 +199,16 @@ def test_sqrt_length_model_against_a_simulation():
     m = SqrtLengthModel(CAP)
     m.a, m.b, m.s, m.x0, m.p_mean = 15.0, 2.0, 5.0, np.log(200.0), 200.0
     for p in (100.0, 400.0):
-        y = rng.normal(15.0 + 2.0 * np.log(p / 200.0), 5.0, 2_000_000)
-        draws = np.minimum(np.maximum(np.where(y > 0, y * y, 0.0), 1.0), CAP)
-        m1, m2 = m.moments(np.array([p]))
-        assert m1[0] == pytest.approx(draws.mean(), rel=2e-3)
-        assert m2[0] == pytest.approx((draws ** 2).mean(), rel=4e-3)
-        for g in (100.0, 300.0, 450.0):
-            alive = draws[draws > g]
-            assert m.expected(np.array([p]), np.array([g]))[0] == pytest.approx((alive - g).mean(), rel=5e-3)
-            assert m.quantile_cdf(50.0, np.array([p]), np.array([g]))[0] == pytest.approx(
-                np.mean(alive - g <= 50), abs=3e-3)
-    assert m.expected(np.array([200.0]), None, 0.1)[0] > m.expected(np.array([200.0]))[0]
+        against_draws(m, p, rng.normal(15.0 + 2.0 * np.log(p / 200.0), 5.0, 2_000_000))
+
+
+def fitted_at(m, p, lengths, at: float):
+    """m fitted when every row has started and run `at` tokens: the rows done by then finished, the rest run on."""
+    done = lengths <= at
+    m.observe(p[done], lengths[done], lengths[done] >= CAP)
+    g = np.full(int((~done).sum()), at)
+    m.fit(p[~done], g)
+    return m, done, g
 
 
 def test_the_sqrt_fit_finds_its_line_from_rows_still_running():
@@ -202,11 +216,7 @@ def test_the_sqrt_fit_finds_its_line_from_rows_still_running():
     p = np.round(np.exp(rng.normal(np.log(180), 0.5, 4000)))
     y = rng.normal(14.0 + 2.0 * np.log(p / 180), 5.0)
     lengths = np.clip(np.round(y * y), 1, CAP)
-    done = lengths <= 250
-    m = SqrtLengthModel(CAP)
-    m.observe(p[done], lengths[done], lengths[done] >= CAP)
-    g = np.full(int((~done).sum()), 250.0)
-    m.fit(p[~done], g)
+    m, done, g = fitted_at(SqrtLengthModel(CAP), p, lengths, 250.0)
     assert m.b == pytest.approx(2.0, abs=0.25) and m.s == pytest.approx(5.0, rel=0.05)
     assert m.a + m.b * (np.log(180) - m.x0) == pytest.approx(14.0, abs=0.3)
     assert m.expected(p[~done], g).sum() == pytest.approx(float((lengths[~done] - 250).sum()), rel=0.03)
@@ -272,20 +282,8 @@ def test_sqrt_ratio_model_against_a_simulation():
     rng = np.random.default_rng(6)
     m = SqrtRatioModel(CAP)
     m.mu_y, m.s_y, m.p_mean = 0.95, 0.35, 200.0
-    for p in (60.0, 300.0):
-        y = rng.normal(0.95, 0.35, 2_000_000) * np.sqrt(p)
-        draws = np.minimum(np.maximum(np.where(y > 0, y * y, 0.0), 1.0), CAP)
-        m1, m2 = m.moments(np.array([p]))
-        assert m1[0] == pytest.approx(draws.mean(), rel=2e-3)
-        assert m2[0] == pytest.approx((draws ** 2).mean(), rel=4e-3)
-        for g in (30.0, 200.0, 450.0):
-            alive = draws[draws > g]
-            if len(alive) < 1000:
-                continue
-            assert m.expected(np.array([p]), np.array([g]))[0] == pytest.approx((alive - g).mean(), rel=5e-3)
-            assert m.quantile_cdf(50.0, np.array([p]), np.array([g]))[0] == pytest.approx(
-                np.mean(alive - g <= 50), abs=3e-3)
-    assert m.expected(np.array([200.0]), None, 0.1)[0] > m.expected(np.array([200.0]))[0]
+    against_draws(m, 60.0, rng.normal(0.95, 0.35, 2_000_000) * np.sqrt(60.0), gs=(30.0, 100.0))
+    against_draws(m, 300.0, rng.normal(0.95, 0.35, 2_000_000) * np.sqrt(300.0), gs=(30.0, 200.0, 450.0))
     # mu and sigma are the log-normal ones of the same mean and spread at the mean prediction
     m1, m2 = m.moments(np.array([200.0]))
     assert np.exp(m.mu + m.sigma ** 2 / 2) == pytest.approx(m1[0] / 200.0)
@@ -297,11 +295,7 @@ def test_the_sqrt_ratio_fit_finds_its_spread_from_rows_still_running_and_cut():
     rng = np.random.default_rng(7)
     p = np.round(np.exp(rng.normal(np.log(180), 0.5, 4000)))
     lengths = np.clip(np.round(p * np.maximum(rng.normal(0.95, 0.35, 4000), 0.0) ** 2), 1, CAP)
-    done = lengths <= 250
-    m = SqrtRatioModel(CAP)
-    m.observe(p[done], lengths[done], lengths[done] >= CAP)
-    g = np.full(int((~done).sum()), 250.0)
-    m.fit(p[~done], g)
+    m, done, g = fitted_at(SqrtRatioModel(CAP), p, lengths, 250.0)
     assert m.mu_y == pytest.approx(0.95, abs=0.02) and m.s_y == pytest.approx(0.35, rel=0.06)
     truth = float((lengths[~done] - 250).sum())
     assert m.expected(p[~done], g).sum() == pytest.approx(truth, rel=0.03)

@@ -66,3 +66,56 @@ def mills(z) -> np.ndarray:
     far = z > 6.0
     zz = np.where(far, z, 1.0)
     return np.where(far, zz + 1.0 / zz, norm_pdf(z) / np.clip(1.0 - norm_cdf(z), 1e-300, None))
+
+
+def count_into(hist: dict, values, width: float) -> None:
+    """Rows known only as "at least" a value (cut at max_tokens), kept as a histogram in bins this wide."""
+    for k in np.round(np.asarray(values, dtype=np.float64) / width).astype(int).tolist():
+        hist[k] = hist.get(k, 0) + 1
+
+
+def censored_points(running: np.ndarray, hist: dict, width: float) -> tuple[np.ndarray, np.ndarray]:
+    """The thresholds and weights of the rows known only as "at least": the rows running (each once), and the
+    histogram of the rows cut (count_into)."""
+    cs, ws = [np.asarray(running, dtype=np.float64)], [np.ones(len(running))]
+    if hist:
+        cs.append(np.fromiter(hist.keys(), np.float64) * width)
+        ws.append(np.fromiter(hist.values(), np.float64))
+    return np.concatenate(cs), np.concatenate(ws)
+
+
+def censored_normal_fit(n: int, s1: float, s2: float, c: np.ndarray, w: np.ndarray, prior: tuple[float, float, float],
+                        start: tuple[float, float], floor: float, iterations: int,
+                        tol: float) -> tuple[float, float, float]:
+    """EM fit of Normal(mu, sigma) to n values known exactly (their sum s1 and sum of squares s2), values known only
+    to be above c (weights w), and a prior (mean, sd, weight in values). Returns mu, sigma and the values the fit
+    rests on: the exact ones, and the censored ones counted by how much of their tail they cut (for a standard
+    error)."""
+    prior_mu, prior_sigma, w0 = prior
+    total = n + float(w.sum()) + w0
+    mu, sigma = start
+    for _ in range(iterations):
+        sigma = max(sigma, floor)
+        if len(c):
+            lam = mills((c - mu) / sigma)
+            e1 = float(w @ (mu + sigma * lam))
+            e2 = float(w @ (mu * mu + sigma * sigma + sigma * (c + mu) * lam))
+        else:
+            e1 = e2 = 0.0
+        new_mu = (s1 + e1 + w0 * prior_mu) / total
+        var = (s2 + e2 + w0 * (prior_sigma ** 2 + prior_mu ** 2)) / total - new_mu * new_mu
+        new_sigma = math.sqrt(max(var, floor ** 2))
+        done = abs(new_mu - mu) < tol and abs(new_sigma - sigma) < tol
+        mu, sigma = new_mu, new_sigma
+        if done:
+            break
+    return mu, sigma, n + (float(w @ norm_cdf((c - mu) / sigma)) if len(c) else 0.0)
+
+
+def censored_normal_loglik(n: int, s1: float, s2: float, log_jacobian: float, c: np.ndarray, w: np.ndarray,
+                           mu: float, sigma: float) -> float:
+    """Log-likelihood of n exact values (sums s1, s2; log_jacobian: the sum of log |d value / d length| over them,
+    so that it is a density of the length) and of the censored ones (above c, weights w) under Normal(mu, sigma)."""
+    ll = (-n * math.log(sigma * math.sqrt(2 * math.pi)) + log_jacobian
+          - (s2 - 2 * mu * s1 + n * mu * mu) / (2 * sigma * sigma))
+    return ll + (float(w @ log_tail((c - mu) / sigma)) if len(c) else 0.0)

@@ -17,8 +17,9 @@ import math
 
 import numpy as np
 
-from overnight.pipeline.scheduling.censored import (finished_rows, log_tail, mills, norm_cdf, norm_pdf, prior_mean,
-                                                   z_moments)
+from overnight.pipeline.scheduling.censored import (censored_normal_fit, censored_normal_loglik, censored_points,
+                                                   count_into, finished_rows, log_tail, mills, norm_cdf, norm_pdf,
+                                                   prior_mean, z_moments)
 
 
 class NormalLengthModel:
@@ -368,8 +369,7 @@ class SqrtRatioModel(SqrtLengthModel):
         if not len(p):
             return
         y = np.sqrt(np.minimum(a, self.cap) / p)
-        for k in np.round(y[cut] / self.BIN_R).astype(int).tolist():
-            self.capped_r[k] = self.capped_r.get(k, 0) + 1
+        count_into(self.capped_r, y[cut], self.BIN_R)
         free = y[~cut]
         self.n_r += len(free)
         self.s1 += float(free.sum())
@@ -380,12 +380,7 @@ class SqrtRatioModel(SqrtLengthModel):
 
     def _thresholds(self, running_p, running_g):
         keep = (running_p > 0) & (running_g > 0)
-        cs = [np.sqrt(running_g[keep] / running_p[keep])]
-        ws = [np.ones(int(keep.sum()))]
-        if self.capped_r:
-            cs.append(np.fromiter(self.capped_r.keys(), np.float64) * self.BIN_R)
-            ws.append(np.fromiter(self.capped_r.values(), np.float64))
-        return np.concatenate(cs), np.concatenate(ws)
+        return censored_points(np.sqrt(running_g[keep] / running_p[keep]), self.capped_r, self.BIN_R)
 
     def fit(self, running_p: np.ndarray, running_g: np.ndarray, iterations: int = 50,
             rest: tuple[float, float] = (0.0, 0.0)) -> tuple[float, float]:
@@ -395,35 +390,15 @@ class SqrtRatioModel(SqrtLengthModel):
         self.p_mean = prior_mean(self, running_p, running_g, rest)
         self.x0 = math.log(self.p_mean)
         c, w = self._thresholds(running_p, running_g)
-        w0 = self.prior_weight
-        total = self.n_r + float(w.sum()) + w0
-        mu, s = (self.mu_y, self.s_y)
-        for _ in range(iterations):
-            s = max(s, 0.02)
-            if len(c):
-                lam = mills((c - mu) / s)
-                e1 = float(w @ (mu + s * lam))
-                e2 = float(w @ (mu * mu + s * s + s * (c + mu) * lam))
-            else:
-                e1 = e2 = 0.0
-            new_mu = (self.s1 + e1 + w0 * self.prior_mu) / total
-            var = (self.s2 + e2 + w0 * (self.prior_sigma ** 2 + self.prior_mu ** 2)) / total - new_mu * new_mu
-            new_s = math.sqrt(max(var, 0.02 ** 2))
-            done = abs(new_mu - mu) < 1e-5 and abs(new_s - s) < 1e-5
-            mu, s = new_mu, new_s
-            if done:
-                break
-        self.mu_y, self.s_y = mu, s
-        self.num_events = self.n_r + (float(w @ norm_cdf((c - mu) / s)) if len(c) else 0.0)
+        self.mu_y, self.s_y, self.num_events = censored_normal_fit(
+            self.n_r, self.s1, self.s2, c, w, (self.prior_mu, self.prior_sigma, self.prior_weight),
+            (self.mu_y, self.s_y), 0.02, iterations, 1e-5)
         return self.mu, self.sigma
 
     def loglik(self, running_p: np.ndarray, running_g: np.ndarray) -> float:
         """Log-likelihood of the lengths seen (densities of the length itself) and of the censored rows."""
-        mu, s, n = self.mu_y, self.s_y, self.n_r
-        ll = (-n * math.log(s * math.sqrt(2 * math.pi)) - self.slog_r
-              - (self.s2 - 2 * mu * self.s1 + n * mu * mu) / (2 * s * s))
         c, w = self._thresholds(np.asarray(running_p, np.float64), np.asarray(running_g, np.float64))
-        return ll + (float(w @ log_tail((c - mu) / s)) if len(c) else 0.0)
+        return censored_normal_loglik(self.n_r, self.s1, self.s2, -self.slog_r, c, w, self.mu_y, self.s_y)
 
     def _params(self, predicted, shift: float):
         root = np.sqrt(np.maximum(np.asarray(predicted, dtype=np.float64), 1.0)) * math.exp(shift / 2)

@@ -24,7 +24,8 @@ import math
 
 import numpy as np
 
-from overnight.pipeline.scheduling.censored import finished_rows, log_tail, norm_cdf, norm_pdf  # noqa: F401
+from overnight.pipeline.scheduling.censored import (censored_normal_fit, censored_normal_loglik, censored_points,
+                                                   count_into, finished_rows, norm_cdf, norm_pdf)  # noqa: F401
 from overnight.pipeline.scheduling.length_shapes import NormalLengthModel, SqrtLengthModel, SqrtRatioModel
 
 
@@ -54,51 +55,24 @@ class LengthModel:
         if not len(p):
             return
         r = np.log(a / p)
-        for k in np.round(r[cut] / self.BIN).astype(int).tolist():
-            self.capped[k] = self.capped.get(k, 0) + 1
+        count_into(self.capped, r[cut], self.BIN)
         free = r[~cut]
         self.n += len(free)
         self.s1 += float(free.sum())
         self.s2 += float(free @ free)
         self.log_a += float(np.log(a[~cut]).sum())
 
+    def _censored(self, running_p: np.ndarray, running_g: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        keep = (running_p > 0) & (running_g > 0)
+        return censored_points(np.log(running_g[keep] / running_p[keep]), self.capped, self.BIN)
+
     def fit(self, running_p: np.ndarray, running_g: np.ndarray, iterations: int = 25) -> tuple[float, float]:
         """Refit on the finished rows and the rows running now (predicted p, g tokens so far)."""
-        keep = (running_p > 0) & (running_g > 0)
-        thresholds = [np.log(running_g[keep] / running_p[keep])]
-        weights = [np.ones(int(keep.sum()))]
-        if self.capped:
-            ks = np.fromiter(self.capped.keys(), np.float64)
-            thresholds.append(ks * self.BIN)
-            weights.append(np.fromiter(self.capped.values(), np.float64))
-        c = np.concatenate(thresholds)
-        w = np.concatenate(weights)
-        w0 = self.prior_weight
-        mu, sigma = (self.mu, self.sigma) if self.n else (0.0, self.prior_sigma)
-        total = self.n + w.sum() + w0
-        for _ in range(iterations):
-            sigma = max(sigma, 0.05)
-            if len(c):
-                a = (c - mu) / sigma
-                tail = np.clip(1.0 - norm_cdf(a), 1e-12, None)
-                lam = norm_pdf(a) / tail
-                ex = mu + sigma * lam
-                ex2 = mu * mu + sigma * sigma + sigma * (c + mu) * lam
-                e1, e2 = float(w @ ex), float(w @ ex2)
-            else:
-                e1 = e2 = 0.0
-            new_mu = (self.s1 + e1 + w0 * 0.0) / total
-            new_var = (self.s2 + e2 + w0 * self.prior_sigma ** 2) / total - new_mu * new_mu
-            new_sigma = math.sqrt(max(new_var, 0.05 ** 2))
-            done = abs(new_mu - mu) < 1e-4 and abs(new_sigma - sigma) < 1e-4
-            mu, sigma = new_mu, new_sigma
-            if done:
-                break
-        self.mu, self.sigma = mu, sigma
-        # Censored rows inform the fit less than finished ones: count them by how much of their tail they cut.
-        informed = float(w @ norm_cdf((c - mu) / sigma)) if len(c) else 0.0
-        self.num_events = self.n + informed
-        return mu, sigma
+        c, w = self._censored(running_p, running_g)
+        start = (self.mu, self.sigma) if self.n else (0.0, self.prior_sigma)
+        self.mu, self.sigma, self.num_events = censored_normal_fit(
+            self.n, self.s1, self.s2, c, w, (0.0, self.prior_sigma, self.prior_weight), start, 0.05, iterations, 1e-4)
+        return self.mu, self.sigma
 
     @property
     def mu_stderr(self) -> float:
@@ -106,14 +80,8 @@ class LengthModel:
 
     def loglik(self, running_p: np.ndarray, running_g: np.ndarray) -> float:
         """Log-likelihood of the lengths seen (as densities of the length itself) and of the censored rows."""
-        mu, s = self.mu, self.sigma
-        ll = (-self.n * math.log(s * math.sqrt(2 * math.pi)) - self.log_a
-              - (self.s2 - 2 * mu * self.s1 + self.n * mu * mu) / (2 * s * s))
-        if self.capped:
-            ks = np.fromiter(self.capped.keys(), np.float64) * self.BIN
-            ll += float(np.fromiter(self.capped.values(), np.float64) @ log_tail((ks - mu) / s))
-        keep = (running_p > 0) & (running_g > 0)
-        return ll + float(log_tail((np.log(running_g[keep] / running_p[keep]) - mu) / s).sum())
+        c, w = self._censored(running_p, running_g)
+        return censored_normal_loglik(self.n, self.s1, self.s2, -self.log_a, c, w, self.mu, self.sigma)
 
     def expected(self, predicted, generated=None, shift: float = 0.0) -> np.ndarray:
         """Expected tokens still to come for rows with these predictions that have generated ``generated`` so far
