@@ -13,7 +13,8 @@
                        rows running from the square root where the run makes it likelier; the sqrt ratio alone there
                        where the predictions are a trained predictor's (calibrated)
 
-NormalLengthModel, SqrtLengthModel and SqrtRatioModel are in length_shapes.py, the normal's pieces they share in censored.py.
+NormalLengthModel, SqrtLengthModel and SqrtRatioModel are in length_shapes.py; the censored normal's pieces that
+the models share are in censored.py.
 Pure numpy; the deadline tracker (scheduling/deadline.py) feeds it finished rows, and its forecast
 (scheduling/estimate.py) asks it what the rows left will generate. The drain that uses it is in scheduling/forecast.py.
 """
