@@ -13,8 +13,8 @@
                        rows running from the square root where the run makes it likelier; the sqrt ratio alone there
                        where the predictions are a trained predictor's (calibrated)
 
-NormalLengthModel, SqrtLengthModel and SqrtRatioModel are in length_shapes.py; the censored normal's pieces that
-the models share are in censored.py.
+NormalLengthModel and SqrtLengthModel are in length_shapes.py, SqrtRatioModel in sqrt_ratio.py; the censored
+normal's pieces that the models share are in censored.py.
 Pure numpy; the deadline tracker (scheduling/deadline.py) feeds it finished rows, and its forecast
 (scheduling/estimate.py) asks it what the rows left will generate. The drain that uses it is in scheduling/forecast.py.
 """
@@ -27,7 +27,8 @@ import numpy as np
 
 from overnight.pipeline.scheduling.censored import (censored_normal_fit, censored_normal_loglik, censored_points,
                                                    count_into, finished_rows, norm_cdf, norm_pdf)  # noqa: F401
-from overnight.pipeline.scheduling.length_shapes import NormalLengthModel, SqrtLengthModel, SqrtRatioModel
+from overnight.pipeline.scheduling.length_shapes import NormalLengthModel, SqrtLengthModel
+from overnight.pipeline.scheduling.sqrt_ratio import SqrtRatioModel
 
 
 # -- lengths -----------------------------------------------------------------------------------------
