@@ -277,13 +277,17 @@ def test_rows_cut_short_count_as_at_least_their_own_length():
 
 
 def test_sqrt_ratio_model_against_a_simulation():
-    """sqrt(L / p) ~ Normal(mu, s), cut at max_tokens and at least 1: its moments, tokens still to come and tail
-    against draws, for a short and a long prediction."""
+    """sqrt(L / p) ~ Normal(a + b log(p / 200), s), cut at max_tokens and at least 1: its moments, tokens still to
+    come and tail against draws, for a short and a long prediction, with and without a slope."""
     rng = np.random.default_rng(6)
     m = SqrtRatioModel(CAP)
-    m.mu_y, m.s_y, m.p_mean = 0.95, 0.35, 200.0
+    m.a, m.s, m.x0, m.p_mean = 0.95, 0.35, np.log(200.0), 200.0
     against_draws(m, 60.0, rng.normal(0.95, 0.35, 2_000_000) * np.sqrt(60.0), gs=(30.0, 100.0))
     against_draws(m, 300.0, rng.normal(0.95, 0.35, 2_000_000) * np.sqrt(300.0), gs=(30.0, 200.0, 450.0))
+    m.b = -0.1
+    for p in (60.0, 300.0):
+        against_draws(m, p, rng.normal(0.95 - 0.1 * np.log(p / 200.0), 0.35, 2_000_000) * np.sqrt(p),
+                      gs=(30.0, 100.0))
     # mu and sigma are the log-normal ones of the same mean and spread at the mean prediction
     m1, m2 = m.moments(np.array([200.0]))
     assert np.exp(m.mu + m.sigma ** 2 / 2) == pytest.approx(m1[0] / 200.0)
@@ -296,7 +300,8 @@ def test_the_sqrt_ratio_fit_finds_its_spread_from_rows_still_running_and_cut():
     p = np.round(np.exp(rng.normal(np.log(180), 0.5, 4000)))
     lengths = np.clip(np.round(p * np.maximum(rng.normal(0.95, 0.35, 4000), 0.0) ** 2), 1, CAP)
     m, done, g = fitted_at(SqrtRatioModel(CAP), p, lengths, 250.0)
-    assert m.mu_y == pytest.approx(0.95, abs=0.02) and m.s_y == pytest.approx(0.35, rel=0.06)
+    assert m.a + m.b * (np.log(180) - m.x0) == pytest.approx(0.95, abs=0.02)
+    assert m.b == pytest.approx(0.0, abs=0.02) and m.s == pytest.approx(0.35, rel=0.06)
     truth = float((lengths[~done] - 250).sum())
     assert m.expected(p[~done], g).sum() == pytest.approx(truth, rel=0.03)
     # a finished fit is likelier under the shape that made the lengths than under the log ratio
@@ -304,6 +309,24 @@ def test_the_sqrt_ratio_fit_finds_its_spread_from_rows_still_running_and_cut():
     ratio.observe(p[done], lengths[done], lengths[done] >= CAP)
     ratio.fit(p[~done], g)
     assert m.loglik(p[~done], g) > ratio.loglik(p[~done], g) + 10
+
+
+def test_the_sqrt_ratio_fits_the_slope_of_predictions_spread_wider_than_they_know():
+    """A predictor calibrated on another mix: its shortest run longer than predicted, its longest shorter
+    (sqrt(L / p) falls 0.1 for every factor e in p). The fit finds that slope, and with it the lengths of the rows
+    predicted shortest, which a ratio without a slope puts about 10% low."""
+    rng = np.random.default_rng(9)
+    p = np.round(np.exp(rng.normal(np.log(180), 0.5, 4000)))
+    lengths = np.clip(np.round(p * np.maximum(rng.normal(0.95 - 0.1 * np.log(p / 180), 0.35), 0.0) ** 2), 1, CAP)
+    m, done, g = fitted_at(SqrtRatioModel(CAP), p, lengths, 250.0)
+    flat, _, _ = fitted_at(SqrtRatioModel(CAP, slope_weight=1e9), p, lengths, 250.0)
+    assert m.b == pytest.approx(-0.1, abs=0.02) and flat.b == pytest.approx(0.0, abs=1e-6)
+    assert m.a + m.b * (np.log(180) - m.x0) == pytest.approx(0.95, abs=0.02)
+    short = p < 120
+    truth = float(np.minimum(lengths[short], CAP).sum())
+    assert m.moments(p[short])[0].sum() == pytest.approx(truth, rel=0.03)
+    assert flat.moments(p[short])[0].sum() < 0.93 * truth
+    assert m.expected(p[~done], g).sum() == pytest.approx(float((lengths[~done] - 250).sum()), rel=0.03)
 
 
 def test_calibrated_predictions_under_longest_first_take_the_sqrt_ratio_alone():

@@ -163,14 +163,14 @@ class SqrtLengthModel:
     finish. ``mu`` and ``sigma`` are the log-normal ones of
     the same mean and spread at the mean prediction; ``shift`` scales lengths by exp(shift)."""
 
-    BIN = 0.02  # rows cut at max_tokens are kept as a histogram of (log(predicted), tokens they ran)
+    BIN, Y_BIN = 0.02, 1e-3  # rows cut at max_tokens are kept as a histogram of (log(predicted), y) in bins this wide
 
     def __init__(self, max_tokens: int, prior_cv: float = 0.8, prior_weight: float = 3.0, slope_weight: float = 3.0):
         self.cap = float(max_tokens)
         self.prior_cv, self.prior_weight, self.slope_weight = prior_cv, prior_weight, slope_weight
         # rows finished below the cap: count, and the sums of x = log(predicted), x^2, y = sqrt(length), xy, y^2, log 2y
         self.n, self.sx, self.sxx, self.sy, self.sxy, self.syy, self.slog = 0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0
-        self.capped: dict[tuple[int, int], int] = {}  # (log(predicted) / BIN, tokens) -> rows
+        self.capped: dict[tuple[int, int], int] = {}  # (log(predicted) / BIN, y / Y_BIN) -> rows
         self.p_sum, self.p_n = 0.0, 0
         self.p_mean = self.cap / 2
         self.x0 = math.log(self.p_mean)
@@ -178,22 +178,43 @@ class SqrtLengthModel:
         self.num_events = 0.0
         self._fitted = False
 
+    # what the normal is on: y of each row's length a (predicted p), with the prior's rows and the fit's floor; the
+    # sqrt ratio (sqrt_ratio.py) puts it on sqrt(a / p) instead
+    S_FLOOR, TOL = 0.05, 1e-4
+
+    def _y(self, p, a):
+        return np.sqrt(a)
+
+    def _log_jacobian(self, p, a):
+        """log |d length / d y| of each row: what makes the likelihood a density of the length."""
+        return np.log(2 * np.sqrt(a))
+
+    def _prior(self) -> tuple[float, float]:
+        """The prior's rows' mean and variance of y: E[L] = p_mean, sd(L) = prior_cv * p_mean."""
+        u = self.p_mean * (1.0 - math.sqrt(max(1.0 - self.prior_cv ** 2 / 2, 0.0)))
+        return math.sqrt(self.p_mean - u), u
+
+    def _scale(self, p):
+        """What y's mean and spread are multiplied by for a row predicted p to be sqrt(length)'s."""
+        return np.ones_like(p)
+
     def observe(self, predicted, actual, hit_cap) -> None:
         p, a, cut = finished_rows(predicted, actual, hit_cap, self.cap)
         x = np.log(p)
         # a row cut short ran at least as long as it did: max_tokens, or less where its own limit or the context's
         # cut it (and a row of n samples gives their mean)
+        a_cut = np.minimum(a[cut], self.cap)
         for key in zip(np.round(x[cut] / self.BIN).astype(int).tolist(),
-                       np.round(np.minimum(a[cut], self.cap)).astype(int).tolist()):
+                       np.round(self._y(p[cut], a_cut) / self.Y_BIN).astype(int).tolist()):
             self.capped[key] = self.capped.get(key, 0) + 1
-        x, y = x[~cut], np.sqrt(a[~cut])
+        x, y = x[~cut], self._y(p[~cut], a[~cut])
         self.n += len(y)
         self.sx += float(x.sum())
         self.sxx += float(x @ x)
         self.sy += float(y.sum())
         self.sxy += float(x @ y)
         self.syy += float(y @ y)
-        self.slog += float(np.log(2 * y).sum())
+        self.slog += float(self._log_jacobian(p[~cut], a[~cut]).sum())
         self.p_sum += float(p.sum())
         self.p_n += len(p)
 
@@ -201,12 +222,12 @@ class SqrtLengthModel:
         """x (centred at x0), thresholds in sqrt(length) and weights of the rows known only as "at least"."""
         keep = (running_p > 0) & (running_g > 0)
         xs = [np.log(running_p[keep])]
-        ts = [np.sqrt(running_g[keep])]
+        ts = [self._y(running_p[keep], running_g[keep])]
         ws = [np.ones(int(keep.sum()))]
         if self.capped:
             keys = np.array(list(self.capped.keys()), np.float64)
             xs.append(keys[:, 0] * self.BIN)
-            ts.append(np.sqrt(keys[:, 1]))
+            ts.append(keys[:, 1] * self.Y_BIN)
             ws.append(np.fromiter(self.capped.values(), np.float64))
         return np.concatenate(xs) - self.x0, np.concatenate(ts), np.concatenate(ws)
 
@@ -219,9 +240,7 @@ class SqrtLengthModel:
         if self._fitted:  # the same line about the new centre
             self.a += self.b * (new_x0 - self.x0)
         self.x0 = new_x0
-        # the prior's rows: E[L] = p_mean, sd(L) = prior_cv * p_mean
-        u = self.p_mean * (1.0 - math.sqrt(max(1.0 - self.prior_cv ** 2 / 2, 0.0)))
-        y0, v0 = math.sqrt(self.p_mean - u), u
+        y0, v0 = self._prior()
         xc, tc, wc = self._censored(running_p, running_g)
         n, x0, w0 = self.n, self.x0, self.prior_weight
         sx = self.sx - n * x0
@@ -230,7 +249,7 @@ class SqrtLengthModel:
         total = n + float(wc.sum()) + w0
         a, b, s = (self.a, self.b, self.s) if self._fitted else (y0, 0.0, math.sqrt(v0))
         for _ in range(iterations):
-            s = max(s, 0.05)
+            s = max(s, self.S_FLOOR)
             if len(tc):
                 m = a + b * xc
                 lam = mills((tc - m) / s)
@@ -248,8 +267,8 @@ class SqrtLengthModel:
             new_b = (total * SXY - SX * SY) / det
             var = (SYY - 2 * new_a * SY - 2 * new_b * SXY + new_a * new_a * total + 2 * new_a * new_b * SX
                    + new_b * new_b * SXX) / total
-            new_s = math.sqrt(max(var, 0.05 ** 2))
-            done = abs(new_a - a) < 1e-4 and abs(new_b - b) < 1e-4 and abs(new_s - s) < 1e-4
+            new_s = math.sqrt(max(var, self.S_FLOOR ** 2))
+            done = abs(new_a - a) < self.TOL and abs(new_b - b) < self.TOL and abs(new_s - s) < self.TOL
             a, b, s = new_a, new_b, new_s
             if done:
                 break
@@ -291,10 +310,9 @@ class SqrtLengthModel:
 
     def _params(self, predicted, shift: float):
         """Mean and spread of sqrt(length) per row (shift scales lengths, so their roots by exp(shift / 2))."""
-        x = np.log(np.maximum(np.asarray(predicted, dtype=np.float64), 1.0)) - self.x0
-        k = math.exp(shift / 2)
-        m = (self.a + self.b * x) * k
-        return m, np.full(m.shape, self.s * k)
+        p = np.maximum(np.asarray(predicted, dtype=np.float64), 1.0)
+        k = self._scale(p) * math.exp(shift / 2)
+        return (self.a + self.b * (np.log(p) - self.x0)) * k, self.s * k
 
     def _between(self, m, s, lo, hi, power: int):
         """E[L^power; lo < L < hi] (L = y^2, y ~ N(m, s); lo >= 1, so y > 0 there), as sums of z moments."""
