@@ -14,11 +14,12 @@ Models (fitted on what a forecast would see: the finished rows; the rows running
 the rows cut at max_tokens as "at least" it):
 
     log ratio         the product's under this order: LengthMixture with left_shortest (LengthModel's sums)
-    sqrt ratio        sqrt(actual / predicted) ~ Normal(mu, sigma), censored the same way (EM; prior mu 1, sigma
-                      0.4, worth 3 rows): each row keeps its prediction's scale, as in the log ratio, but the shape
-                      is the square root's, whose right tail is lighter. The product's SqrtRatioModel, which
-                      LengthMixture(calibrated=True) uses under this order (a trained predictor's predictions);
-                      until stop 34 a quadrature of the same model in this script
+    sqrt ratio        sqrt(actual / predicted) ~ Normal(a + b log(predicted), sigma), censored the same way (EM;
+                      prior a 1, sigma 0.4, worth 3 rows; b at 0, worth 10): each row keeps its prediction's scale,
+                      as in the log ratio, but the shape is the square root's, whose right tail is lighter. The
+                      product's SqrtRatioModel, which LengthMixture(calibrated=True) uses under this order (a
+                      trained predictor's predictions); until stop 34 a quadrature of the same model without b in
+                      this script
     weighed           with rows drawn at random: the three models weighed as under fifo (tried at 9b3b854)
     log ratio @random with rows drawn at random: LengthModel fitted on those rows alone (stop 32's open idea)
     own r             not a model: each row's prediction times every ratio actual / predicted of the draw, known in

@@ -106,7 +106,8 @@ def variants(max_tokens: int) -> dict:
     root of the length (SqrtLengthModel) alone or weighed in with the others, the normal left out under longest
     first too ("three", "ratio or sqrt"); equal weights from 5 finished rows on; the likelihood difference divided
     by the square root of the rows; a log-normal on the length itself, blind to the predictions (LengthModel on a
-    constant prediction); and the log ratio without a shape (its Kaplan-Meier estimate)."""
+    constant prediction); the log ratio without a shape (its Kaplan-Meier estimate); and for calibrated
+    predictions, the sqrt ratio without its slope (as until stop 35) or with a lighter or heavier prior on it."""
     from overnight.pipeline.scheduling.lengths import LengthMixture, LengthModel
 
     class Two(LengthMixture):
@@ -264,7 +265,21 @@ def variants(max_tokens: int) -> dict:
                 return super().expected(predicted, generated, shift)
             return self.sloped.expected(self._eff(predicted), generated, shift)
 
-    return {"ratio or normal (before)": lambda: Two(max_tokens),
+    from overnight.pipeline.scheduling.sqrt_ratio import SqrtRatioModel
+
+    def calibrated(slope_weight):
+        """LengthMixture(calibrated=True) with a prior this heavy on the sqrt ratio's slope (1e9: none, as until
+        stop 35)."""
+        def make():
+            m = LengthMixture(max_tokens, calibrated=True)
+            m.sqrt_ratio = SqrtRatioModel(max_tokens, slope_weight=slope_weight)
+            return m
+        return make
+
+    return {"calibrated, no slope (LengthMixture)": calibrated(1e9),
+            "calibrated, slope weight 3 (LengthMixture)": calibrated(3.0),
+            "calibrated, slope weight 30 (LengthMixture)": calibrated(30.0),
+            "ratio or normal (before)": lambda: Two(max_tokens),
             "slope 0.75 under longest first": lambda: FixedSlope(max_tokens, 0.75),
             "slope 0.875 under longest first": lambda: FixedSlope(max_tokens, 0.875),
             "three, no penalty": lambda: Three(max_tokens, 0.0),

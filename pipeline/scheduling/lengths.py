@@ -6,8 +6,9 @@
     NormalLengthModel  the length itself ~ Normal(m, s), censored the same way, blind to the predictions
     SqrtLengthModel    sqrt(length) ~ Normal(a + b log(predicted), s), censored the same way: the shape of what a
                        row that has run long has left, where lengths are skewed to the left in log
-    SqrtRatioModel     sqrt(actual / predicted) ~ Normal(mu, s), censored the same way: the log ratio's scale with
-                       the square root's shape
+    SqrtRatioModel     sqrt(actual / predicted) ~ Normal(a + b log(predicted), s), censored the same way: the log
+                       ratio's scale with the square root's shape, and a slope for predictions spread wider than
+                       they know
     LengthMixture      the forecast's: the three first, weighed by how likely each makes what the run has seen; the
                        log ratio alone where the rows run longest predicted first, and there the drain's tail of the
                        rows running from the square root where the run makes it likelier; the sqrt ratio alone there
@@ -172,11 +173,11 @@ class LengthMixture:
     says how long the rows left run, and the log ratio's one spread then over-counts the rows running and those not
     started alike. Replayed on 8 real runs of the mixed workload under longest-first and auto with a predictor
     trained on rows they do not hold (benchmarks/length_replay.py), the tokens to come at 10-50% of rows were off by
-    0.068 in mean |log| (62% of points within 10%), the log ratio's by 0.090 (58%); at 5%, 0.103 against 0.209; at
-    75% it is the worse, 0.099 against 0.062. On 4 runs of 80 open rows, 0.170 against 0.360 at 10-50%
-    (docs/BENCHMARKS.md, "The sqrt ratio for a trained predictor's rows, longest first"). With the heuristic's
-    predictions it did worse than the log ratio (benchmarks/length_labelled.py), so it is used for trained ones only.
-    In any other order the weighing stands (there it is about even with the sqrt ratio, ibid., --fifo)."""
+    0.052 in mean |log| (75% of points within 10%), the log ratio's by 0.090 (58%); on 14 more, not used to choose
+    the prior on its slope, 0.070 (69%) against 0.113 (45%). On 4 runs of 80 open rows, 0.168 against 0.360
+    (docs/BENCHMARKS.md, "The sqrt ratio for a trained predictor's rows, longest first" and "The sqrt ratio's
+    slope on the prediction"). With the heuristic's predictions it did worse than the log ratio
+    (benchmarks/length_labelled.py), so it is used for trained ones only. In any other order the weighing stands (there it is about even with the sqrt ratio, ibid., --fifo)."""
 
     SQRT_PRICE = 1.0  # nats: the square root's third parameter (the slope on the prediction)
 
