@@ -177,7 +177,8 @@ class LengthMixture:
     the prior on its slope, 0.070 (69%) against 0.113 (45%). On 4 runs of 80 open rows, 0.168 against 0.360
     (docs/BENCHMARKS.md, "The sqrt ratio for a trained predictor's rows, longest first" and "The sqrt ratio's
     slope on the prediction"). With the heuristic's predictions it did worse than the log ratio
-    (benchmarks/length_labelled.py), so it is used for trained ones only. In any other order the weighing stands (there it is about even with the sqrt ratio, ibid., --fifo)."""
+    (benchmarks/length_labelled.py), so it is used for trained ones only. In any other order the weighing stands
+    (there it is about even with the sqrt ratio, ibid., --fifo)."""
 
     SQRT_PRICE = 1.0  # nats: the square root's third parameter (the slope on the prediction)
 

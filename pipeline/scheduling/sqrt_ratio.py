@@ -21,14 +21,14 @@ class SqrtRatioModel(SqrtLengthModel):
     prediction says how long they run; the log ratio's one spread, widened by the few very short answers, then
     over-counts both the rows running and the rows not started. Emulated over the 480 labelled rows with a trained
     predictor fitted out of fold (benchmarks/length_labelled.py, 40 draws each), the tokens to come at 10-50% of rows
-    were within 10% at 68% (open workload) and 78% (mixed) of points, the log ratio's at 29% and 39%. With the
-    heuristic's predictions (not calibrated: its shortest run 2-3 times what it predicted) it did worse than the log
-    ratio, so it is used for trained predictions only.
+    were within 10% at 65% (open workload) and 73% (mixed) of points (68% and 78% before the slope below), the
+    log ratio's at 29% and 39%. With the heuristic's predictions (not calibrated: its shortest run 2-3 times what it
+    predicted) it did worse than the log ratio, so it is used for trained predictions only.
 
     The slope b: a predictor calibrated on one mix of prompts, run on another, spreads its predictions wider than it
     knows (its shortest run longer than predicted, its longest shorter), and the rows left late under longest-first
     are the ones predicted shortest. The rows running span enough of the predictions that the run fits b from its
-    first rows (-0.02 to -0.14 on the mixed runs of docs/BENCHMARKS.md, stop 35). A prior of prior_weight rows at
+    first rows (-0.14 to +0.02 on the mixed runs of docs/BENCHMARKS.md, stop 35). A prior of prior_weight rows at
     a = prior_mu, s = prior_sigma (at the mean prediction) and one of slope_weight on b at 0 hold the fit until rows
     finish."""
 
