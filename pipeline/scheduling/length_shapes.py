@@ -164,11 +164,12 @@ class SqrtLengthModel:
     the same mean and spread at the mean prediction; ``shift`` scales lengths by exp(shift)."""
 
     BIN, Y_BIN = 0.02, 1e-3  # rows cut at max_tokens are kept as a histogram of (log(predicted), y) in bins this wide
+    S_FLOOR, TOL = 0.05, 1e-4  # the fit's floor on s, and when its EM stops
 
     def __init__(self, max_tokens: int, prior_cv: float = 0.8, prior_weight: float = 3.0, slope_weight: float = 3.0):
         self.cap = float(max_tokens)
         self.prior_cv, self.prior_weight, self.slope_weight = prior_cv, prior_weight, slope_weight
-        # rows finished below the cap: count, and the sums of x = log(predicted), x^2, y = sqrt(length), xy, y^2, log 2y
+        # rows finished below the cap: count, and the sums of x = log(predicted), x^2, y (_y), xy, y^2, log |dL/dy|
         self.n, self.sx, self.sxx, self.sy, self.sxy, self.syy, self.slog = 0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0
         self.capped: dict[tuple[int, int], int] = {}  # (log(predicted) / BIN, y / Y_BIN) -> rows
         self.p_sum, self.p_n = 0.0, 0
@@ -178,11 +179,9 @@ class SqrtLengthModel:
         self.num_events = 0.0
         self._fitted = False
 
-    # what the normal is on: y of each row's length a (predicted p), with the prior's rows and the fit's floor; the
-    # sqrt ratio (sqrt_ratio.py) puts it on sqrt(a / p) instead
-    S_FLOOR, TOL = 0.05, 1e-4
-
     def _y(self, p, a):
+        """What the normal is on, of each row's length a (predicted p); the sqrt ratio (sqrt_ratio.py) puts it on
+        sqrt(a / p) instead."""
         return np.sqrt(a)
 
     def _log_jacobian(self, p, a):
