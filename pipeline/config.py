@@ -66,6 +66,8 @@ class PromptConfig:
 # Most completions per row (OpenAI's limit for n), and most top alternatives per token (vLLM's default max_logprobs).
 MAX_N = 128
 MAX_LOGPROBS = 20
+# The highest temperature vLLM (and OpenAI) accept.
+MAX_TEMPERATURE = 2.0
 
 
 @dataclass
@@ -114,7 +116,14 @@ class SamplingConfig:
                "sampling.presence_penalty and frequency_penalty must be between -2 and 2.")
         _check(self.min_tokens >= 0, f"sampling.min_tokens is {self.min_tokens}; it must be 0 or more.")
         _check(self.max_tokens >= 1, f"sampling.max_tokens is {self.max_tokens}; it must be at least 1.")
-        _check(self.temperature >= 0, f"sampling.temperature is {self.temperature}; it must be 0 (greedy) or more.")
+        _check(0 <= self.temperature <= MAX_TEMPERATURE,
+               f"sampling.temperature is {self.temperature}; it must be 0 (greedy) to {MAX_TEMPERATURE:g}.")
+        _check(self.min_tokens <= self.max_tokens,
+               f"sampling.min_tokens ({self.min_tokens}) is above max_tokens ({self.max_tokens}); lower it, or raise "
+               f"max_tokens.")
+        _check(all(self.stop), "sampling.stop has an empty string, which vLLM refuses; remove it.")
+        _check(self.choice is None or len(self.choice) > 0,
+               "sampling.choice (--choice) is empty; give the strings to choose among, e.g. --choice yes,no.")
         _check(0 < self.top_p <= 1, f"sampling.top_p is {self.top_p}; it must be in (0, 1].")
         _check(self.top_k == -1 or self.top_k >= 1, f"sampling.top_k is {self.top_k}; use -1 (off) or a positive integer.")
         _check(self.repetition_penalty > 0,

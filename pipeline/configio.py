@@ -36,15 +36,17 @@ def load_yaml(path: str) -> dict:
     return data
 
 
-def merge(base: dict, over: dict) -> dict:
-    """Deep-merge ``over`` onto ``base``; keys of ``over`` whose value is None are ignored."""
+def merge(base: dict, over: dict, given_none: bool = False) -> dict:
+    """Deep-merge ``over`` onto ``base``. A key of ``over`` whose value is None is ignored (the command line's
+    options not given), unless ``given_none``: in a YAML file, ``null`` is a value (no aging, the model's own
+    context length)."""
     out = dict(base)
     for key, value in over.items():
-        if value is None:
-            continue
+        if value is None and (not given_none or isinstance(out.get(key), dict)):
+            continue  # a mapping's null (``engine.lora:`` alone) is an empty one
         if isinstance(value, dict):
             base_value = out.get(key)
-            out[key] = merge(base_value if isinstance(base_value, dict) else {}, value)
+            out[key] = merge(base_value if isinstance(base_value, dict) else {}, value, given_none)
         else:
             out[key] = value
     return out
@@ -55,7 +57,13 @@ def build(data: dict, source: str = "config") -> JobConfig:
     return _build(JobConfig, data, source, prefix="")
 
 
-def _build(cls, data: Any, source: str, prefix: str):
+def check_keys(data: dict, source: str) -> None:
+    """Refuse unknown keys and wrong types in one layer, without judging values against each other (the layers
+    above it may change the other value)."""
+    _build(JobConfig, data, source, prefix="", construct=False)
+
+
+def _build(cls, data: Any, source: str, prefix: str, construct: bool = True):
     if not isinstance(data, dict):
         raise ConfigError(f"{source}: {prefix.rstrip('.') or 'top level'} must be a mapping, got {data!r}.")
     hints = typing.get_type_hints(cls)
@@ -67,16 +75,18 @@ def _build(cls, data: Any, source: str, prefix: str):
                           f"Valid keys: {', '.join(sorted(fields))}.")
     kwargs = {}
     for name, value in data.items():
-        kwargs[name] = _coerce(hints[name], value, source, f"{prefix}{name}")
+        kwargs[name] = _coerce(hints[name], value, source, f"{prefix}{name}", construct)
+    if not construct:
+        return kwargs
     try:
         return cls(**kwargs)
     except ConfigError as e:
         raise ConfigError(f"{source}: {e}") from None
 
 
-def _coerce(tp, value: Any, source: str, key: str):
+def _coerce(tp, value: Any, source: str, key: str, construct: bool = True):
     if dataclasses.is_dataclass(tp):
-        return _build(tp, value, source, key + ".")
+        return _build(tp, value, source, key + ".", construct)
     origin = typing.get_origin(tp)
     args = typing.get_args(tp)
     if origin is Union:
@@ -142,15 +152,15 @@ def resolve(cli: dict, config_file: Optional[str] = None) -> JobConfig:
     """Layer the model's preset, the user's YAML, OVERNIGHT_ENGINE and the command line into one JobConfig."""
     from overnight.configs import preset_for_model
 
-    user = load_yaml(config_file) if config_file else {}
+    # A section given with nothing under it (``sampling:`` alone) is null in YAML: an empty section.
+    user = {k: v for k, v in (load_yaml(config_file) if config_file else {}).items() if v is not None}
     model = (cli.get("engine") or {}).get("model") or (user.get("engine") or {}).get("model")
     if model is None:
         from overnight.pipeline.config import DEFAULT_MODEL
         model = DEFAULT_MODEL
     preset = preset_for_model(model)
-    data = merge(merge(merge(preset, user), env_layer()), cli)
+    data = merge(merge(merge(preset, user, given_none=True), env_layer()), cli)
     data.setdefault("engine", {})["model"] = model
-    # Validate each layer separately first, so an error names the file it came from.
-    if config_file:
-        build(user, source=config_file)
+    if config_file:  # an unknown key or a wrong type names the file; values are judged once, all layers merged
+        check_keys(user, config_file)
     return build(data, source="configuration")

@@ -201,7 +201,7 @@ CASES = [
     Case("max_tokens not an integer", lambda e: run_args(e, e.rows(max_tokens="many")), 0,
          row_error="in.parquet#1: max_tokens is 'many' (str); it must be an integer"),
     Case("temperature below zero", lambda e: run_args(e, e.rows(temperature=-0.5)), 0,
-         row_error="in.parquet#1: temperature is -0.5; it must be 0 (greedy) or more"),
+         row_error="in.parquet#1: temperature is -0.5; it must be 0 (greedy) to 2"),
 ]
 
 

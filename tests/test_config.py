@@ -1,3 +1,5 @@
+import re
+
 import pytest
 
 from overnight.pipeline.config import ConfigError, EngineConfig, JobConfig, SamplingConfig
@@ -49,6 +51,40 @@ def test_passthrough_accepts_all_none_or_list():
 
 def test_merge_skips_none_and_merges_deep():
     assert merge({"a": {"x": 1, "y": 2}}, {"a": {"x": None, "y": 3}, "b": None}) == {"a": {"x": 1, "y": 3}}
+    # a YAML file's null is a value; a mapping's null is an empty one
+    assert merge({"a": {"x": 1, "m": {"k": 1}}}, {"a": {"x": None, "m": None}}, given_none=True) == {
+        "a": {"x": None, "m": {"k": 1}}}
+
+
+def test_null_in_the_yaml_file_sets_none(tmp_path):
+    p = tmp_path / "job.yaml"
+    p.write_text("sampling:\nscheduler:\n  max_wait_s: null\nengine:\n  max_model_len: null\n")
+    cfg = resolve({}, str(p))
+    assert cfg.scheduler.max_wait_s is None                      # no aging (the default is 1800 s)
+    assert cfg.engine.max_model_len is None                      # the model's own, over the preset's 2048
+    assert cfg.sampling.max_tokens == 512                        # an empty section changes nothing
+    assert resolve({"engine": {"max_model_len": 1024}}, str(p)).engine.max_model_len == 1024
+
+
+def test_the_file_is_judged_with_the_layers_over_it(tmp_path):
+    p = tmp_path / "job.yaml"
+    p.write_text("engine:\n  max_num_batched_tokens: 100\n")
+    # alone against the defaults (128 sequences) it would be refused; with the preset's 64 and the CLI's 32 it is fine
+    assert resolve({"engine": {"max_num_seqs": 32}}, str(p)).engine.max_num_batched_tokens == 100
+    with pytest.raises(ConfigError, match=r"^configuration: .*max_num_batched_tokens \(100\) is smaller than "
+                                          r"engine.max_num_seqs \(200\)"):
+        resolve({"engine": {"max_num_seqs": 200}}, str(p))
+
+
+@pytest.mark.parametrize("sampling,message", [
+    ({"temperature": 2.5}, "sampling.temperature is 2.5; it must be 0 (greedy) to 2."),
+    ({"min_tokens": 600, "max_tokens": 512}, "sampling.min_tokens (600) is above max_tokens (512)"),
+    ({"stop": ["###", ""]}, "sampling.stop has an empty string"),
+    ({"choice": []}, "sampling.choice (--choice) is empty"),
+])
+def test_sampling_values_vllm_refuses_are_config_errors(sampling, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        build({"sampling": sampling})
 
 
 def test_invalid_yaml_names_the_file(tmp_path):

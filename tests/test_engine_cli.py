@@ -120,7 +120,7 @@ def test_bad_rows_become_error_rows_and_the_job_goes_on(tmp_path, model_path):
     assert rows[3]["error"] == "bad.parquet#2: prompt column 'prompt' is empty; give the row a prompt"
     assert rows[4]["error"].startswith("bad.parquet#3: prompt is ")
     assert "max_model_len=2048; shorten the prompt or raise --max-model-len" in rows[4]["error"]
-    assert rows[5]["error"] == "bad.parquet#4: temperature is -1.0; it must be 0 (greedy) or more"
+    assert rows[5]["error"] == "bad.parquet#4: temperature is -1.0; it must be 0 (greedy) to 2"
     assert all(rows[i]["text"] is None for i in (2, 3, 4, 5))
     summary = invoke("inspect", out).output
     assert "rows: 6 (2 ok, 4 error)" in summary and "most common errors:" in summary

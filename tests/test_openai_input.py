@@ -200,7 +200,7 @@ BAD = [
     (b'{"custom_id": "bytes", "body": "\xff"}', "requests.jsonl#19: line 19 is not valid UTF-8 (at byte 33); "
                                                "re-encode the file as UTF-8"),
     # values of the right type but out of range are validate's, as for a Parquet column
-    (chat("range", temperature=-1), "requests.jsonl#20: temperature is -1.0; it must be 0 (greedy) or more"),
+    (chat("range", temperature=-1), "requests.jsonl#20: temperature is -1.0; it must be 0 (greedy) to 2"),
     ({**chat("role"), "body": {"messages": [{"role": "wizard", "content": "x"}]}},
      "requests.jsonl#21: messages[0].role is 'wizard'; use one of system, user, assistant, tool"),
     ({**chat("empty"), "body": {"messages": []}},

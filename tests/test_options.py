@@ -249,3 +249,22 @@ def test_plan_names_the_throughput_given_on_the_command_line(write_parquet, tiny
     assert result.exit_code == 0, result.output
     p = json.loads(result.output)
     assert p["throughput_source"] == "--throughput" and p["tokens_per_s"] == 2500
+
+
+def test_plan_counts_every_completion_of_a_row(write_parquet, tiny_model):
+    import json
+
+    inp = write_parquet({"id": ["a", "b", "c"], "prompt": ["What is 2 + 2?", "Name a colour.", "Say hi."],
+                         "n": [None, 2, None]})
+    got = {}
+    for n in ("1", "4"):
+        result = CliRunner().invoke(cli, ["plan", inp, "--model", tiny_model, "--throughput", "100", "--json",
+                                          "--n", n, "--temperature", "0.8"])
+        assert result.exit_code == 0, result.output
+        got[n] = json.loads(result.output)
+    one = got["1"]["predicted_tokens"]
+    # row b asks for 2 completions of its own; with --n 4 rows a and c ask for 4
+    per_row = [b["predicted_tokens"] for b in got["1"]["buckets"]]
+    assert one > 0 and sum(per_row) == one
+    assert got["4"]["predicted_tokens"] > 1.8 * one
+    assert got["4"]["eta_s"] == pytest.approx(got["4"]["predicted_tokens"] / 100, rel=1e-3)

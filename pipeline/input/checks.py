@@ -11,7 +11,7 @@ import json
 import math
 from typing import Collection, Optional
 
-from overnight.pipeline.config import MAX_LOGPROBS, MAX_N, ConfigError, SamplingConfig
+from overnight.pipeline.config import MAX_LOGPROBS, MAX_N, MAX_TEMPERATURE, ConfigError, SamplingConfig
 
 
 class RowError(ValueError):
@@ -41,8 +41,8 @@ def _max_tokens(value) -> int:
 
 def _temperature(value) -> float:
     v = _number(value, "temperature")
-    if v < 0:
-        raise RowError(f"temperature is {v}; it must be 0 (greedy) or more")
+    if not 0 <= v <= MAX_TEMPERATURE:
+        raise RowError(f"temperature is {v}; it must be 0 (greedy) to {MAX_TEMPERATURE:g}")
     return v
 
 
@@ -96,12 +96,25 @@ def _schema(value, what: str = "json_schema") -> dict:
             value = json.loads(value)
         except ValueError as e:
             raise RowError(f"{what} is not valid JSON ({e}); give the schema as a JSON object") from None
+    else:
+        value = _unfilled(value)
     if not isinstance(value, dict):
         raise RowError(f"{what} is {_short(value)}; it must be a JSON schema object")
     try:
         jsonschema.validators.validator_for(value).check_schema(value)
     except jsonschema.exceptions.SchemaError as e:
         raise RowError(f"{what} is not a valid JSON schema: {e.message}") from None
+    return value
+
+
+def _unfilled(value):
+    """A struct column's value without the keys Arrow filled with null: a struct column has the union of every row's
+    keys, so one row's schema carries the other rows' keys as None. (A JSON null in a schema, such as a
+    ``"default": null``, cannot be told apart in a struct; give such a schema as a JSON string.)"""
+    if isinstance(value, dict):
+        return {k: _unfilled(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [_unfilled(v) for v in value]
     return value
 
 
@@ -112,6 +125,8 @@ def _response_format(value) -> dict:
             value = json.loads(value)
         except ValueError as e:
             raise RowError(f"response_format is not valid JSON ({e})") from None
+    else:
+        value = _unfilled(value)
     kind = value.get("type") if isinstance(value, dict) else None
     if kind == "json_schema" and isinstance(value.get("json_schema"), dict) and "schema" in value["json_schema"]:
         return {"json": _schema(value["json_schema"]["schema"], "response_format.json_schema.schema")}
@@ -164,7 +179,11 @@ def _lora(value) -> str:
 
 
 def _check_request(sampling: dict, loras: Optional[Collection[str]]) -> None:
-    """What a row's columns ask for together: n > 1 needs sampling, and its adapter must be registered."""
+    """What a row's columns ask for together: n > 1 needs sampling, min_tokens no more than max_tokens, and its
+    adapter must be registered."""
+    if sampling.get("min_tokens", 0) > sampling["max_tokens"]:
+        raise RowError(f"min_tokens ({sampling['min_tokens']}) is above max_tokens ({sampling['max_tokens']}); lower "
+                       f"the row's min_tokens or raise its max_tokens")
     n = sampling.get("n", 1)
     if n > 1 and sampling.get("temperature", 1.0) == 0:
         raise RowError(f"n is {n} but the temperature is 0 (greedy), which gives the same completion each time; "
@@ -204,6 +223,9 @@ def job_structured(cfg: SamplingConfig) -> Optional[dict]:
 def _named(key: str, check):
     return lambda value: (key, check(value))
 
+
+# The columns that set a row's structured output: a request takes one.
+STRUCTURED_COLUMNS = ("json_schema", "response_format", "regex", "choice")
 
 _OVERRIDE_CHECKS = {
     "max_tokens": _named("max_tokens", _max_tokens),

@@ -17,8 +17,8 @@ import pyarrow as pa
 
 from overnight.pipeline.config import InputConfig, SamplingConfig
 from overnight.pipeline.records import Result
-from overnight.pipeline.input.checks import (_OVERRIDE_CHECKS, _SCHEDULING_CHECKS, RowError, _check_request,
-                                             _short, job_structured)
+from overnight.pipeline.input.checks import (_OVERRIDE_CHECKS, _SCHEDULING_CHECKS, STRUCTURED_COLUMNS, RowError,
+                                             _check_request, _short, job_structured)
 from overnight.pipeline.input.source import (INPUT_ERROR_COLUMN, OVERRIDE_COLUMNS, RAW_PROMPT_COLUMN,
                                              SCHEDULING_COLUMNS, SourceBatch)
 
@@ -104,6 +104,10 @@ def parse_batch(sb: SourceBatch, cfg: InputConfig, defaults: dict, passthrough: 
                 raise RowError(f"column {cfg.id_column!r} is null; give every row an id, or drop the column "
                                f"so ids are derived from file and row")
             sampling = dict(defaults)
+            given = [c for c in STRUCTURED_COLUMNS if c in overrides and overrides[c][i] is not None]
+            if len(given) > 1:
+                raise RowError(f"the row sets {' and '.join(given)}, and a request takes one structured output; "
+                               f"keep one of them and set the others to null")
             for col, values in overrides.items():
                 if values[i] is not None:
                     key, value = _OVERRIDE_CHECKS[col](values[i])

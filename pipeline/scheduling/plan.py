@@ -70,23 +70,25 @@ def make_plan(cfg: JobConfig, out: Optional[str] = None, throughput: Optional[fl
             d.out.scan(cfg.input.id_column, into=done)
     tally = Tally(source.num_rows)
     resume = ResumeFilter(done, tally, out or "")
-    predicted, prompt_tokens = [], []
+    predicted, prompt_tokens, samples = [], [], []
     num_errors = 0
     errors = []
     for batch in prepare(cfg, source, open_model(cfg), annotator, resume):
         num_errors += len(batch.errors)
         errors.extend(e.error for e in batch.errors[:5 - len(errors)])
         predicted.extend(r.predicted_tokens for r in batch.rows)
+        samples.extend(r.sampling.get("n", 1) for r in batch.rows)
         prompt_tokens.extend(r.num_prompt_tokens for r in batch.rows)
     num_done = tally.num_resumed
     num_duplicates = tally.num_duplicates
-    pred = np.asarray(predicted, dtype=np.float64)
+    pred = np.asarray(predicted, dtype=np.float64)  # a completion's; the buckets go by it
+    work = pred * np.asarray(samples, dtype=np.float64)  # the row's: its n completions
     ptok = np.asarray(prompt_tokens, dtype=np.int64)
     bounds = quantile_bounds(pred, cfg.buckets.num_buckets) if cfg.buckets.kind == "quantile" else annotator.bounds
     if bounds is None:
         bounds = np.array([cfg.sampling.max_tokens])
     b = assign(pred, bounds)
-    lines = [BucketLine(label, int((b == i).sum()), int(ptok[b == i].sum()), int(pred[b == i].sum()))
+    lines = [BucketLine(label, int((b == i).sum()), int(ptok[b == i].sum()), int(work[b == i].sum()))
              for i, label in enumerate(describe(bounds))]
 
     source_name = "none"
@@ -97,7 +99,7 @@ def make_plan(cfg: JobConfig, out: Optional[str] = None, throughput: Optional[fl
         tps, source_name = cfg.scheduler.tokens_per_second, "config scheduler.tokens_per_second"
     elif out and measured_throughput(out):
         tps, source_name = measured_throughput(out), f"measured by the last run in {out}"
-    total = float(pred.sum())
+    total = float(work.sum())
     plan = Plan(num_rows=source.num_rows, num_done=num_done, num_errors=num_errors, num_todo=len(pred),
                 predictor=annotator.predictor.name, buckets=lines, predicted_tokens=int(total),
                 tokens_per_s=tps, throughput_source=source_name, eta_s=total / tps if tps else None, errors=errors,
@@ -108,7 +110,7 @@ def make_plan(cfg: JobConfig, out: Optional[str] = None, throughput: Optional[fl
         if tps:
             plan.is_feasible = plan.eta_s <= plan.time_left_s
             # What the auto policy would leave: it runs the shortest predicted rows first once at risk.
-            cum = np.cumsum(np.sort(pred))
+            cum = np.cumsum(np.sort(work))
             fits = int(np.searchsorted(cum, tps * plan.time_left_s, side="right"))
             plan.rows_left = len(pred) - fits
             plan.tokens_left = int(total - (cum[fits - 1] if fits else 0.0))
