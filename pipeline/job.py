@@ -108,7 +108,9 @@ def _open_locked(cfg, fresh, source, out, model, fields, lock, deadline_at, marg
     id_name = cfg.input.id_column
     stamp = source.input_stamp()
     unchanged = (previous is not None and previous.get("state") == mf.RunState.COMPLETED.value
-                 and previous.get("input", {}).get("stamp") == stamp)
+                 and previous.get("input", {}).get("stamp") == stamp
+                 # and its parts are all there (a part deleted to redo its rows, as a bad part's message says)
+                 and len(out.part_paths()) == previous.get("counts", {}).get("num_parts"))
     # A completed job over an unchanged input needs no scan of its parts (at 10M rows that takes seconds).
     scan = out.scan(id_name) if previous is not None and not unchanged else Scan()
     passthrough = [source.schema.field(c) for c in source.passthrough_columns()]

@@ -39,12 +39,14 @@ class Summary:
     output_tokens_per_s: float
     message: Optional[str] = None
     extra: dict = field(default_factory=dict)
+    num_removed: int = 0     # rows in the output whose ids are no longer in the input (counted in ok and error)
 
     def line(self) -> str:
         head = {"completed": "done", "partial": "stopped early (resumable)", "interrupted": "interrupted (resumable)",
                 "failed": "FAILED"}.get(self.state, self.state)
         resumed = f", {self.num_resumed} already done" if self.num_resumed else ""
         dup = f", {self.num_duplicates} duplicate ids skipped" if self.num_duplicates else ""
+        dup += f", {self.num_removed} no longer in the input" if self.num_removed else ""
         tail = f"; {self.message}" if self.message and (self.state in ("partial", "interrupted") or
                                                        not self.num_rows) else ""
         cost = self.extra.get("cost") or {}
@@ -103,10 +105,10 @@ def exit_code_for(state: mf.RunState, engine_failed: bool) -> int:
 def summary(t: Tally, run_id: str, out: str, state: mf.RunState, exit_code: int, message: Optional[str],
             extra: dict) -> Summary:
     return Summary(run_id=run_id, out=out, state=state.value, exit_code=exit_code, num_rows=t.num_rows,
-                   num_done=t.num_done, num_ok=t.num_ok, num_error=t.num_error, num_resumed=t.num_resumed,
+                   num_done=t.num_done_here, num_ok=t.num_ok, num_error=t.num_error, num_resumed=t.num_resumed,
                    num_duplicates=t.num_duplicates, num_output_tokens=t.num_output_tokens,
                    elapsed_s=round(t.elapsed(), 3), output_tokens_per_s=t.tokens_per_s(), message=message,
-                   extra=extra)
+                   extra=extra, num_removed=t.num_removed or 0)
 
 
 def nothing_to_do(job) -> Summary:

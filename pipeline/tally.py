@@ -35,9 +35,14 @@ class Tally:
         return self.num_ok + self.num_error
 
     @property
+    def num_done_here(self) -> int:
+        """Rows done that are in this input: the output's less those no longer in the input (known after a pass)."""
+        return min(self.num_rows - self.num_duplicates, self.num_done - (self.num_removed or 0))
+
+    @property
     def num_left(self) -> int:
         """Input rows not done (duplicate ids are skipped, not left)."""
-        return max(0, self.num_rows - self.num_done - self.num_duplicates)
+        return max(0, self.num_rows - self.num_done_here - self.num_duplicates)
 
     def record(self, results: list[Result]) -> int:
         tokens = 0
@@ -67,7 +72,7 @@ class Tally:
                 "num_error": self.num_error, "num_output_tokens": self.num_output_tokens, "num_parts": num_parts}
 
     def rows(self, in_flight: int) -> dict:
-        return {"total": self.num_rows, "done": self.num_done, "ok": self.num_ok, "error": self.num_error,
+        return {"total": self.num_rows, "done": self.num_done_here, "ok": self.num_ok, "error": self.num_error,
                 "remaining": self.num_left, "resumed": self.num_resumed, "duplicates": self.num_duplicates,
                 "changed": self.num_changed, "removed": self.num_removed, "aborted": self.num_aborted,
                 "in_flight": in_flight}

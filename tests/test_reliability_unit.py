@@ -62,6 +62,57 @@ def test_a_lock_without_heartbeat_is_stale_anywhere(tmp_path):
     RunLock(OutputDir(str(out))).acquire()
 
 
+def test_a_live_holder_on_this_host_keeps_its_lock_whatever_its_heartbeat(tmp_path):
+    # an engine that takes minutes to start left the heartbeat old; the process that holds the lock still runs
+    import subprocess
+    import datetime as dt
+
+    out = tmp_path / "out"
+    holder = subprocess.Popen(["sleep", "30"])
+    try:
+        started = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+        write_lock(out, pid=holder.pid, started_at=started, heartbeat=time.time() - 3600)
+        with pytest.raises(LockError, match=f"in use by another overnight run: host .*, pid {holder.pid}"):
+            RunLock(OutputDir(str(out))).acquire()
+        # the same pid, for a lock older than the process: the pid was reused, the holder is gone
+        write_lock(out, pid=holder.pid, started_at="2020-01-01T00:00:00+00:00", heartbeat=time.time())
+        lock = RunLock(OutputDir(str(out)))
+        lock.acquire()
+        lock.release()
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_a_thread_keeps_the_heartbeat_while_the_lock_is_held(tmp_path, monkeypatch):
+    from overnight.pipeline.output import lock as lock_module
+
+    monkeypatch.setattr(lock_module, "HEARTBEAT_S", 0.05)
+    out = tmp_path / "out"
+    lock = RunLock(OutputDir(str(out)))
+    lock.acquire()
+    first = json.loads((out / ".overnight.lock").read_text())["heartbeat"]
+    deadline = time.time() + 10
+    while json.loads((out / ".overnight.lock").read_text())["heartbeat"] == first and time.time() < deadline:
+        time.sleep(0.05)
+    assert json.loads((out / ".overnight.lock").read_text())["heartbeat"] > first   # nobody called heartbeat()
+    lock.release()
+    assert not (out / ".overnight.lock").exists() and not lock._thread.is_alive()
+
+
+def test_a_heartbeat_does_not_write_over_a_lock_another_run_took(tmp_path, caplog):
+    out = tmp_path / "out"
+    lock = RunLock(OutputDir(str(out)))
+    lock.acquire()
+    write_lock(out, host="other-host", pid=99, token="theirs")
+    lock.last_beat = 0.0
+    lock.heartbeat()
+    assert lock.lost and "another run took over the lock" in caplog.text
+    assert json.loads((out / ".overnight.lock").read_text())["token"] == "theirs"
+    lock.release()
+    assert json.loads((out / ".overnight.lock").read_text())["token"] == "theirs"   # theirs is left in place
+
+
 def test_two_runs_at_once_through_the_job(data, tmp_path, cfg):
     out = tmp_path / "out"
     write_lock(out, host="busy-host", pid=7)
@@ -220,6 +271,11 @@ def test_resume_after_the_input_changed(write_parquet, tmp_path, cfg, caplog):
     assert len(eng.added) == 1  # only e
     rows = s.extra["rows"]
     assert (rows["resumed"], rows["changed"], rows["removed"]) == (3, 1, 1)
+    # the input's 4 rows are done; the output also holds b's
+    assert (rows["total"], rows["done"], rows["remaining"], rows["ok"]) == (4, 4, 0, 5)
+    assert s.line().startswith("overnight: done: 4/4 rows (5 ok, 0 error, 3 already done, 1 no longer in the input)")
+    st = json.loads((out / "status.json").read_text())
+    assert (st["rows"]["done"], st["rows"]["remaining"]) == (4, 0)
     assert "id 'c' at v2.parquet#1: its prompt changed since its result was written" in caplog.text
     assert "1 rows in" in caplog.text and "are no longer in the input (e.g. ids 'b')" in caplog.text
     t = pq.read_table(out / "parts").to_pylist()

@@ -273,6 +273,25 @@ def test_a_completed_job_over_an_unchanged_input_knows_at_once(tmp_path, cfg, wr
     assert "unchanged" not in (s.message or "")
 
 
+def test_a_completed_job_whose_part_was_deleted_answers_its_rows_again(tmp_path, cfg, write_parquet):
+    # a bad part's message says to delete it and rerun: the input is unchanged, but the job is no longer complete
+    import os
+
+    from overnight.pipeline.output.checkpoint import OutputDir
+
+    inp = write_parquet({"id": list(range(12)), "prompt": [f"q {i}" for i in range(12)]})
+    out = tmp_path / "out"
+    assert run_job(cfg(inp, out), engine_factory=given(FakeEngine()), is_tty=False).num_ok == 12
+    parts = OutputDir(str(out)).part_paths()
+    assert len(parts) >= 2
+    lost = pq.read_table(parts[0]).num_rows
+    os.remove(parts[0])
+    s = run_job(cfg(inp, out), engine_factory=given(FakeEngine()), is_tty=False)
+    assert "unchanged" not in (s.message or "")
+    assert (s.num_done, s.num_resumed) == (12, 12 - lost)
+    assert sorted(pq.read_table(str(out / "parts")).column("id").to_pylist()) == list(range(12))
+
+
 def test_a_forecast_kept_waiting_does_not_put_the_next_ones_off(write_parquet, tmp_path, cfg, monkeypatch):
     """The loop forecasts every 2 s, or less often where a forecast's own cost would take over 0.2% of its time.
     A forecast held up 60 ms by a busy machine (here a sleep: no CPU time of its own) is not a costly one: at

@@ -2,9 +2,14 @@
 
 A second run on the same OUT refuses, naming the first (host, pid, start
 time). A lock left by a run that died is stale, and taken over: on the same
-host when its pid is gone, anywhere when its heartbeat is older than
-STALE_S. Taking over writes our own lock and reads it back, so of two runs
-racing for a stale lock exactly one wins.
+host when its process is gone (whatever its heartbeat), on another host when
+its heartbeat is older than STALE_S. Taking over writes our own lock and reads
+it back, so of two runs racing for a stale lock exactly one wins.
+
+A thread refreshes the heartbeat every HEARTBEAT_S while the lock is held, so
+an engine that takes minutes to start, or to restart, keeps it. A heartbeat
+reads the lock back first: if another run has taken it over, this run stops
+refreshing it and says so (``lost``) rather than write over the other's.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import json
 import logging
 import os
 import socket
+import threading
 import time
 import uuid
 from typing import Optional
@@ -33,14 +39,20 @@ class LockError(OutputError):
     "Another run holds the output folder."
 
 
-def _pid_alive(pid: int) -> bool:
+def _holder_alive(pid: int, started_at: Optional[str]) -> bool:
+    """Whether the process that wrote a lock on this host still runs: its pid is alive and was not reused by a
+    process started after the lock was."""
+    import psutil
+
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        created = psutil.Process(pid).create_time()
+    except (psutil.Error, ValueError, OverflowError):
         return False
-    except PermissionError:
-        return True
-    return True
+    try:
+        started = dt.datetime.fromisoformat(started_at).timestamp() if started_at else None
+    except ValueError:
+        started = None
+    return started is None or created <= started + 1.0  # the lock's start is rounded to the second
 
 
 class RunLock:
@@ -54,6 +66,10 @@ class RunLock:
                      "token": self.token}
         self.last_beat = 0.0
         self.is_held = False
+        self.lost = False  # another run took the lock over while this one held it
+        self._beat_lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
 
     def holder(self) -> Optional[dict]:
         text = read_text(self.out.fs, self.path)
@@ -70,8 +86,8 @@ class RunLock:
         if other.get("host") == self.info["host"]:
             if other.get("pid") == os.getpid():
                 return True  # left by this very process (an earlier job in a notebook, a test)
-            if not _pid_alive(int(other.get("pid", -1))):
-                return True
+            # a live holder on this host keeps its lock, however old its heartbeat (a process stopped with ^Z)
+            return not _holder_alive(int(other.get("pid", -1)), other.get("started_at"))
         return self.clock() - float(other.get("heartbeat", 0)) > STALE_S
 
     def acquire(self) -> None:
@@ -91,6 +107,13 @@ class RunLock:
             raise LockError(f"{self.out.url} was just locked by another run (host {mine and mine.get('host')}, pid "
                             f"{mine and mine.get('pid')}). Only one run may write to an output folder.")
         self.is_held = True
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._beat_until_released, name="overnight-lock", daemon=True)
+        self._thread.start()
+
+    def _beat_until_released(self) -> None:
+        while not self._stop.wait(HEARTBEAT_S):
+            self.heartbeat()
 
     def _write(self, exclusive: bool) -> None:
         info = dict(self.info, heartbeat=self.clock())
@@ -110,13 +133,25 @@ class RunLock:
         self.last_beat = self.clock()
 
     def heartbeat(self) -> None:
-        if self.is_held and self.clock() - self.last_beat >= HEARTBEAT_S:
+        with self._beat_lock:
+            if not self.is_held or self.lost or self.clock() - self.last_beat < HEARTBEAT_S:
+                return
             try:
+                mine = self.holder()
+                if mine is not None and mine.get("token") != self.token:
+                    self.lost = True
+                    log.error("another run took over the lock on %s (host %s, pid %s, started %s): two runs may "
+                              "now be writing to it; stop one of them", self.out.url, mine.get("host"),
+                              mine.get("pid"), mine.get("started_at"))
+                    return
                 self._write(exclusive=False)
             except OSError as e:  # a missed heartbeat is not worth failing the job for
                 log.warning("could not refresh the lock on %s: %s", self.out.url, e)
 
     def release(self) -> None:
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=5)
         if not self.is_held:
             return
         self.is_held = False
