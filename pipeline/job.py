@@ -91,7 +91,10 @@ def open_job(cfg: JobConfig, fresh: bool = False, now: Optional[float] = None) -
         raise
 
 
-def _open_locked(cfg, fresh, source, out, model, fields, lock, deadline_at, margin_s) -> OpenJob:
+def _open_locked(cfg, fresh, source, out, model, fields, lock, deadline_at, margin_s,
+                 shortcut: bool = True) -> OpenJob:
+    """shortcut: a completed job over an unchanged input may skip the scan of its parts (``unchanged``). A Ray
+    worker's folder is not a job of its own (its units change from run to run), so a worker passes False."""
     _check_other_shards(cfg, source, out, fields)
     previous = out.read_manifest()
     if fresh:
@@ -107,7 +110,7 @@ def _open_locked(cfg, fresh, source, out, model, fields, lock, deadline_at, marg
 
     id_name = cfg.input.id_column
     stamp = source.input_stamp()
-    unchanged = (previous is not None and previous.get("state") == mf.RunState.COMPLETED.value
+    unchanged = (shortcut and previous is not None and previous.get("state") == mf.RunState.COMPLETED.value
                  and previous.get("input", {}).get("stamp") == stamp
                  # and its parts are all there (a part deleted to redo its rows, as a bad part's message says)
                  and len(out.part_paths()) == previous.get("counts", {}).get("num_parts"))

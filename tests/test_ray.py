@@ -62,6 +62,61 @@ def test_units_cover_the_input_in_order_many_more_than_workers():
     assert all(f.rows is None for u in plan_units(many, 2) for f in u.fragments) and len(plan_units(many, 2)) == 16
 
 
+def test_an_empty_file_or_row_group_makes_no_unit():
+    files = [InputFile("/e", "e", 0, pa.schema([]), (0,)), InputFile("/f", "f", 3, pa.schema([]), (3,))]
+    units = plan_units(files, 2)
+    assert sum(u.num_rows for u in units) == 3 and all(f.file_index == 1 for u in units for f in u.fragments)
+
+
+def test_a_lost_worker_leaves_the_jobs_rate_and_eta():
+    from overnight.pipeline.cluster.actors import Coordinator
+
+    files = [InputFile("/f", "f", 100, pa.schema([]), (100,))]
+    c = Coordinator(plan_units(files, 2))
+    c.next(0), c.next(1)
+    c.report(0, {"state": "running", "output_tokens_per_s": 100.0})
+    c.report(1, {"state": "running", "output_tokens_per_s": 120.0})
+    assert c.release(1, "/out/workers/w00001") == 1
+    _, statuses = c.snapshot()
+    assert statuses[1]["state"] == "lost" and statuses[0]["state"] == "running"
+
+
+def test_a_worker_whose_folder_completed_resumes_from_its_parts(tmp_path, cfg, local_ray):
+    # one worker: no other folder's ids to resume against, so the worker's own scan is all there is
+    inp = write_input(tmp_path / "in", 1, 100, 50)
+    out = tmp_path / "out"
+    c = cfg(inp, out, engine={"kind": "echo", "echo_step_ms": 1, "max_num_seqs": 8}, sampling={"max_tokens": 4},
+            output={"flush_rows": 10})
+    assert run_on_ray(c, False, 1, is_tty=False).num_done == 100
+    parts = sorted(p.name for p in (out / "workers" / "w00000" / "parts").glob("part-*.parquet"))
+    # the same job again (another flush size), and once more over a grown input
+    c2 = cfg(inp, out, engine={"kind": "echo", "echo_step_ms": 1, "max_num_seqs": 8}, sampling={"max_tokens": 4},
+             output={"flush_rows": 1000})
+    again = run_on_ray(c2, False, 1, is_tty=False)
+    assert (again.state, again.num_resumed, again.num_done) == ("completed", 100, 100)
+    write_input(tmp_path / "in2", 1, 120, 60)
+    c3 = cfg(tmp_path / "in2", out, engine={"kind": "echo", "echo_step_ms": 1, "max_num_seqs": 8},
+             sampling={"max_tokens": 4}, output={"flush_rows": 1000})
+    grown = run_on_ray(c3, False, 1, is_tty=False)
+    assert (grown.state, grown.num_resumed, grown.num_done) == ("completed", 100, 120)
+    ids = ids_in(out)
+    assert len(ids) == len(set(ids)) == 120   # the earlier parts were not written over
+    assert set(parts) <= {p.name for p in (out / "workers" / "w00000" / "parts").glob("part-*.parquet")}
+
+
+def test_a_rerun_with_other_settings_is_refused_before_any_worker_starts(tmp_path, cfg, local_ray):
+    from overnight.pipeline.output.checkpoint import OutputError
+
+    inp = write_input(tmp_path / "in", 1, 40, 20)
+    out = tmp_path / "out"
+    engine = {"kind": "echo", "echo_step_ms": 1, "max_num_seqs": 8}
+    assert run_on_ray(cfg(inp, out, engine=engine, sampling={"max_tokens": 4}), False, 2, is_tty=False).num_done == 40
+    with pytest.raises(OutputError, match=r"holds results of a run with different settings \(sampling.max_tokens: "
+                                          r"4 -> 2\)"):
+        run_on_ray(cfg(inp, out, engine=engine, sampling={"max_tokens": 2}), False, 3, is_tty=False)
+    assert not (out / "workers" / "w00002").exists()   # no new worker ran the rest with the new settings
+
+
 def test_two_workers_share_the_units_and_answer_each_id_once(tmp_path, cfg, local_ray):
     inp = write_input(tmp_path / "in", 2, 400, 50)
     out = tmp_path / "out"

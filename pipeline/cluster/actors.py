@@ -62,6 +62,8 @@ class Coordinator:
         """A worker died: its units go back to the front of the queue, to be read without what it wrote
         (``folder#n``: the n-th death, so that a worker reading the folder again sees what was written since)."""
         units = self.held.pop(worker, [])
+        if worker in self.statuses:  # its last status no longer runs: not in the job's tok/s or ETA (a restart
+            self.statuses[worker] = dict(self.statuses[worker], state="lost")  # reports anew)
         self.deaths += 1
         mark = f"{folder}#{self.deaths}"
         self.pending[:0] = [dataclasses.replace(u, recheck=u.recheck + (mark,)) for u in units]
@@ -222,7 +224,9 @@ class Worker:
         sc = cfg.scheduler
         deadline_at = jobmod_deadline(sc) if sc.deadline else None
         margin = sc.safety_margin_s or 0.0
-        job = jobmod._open_locked(cfg, False, source, out, model, fields, RunLock(out), deadline_at, margin)
+        # Never the completed-job shortcut: it skips the scan, and this folder's parts would be written over.
+        job = jobmod._open_locked(cfg, False, source, out, model, fields, RunLock(out), deadline_at, margin,
+                                  shortcut=False)
         job.lazy_engine = True  # a worker may get no unit, or only rows already done
         own = job.scan
         merged = Scan()

@@ -51,7 +51,7 @@ def run_on_ray(cfg: JobConfig, fresh: bool, workers: int, address: Optional[str]
     started = time.time()
     deadline_at, margin = resolve_deadline(cfg.scheduler, started)
     source = open_source(cfg.input)
-    open_model(cfg)  # a bad model fails here, not in every worker
+    model = open_model(cfg)  # a bad model fails here, not in every worker
     check_layout(cfg.output.path, None, ray=True)
     root = OutputDir(cfg.output.path)
     lock = RunLock(root)
@@ -60,6 +60,14 @@ def run_on_ray(cfg: JobConfig, fresh: bool, workers: int, address: Optional[str]
         if fresh:
             for d in job_dirs(cfg.output.path):
                 d.out.clear()
+        else:  # before any worker starts: one whose folder is new would run the rest with the new settings
+            from overnight.pipeline.output import manifest as mf
+
+            fields = mf.fingerprint_fields(cfg, model.requested, model.chat)
+            for d in job_dirs(cfg.output.path):
+                previous = d.out.read_manifest()
+                if previous is not None:
+                    mf.check_resume(previous, fields, d.out.url)
         units = plan_units(source.files, workers, cfg.input.limit)
         total = sum(u.num_rows for u in units)
         # Every worker gets the same absolute deadline and margin.

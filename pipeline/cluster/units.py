@@ -49,6 +49,8 @@ def plan_units(files, num_workers: int, limit: Optional[int] = None) -> list[Uni
         if left <= 0:
             break
         n = min(g.num_rows, left)
+        if n == 0:  # an empty file or row group (pq.write_table of an empty table writes one)
+            continue
         cuts = max(1, math.ceil(n / size)) if g.num_rows > size else 1
         step = math.ceil(n / cuts)
         for a in range(0, n, step):
