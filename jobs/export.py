@@ -20,8 +20,9 @@ def export(out: str, fmt: str, output: str, errors: str) -> None:
     """Write the results in OUT (every shard and worker) as one file.
 
     With --format openai each line has OpenAI's Batch output shape (id, custom_id, response with status_code,
-    request_id and a chat.completion body with usage, error), so a parser written for OpenAI's results reads
-    it unchanged; rows not done are written as batch_expired errors.
+    request_id and a chat.completion body with usage, or a text_completion body for a /v1/completions request
+    line, error), so a parser written for OpenAI's results reads it unchanged; rows of the job (up to its --limit)
+    not done are written as batch_expired errors.
 
     \b
     Example:

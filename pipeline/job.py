@@ -8,6 +8,7 @@ file or column and the fix; no engine time is spent on a job that cannot run.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass
 from typing import Optional
@@ -121,7 +122,7 @@ def _open_locked(cfg, fresh, source, out, model, fields, lock, deadline_at, marg
     schema = OutputSchema(id_name, source.id_type, passthrough, samples=cfg.sampling.n > 1 or "n" in names,
                           logprobs=cfg.sampling.logprobs is not None or "logprobs" in names)
     input_info = {"url": redact(source.url), "num_files": len(source.files), "num_rows": source.num_rows,
-                  "stamp": stamp}
+                  "stamp": stamp, "cwd": os.getcwd()}  # where a relative input path is (export reads it again)
     if source.shard is not None:
         input_info["shard"] = str(source.shard)
         input_info["split"] = source.selection.how

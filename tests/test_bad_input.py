@@ -106,6 +106,19 @@ def truncated(e: Env) -> str:
     return str(path)
 
 
+def damaged(e: Env) -> str:
+    path = e.parquet({"prompt": [f"What is it {i} " * 5 for i in range(2000)]})
+    data = bytearray(open(path, "rb").read())
+    data[len(data) // 2:len(data) // 2 + 64] = b"\xff" * 64   # a data page, not the footer
+    open(path, "wb").write(bytes(data))
+    return path
+
+
+def not_utf8(*values: bytes) -> pa.Array:
+    """A string column holding bytes that are not UTF-8 (as a writer that does not check them leaves it)."""
+    return pa.array(values, pa.binary()).view(pa.string())
+
+
 CASES = [
     # -- job level: before the engine ---------------------------------------------------------
     Case("missing path", lambda e: run_args(e, str(e.root / "nope.parquet")), 1,
@@ -133,6 +146,15 @@ CASES = [
     Case("mixed schemas", lambda e: mixed(e), 1,
          "Error: Column 'id' has type int64 in {root}/m/a.parquet but string in {root}/m/b.parquet. Mixed schemas "
          "cannot be read as one dataset: cast the column to one type in every file."),
+    Case("uint64 ids above int64", lambda e: run_args(e, e.parquet({"id": pa.array([1, 2 ** 63 + 5], pa.uint64()),
+                                                                     "prompt": ["a", "b"]})), 1,
+         "Error: Id column 'id' in {root}/in.parquet is uint64 and holds values above 9223372036854775807 (or its "
+         "statistics cannot show it does not); the results keep integer ids as int64. Cast the column to int64 or "
+         "string, or name another column with --id-column."),
+    Case("damaged data page", lambda e: run_args(e, damaged(e)), 1,
+         prefix="Error: {root}/in.parquet: row group 0 (rows from 0) cannot be read (",
+         suffix="). The file is damaged: re-export it, or remove it from the input (rows already answered are "
+                "kept). If it is on remote storage that failed, rerun: the job resumes."),
     Case("yaml unknown key", lambda e: ["run", "--config", e.text("job.yaml", "sampling:\n  temprature: 0.5\n")], 1,
          "Error: {root}/job.yaml: unknown key sampling.temprature in sampling. Valid keys: choice, "
          "frequency_penalty, json_schema, logprobs, max_tokens, min_tokens, n, presence_penalty, regex, "
@@ -186,6 +208,21 @@ CASES = [
         [b"Say hi.", b"half a pair: \xed\xa0\x80"], pa.binary())})), 0,
          row_error="in.parquet#1: prompt column 'prompt' is not valid text: byte 13 is not valid UTF-8 (b'\\xed'); "
                    "re-encode the file as UTF-8"),
+    Case("invalid utf-8 in a string prompt", lambda e: run_args(e, e.parquet({"id": ["good", "bad"], "prompt": not_utf8(
+        b"Say hi.", b"caf\xe9 au lait")})), 0,
+         row_error="in.parquet#1: prompt column 'prompt' is not valid text: byte 3 is not valid UTF-8 (b'\\xe9'); "
+                   "re-encode the file as UTF-8"),
+    Case("invalid utf-8 passed through", lambda e: run_args(e, e.rows(note=not_utf8(b"fine", b"caf\xe9"))), 0,
+         row_error="in.parquet#1: passthrough column 'note' is not valid text: byte 3 is not valid UTF-8 (b'\\xe9'); "
+                   "re-encode the file as UTF-8, or leave the column out of --passthrough"),
+    Case("timestamp out of range passed through", lambda e: run_args(e, e.rows(
+        created_at=pa.array([0, 2 ** 62], pa.timestamp("us")))), 0,
+         row_error="in.parquet#1: passthrough column 'created_at' holds a value that cannot be read (OverflowError: "
+                   "date value out of range); fix the value, or leave the column out of --passthrough"),
+    Case("id not utf-8", lambda e: run_args(e, e.parquet({"id": not_utf8(b"good", b"caf\xe9"),
+                                                           "prompt": ["a", "b"]})), 0,
+         row_error="in.parquet#1: column 'id' is not valid text: byte 3 is not valid UTF-8 (b'\\xe9'); re-encode the "
+                   "ids as UTF-8, or drop the column so ids are derived from file and row", extra={"null_id": True}),
     Case("null id", lambda e: run_args(e, e.parquet({"id": pa.array(["good", None]), "prompt": ["a", "b"]})), 0,
          row_error="in.parquet#1: column 'id' is null; give every row an id, or drop the column so ids are derived "
                    "from file and row", extra={"null_id": True}),
@@ -202,6 +239,17 @@ CASES = [
          row_error="in.parquet#1: max_tokens is 'many' (str); it must be an integer"),
     Case("temperature below zero", lambda e: run_args(e, e.rows(temperature=-0.5)), 0,
          row_error="in.parquet#1: temperature is -0.5; it must be 0 (greedy) to 2"),
+    # values a library's check fails on (rather than judging them)
+    Case("regex repetition too large", lambda e: run_args(e, e.rows(regex="a{4294967296}")), 0,
+         row_error="in.parquet#1: regex 'a{4294967296}' is not a valid regular expression: the repetition number is "
+                   "too large"),
+    Case("json_schema $schema not a string", lambda e: run_args(e, e.rows(
+        json_schema='{"$schema": 5, "type": "object"}')), 0,
+         row_error="in.parquet#1: json_schema is not a valid JSON schema (AttributeError: 'int' object has no "
+                   "attribute 'decode'); check its $schema (a URI string) and keywords"),
+    Case("deadline before year 1", lambda e: run_args(e, e.rows(deadline="0001-01-01T00:00")), 0,
+         row_error="in.parquet#1: deadline is '0001-01-01T00:00', out of the range of times this machine can hold; "
+                   "use a time such as 2026-11-23T06:00"),
 ]
 
 
@@ -235,3 +283,19 @@ def test_bad_input(case: Case, tmp_path, tiny_model):
 
 def test_there_are_at_least_25_cases():
     assert len(CASES) >= 25
+
+
+def test_rows_with_ids_that_are_not_utf8_are_answered_once(tmp_path, tiny_model):
+    """Their error rows have no id and are matched by their origin on a resume, as a null id's: a rerun over a
+    changed input does not answer them again."""
+    e = Env(tmp_path, tiny_model)
+    inp = tmp_path / "in"
+    e.parquet({"id": not_utf8(b"good", b"caf\xe9-1", b"caf\xe9-2"), "prompt": ["a", "b", "c"]}, "in/a.parquet")
+    r = CliRunner(env=ECHO).invoke(cli, run_args(e, str(inp)))
+    assert r.exit_code == 0, r.output
+    e.parquet({"id": ["new"], "prompt": ["d"]}, "in/b.parquet")   # the input changed: the rerun scans OUT
+    r = CliRunner(env=ECHO).invoke(cli, run_args(e, str(inp)))
+    assert r.exit_code == 0, r.output
+    rows = pq.read_table(f"{e.out}/parts").to_pylist()
+    assert sorted((str(x["id"]), x["status"], (x["error"] or "").split(":")[0]) for x in rows) == [
+        ("None", "error", "a.parquet#1"), ("None", "error", "a.parquet#2"), ("good", "ok", ""), ("new", "ok", "")]

@@ -34,24 +34,34 @@ def test_one_file_in_input_order(job, tmp_path, fmt):
     assert got == ids[:30]
 
 
+def _stopped(out) -> set:
+    """Remove OUT's last part, as if the job had been killed before it wrote it; the ids the other parts hold."""
+    parts = sorted((out / "parts").glob("part-*.parquet"))
+    parts[-1].unlink()
+    return {r[0] for r in duckdb.sql(f"select id from read_parquet('{out}/parts/*.parquet')").fetchall()}
+
+
 def test_openai_batch_output_parses_with_openai_types(job, tmp_path):
     from openai.types import BatchError
     from openai.types.chat import ChatCompletion
 
     ids, out = job
+    done = _stopped(out)                                       # the job covers ids[:30] (--limit 30)
+    left = [i for i in ids[:30] if i not in done]
+    assert left and ids[7] in done
     ok_path, err_path = tmp_path / "results.jsonl", tmp_path / "errors.jsonl"
     info = export(str(out), "openai", str(ok_path), str(err_path))
-    assert (info["ok"], info["errors"], info["expired"]) == (29, 1, 10)
+    assert (info["ok"], info["errors"], info["expired"]) == (len(done) - 1, 1, len(left))
     lines = [json.loads(x) for x in ok_path.read_text().splitlines()]
-    assert [x["custom_id"] for x in lines] == [i for n, i in enumerate(ids[:30]) if n != 7]
+    assert [x["custom_id"] for x in lines] == [i for n, i in enumerate(ids[:30]) if n != 7 and i in done]
     for x in lines:
         assert x["error"] is None and x["response"]["status_code"] == 200 and x["id"].startswith("batch_req_")
         completion = ChatCompletion.model_validate(x["response"]["body"])   # a user's parser works unchanged
         assert completion.choices[0].message.role == "assistant" and completion.usage.total_tokens > 0
     errors = [json.loads(x) for x in err_path.read_text().splitlines()]
     kinds = [e["error"]["code"] for e in errors]
-    assert kinds == ["invalid_request"] + ["batch_expired"] * 10
-    assert [e["custom_id"] for e in errors[1:]] == ids[30:]
+    assert kinds == ["invalid_request"] + ["batch_expired"] * len(left)
+    assert [e["custom_id"] for e in errors[1:]] == left        # the rows past --limit were never the job's
     for e in errors:
         BatchError.model_validate(e["error"])
         assert e["response"] is None
@@ -73,18 +83,18 @@ def test_a_jsonl_jobs_rows_come_in_line_order(tmp_path, cfg):
     path = tmp_path / "requests.jsonl"
     path.write_text("\n".join(lines) + "\n")
     out = tmp_path / "out"
-    run_job(cfg(path, out, input={"limit": 30}), engine_factory=given(FakeEngine()), is_tty=False)  # 10 not done
+    run_job(cfg(path, out, input={"limit": 30}), engine_factory=given(FakeEngine()), is_tty=False)  # 30 of 40
     finished = [r[0] for r in duckdb.sql(f"select id from read_parquet('{out}/parts/*.parquet')").fetchall()]
     assert finished != [i for n, i in enumerate(ids[:30]) if n != 7] + [None]  # the parts hold finish order
 
     ok_path, err_path = tmp_path / "results.jsonl", tmp_path / "errors.jsonl"
     info = export(str(out), "openai", str(ok_path), str(err_path))
-    assert (info["ok"], info["errors"], info["expired"], info["in_input_order"]) == (28, 2, 10, True)
+    assert (info["ok"], info["errors"], info["expired"], info["in_input_order"]) == (28, 2, 0, True)
     assert [json.loads(x)["custom_id"] for x in ok_path.read_text().splitlines()] == \
         [i for n, i in enumerate(ids[:30]) if n not in (7, 11)]
     errors = [json.loads(x) for x in err_path.read_text().splitlines()]
     assert [(e["custom_id"], e["error"]["code"]) for e in errors] == \
-        [(ids[11], "invalid_request"), (None, "invalid_request")] + [(i, "batch_expired") for i in ids[30:]]
+        [(ids[11], "invalid_request"), (None, "invalid_request")]  # the lines past --limit were never the job's
     info = export(str(out), "jsonl", str(tmp_path / "all.jsonl"))
     got = [json.loads(x)["id"] for x in (tmp_path / "all.jsonl").read_text().splitlines()]
     assert got == [i for n, i in enumerate(ids[:30]) if n != 7] + [None] and info["in_input_order"]

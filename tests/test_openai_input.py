@@ -226,6 +226,18 @@ def test_every_kind_of_bad_line_is_an_error_row_naming_its_line(tmp_path, tiny_m
     assert got["requests.jsonl#2"]["id"] is None  # one without keeps none, and is matched by its origin
 
 
+def test_a_schema_the_checks_fail_on_is_an_error_row(tmp_path, cfg):
+    # jsonschema raises AttributeError on a $schema that is not a string, instead of judging the schema
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"$schema": 7, "type": "object"}}}
+    path = write_lines(tmp_path / "requests.jsonl", [chat("good"), chat("bad", response_format=fmt)])
+    s = run_job(cfg(path, tmp_path / "out"), engine_factory=given(FakeEngine()), is_tty=False)
+    assert (s.exit_code, s.num_ok, s.num_error) == (0, 1, 1)
+    got = results(tmp_path / "out")
+    assert got["bad"]["error"] == ("requests.jsonl#2: response_format.json_schema.schema is not a valid JSON schema "
+                                   "(AttributeError: 'int' object has no attribute 'decode'); check its $schema (a "
+                                   "URI string) and keywords")
+
+
 def test_unknown_body_keys_are_ignored_with_one_warning_each(tmp_path, caplog):
     path = write_lines(tmp_path / "requests.jsonl", [chat("a", tools=[], user="u"), chat("b", tools=[], top_k=5)])
     with caplog.at_level(logging.WARNING, logger="overnight"):
@@ -285,6 +297,16 @@ def test_fsspec_urls_folders_globs_and_gzip(tmp_path):
     assert [r["id"] for r in rows_of(open_source(InputConfig(path=f"{tmp_path}/d/*.jsonl")))] == ["l1"]
 
 
+def test_a_folder_skips_files_in_hidden_and_underscore_folders(tmp_path, write_parquet):
+    write_lines(tmp_path / "d" / "a.jsonl", [chat("a")])
+    write_lines(tmp_path / "d" / "_temporary" / "0" / "a.jsonl", [chat("stale")])
+    write_lines(tmp_path / "d" / ".snapshot" / "a.jsonl", [chat("old")])
+    write_parquet({"prompt": ["x"]}, "d/_delta_log/x.parquet")   # not a Parquet file of the input either
+    src = open_source(InputConfig(path=str(tmp_path / "d")))
+    assert isinstance(src, OpenAIBatchSource) and [f.name for f in src.files] == ["a.jsonl"]
+    assert [r["id"] for r in rows_of(src)] == ["a"]
+
+
 def test_input_errors_name_the_file_and_fix(tmp_path, write_parquet):
     (tmp_path / "bad.jsonl.gz").write_bytes(b"not gzip at all")
     with pytest.raises(InputError, match=r"bad.jsonl.gz cannot be read as JSONL \(.*\)\. Check the file"):
@@ -322,6 +344,22 @@ def test_resume_after_a_partial_run_answers_each_line_once(tmp_path, cfg):
     assert [e.split(":")[0] for e in errors] == ["requests.jsonl#1", "requests.jsonl#5", "requests.jsonl#9"]
     again = run_job(cfg(path, out), engine_factory=given(FakeEngine()), is_tty=False)
     assert again.num_done == 12 and con.execute("select count(*) from results").fetchone()[0] == 12
+
+
+def test_a_rewrite_of_the_same_size_is_not_taken_for_the_same_input(tmp_path, cfg):
+    """memory:// tells no modification time; its creation time tells a rewrite, where the size alone did not."""
+    fs = fsspec.filesystem("memory")
+
+    def write(day):
+        fs.pipe("/rewrite/requests.jsonl", "".join(json.dumps(completion(f"{day}-{i}")) + "\n"
+                                                   for i in range(3)).encode())
+
+    write("2026-11-24")
+    c = cfg("memory://rewrite/requests.jsonl", "memory://rewrite/out")
+    assert run_job(c, engine_factory=given(FakeEngine()), is_tty=False).num_ok == 3
+    write("2026-11-25")   # the same size
+    s = run_job(c, engine_factory=given(FakeEngine()), is_tty=False)
+    assert (s.state, s.num_ok) == ("completed", 6)
 
 
 @pytest.mark.parametrize("gz,how", [(False, "split by 3 row groups in 1 files"), (True, "split by a hash")])

@@ -78,6 +78,33 @@ def test_fewer_fragments_than_shards_fall_back_to_a_hash_of_the_id():
     assert {hash_shard(i, 3) for i in range(100)} == {0, 1, 2}
 
 
+def test_a_row_without_an_id_goes_to_the_shard_of_its_origin(tmp_path):
+    """Under the hash fallback, a row without an id (a request line without a custom_id) is keyed by its origin,
+    "<file>#<row>" with the row number the error row names: after blank lines too."""
+    from overnight.pipeline.config import InputConfig
+    from overnight.pipeline.input.source import open_source
+
+    lines = []
+    for i in range(60):
+        lines.append("" if i % 3 == 0 else "not a request")   # blank lines shift the line numbers
+        lines.append(json.dumps({"custom_id": f"r{i}", "method": "POST", "url": "/v1/completions",
+                                 "body": {"prompt": "hi"}}))
+    path = tmp_path / "requests.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    origins = []
+    for k in range(3):
+        src = open_source(InputConfig(path=str(path), batch_rows=16), Shard(k, 3))
+        assert src.selection.hash_of == Shard(k, 3)
+        for sb in src.batches():
+            ids = sb.batch.column("id").to_pylist()
+            for i, x in enumerate(ids):
+                if x is None:
+                    origin = f"requests.jsonl#{sb.row_number(i)}"
+                    assert hash_shard(origin, 3) == k, origin
+                    origins.append(origin)
+    assert len(origins) == len(set(origins)) == 40
+
+
 def test_largest_first_to_the_least_loaded():
     whole, _ = fragments_of(listing([1, 9, 5, 5]))
     assert [[f.num_rows for f in share] for share in assign(whole, 2)] == [[1, 9], [5, 5]]

@@ -152,3 +152,99 @@ def test_unknown_passthrough_column(write_parquet):
     p = write_parquet({"prompt": ["x"]})
     with pytest.raises(InputError, match="Passthrough column 'nope' is not in"):
         source(p, passthrough=["nope"])
+
+
+def test_a_hash_split_of_an_input_without_ids_counts_its_rows(write_parquet):
+    from overnight.pipeline.input.shards import Shard
+
+    p = write_parquet({"prompt": [f"p{i}" for i in range(100)]})
+    counts = []
+    for k in range(4):
+        s = ParquetSource(InputConfig(path=p), Shard(k, 4))
+        assert s.selection.hash_of is not None
+        read = sum(sb.batch.num_rows for sb in s.batches())
+        assert s.num_rows == read > 0   # the count the job plans with is the rows it reads
+        counts.append(read)
+    assert sum(counts) == 100
+
+
+def test_uint64_ids_above_int64_are_refused_when_the_source_opens(write_parquet):
+    p = write_parquet({"id": pa.array([1, 2 ** 63 + 5], pa.uint64()), "prompt": ["a", "b"]})
+    with pytest.raises(InputError) as e:
+        source(p)
+    assert str(e.value) == (f"Id column 'id' in {p} is uint64 and holds values above 9223372036854775807 (or its "
+                            f"statistics cannot show it does not); the results keep integer ids as int64. Cast the "
+                            f"column to int64 or string, or name another column with --id-column.")
+    small = write_parquet({"id": pa.array([1, 2 ** 63 - 1], pa.uint64()), "prompt": ["a", "b"]}, "small.parquet")
+    s = source(small)
+    assert s.id_type == pa.int64() and [r["id"] for _, _, r in all_rows(s)] == [1, 2 ** 63 - 1]
+
+
+def test_a_damaged_data_page_names_the_file_and_row_group(tmp_path, write_parquet):
+    write_parquet({"prompt": ["fine"] * 10}, "d/a.parquet")
+    b = write_parquet(pa.table({"prompt": [f"What is it {i} " * 5 for i in range(2000)]}), "d/b.parquet")
+    data = bytearray(open(b, "rb").read())
+    mid = len(data) // 2
+    data[mid:mid + 64] = b"\xff" * 64   # the footer is intact, a page is not
+    open(b, "wb").write(bytes(data))
+    s = source(tmp_path / "d")   # opens: the footers are fine
+    with pytest.raises(InputError) as e:
+        all_rows(s)
+    assert str(e.value).startswith(f"{b}: row group 0 (rows from 0) cannot be read (")
+    assert str(e.value).endswith("). The file is damaged: re-export it, or remove it from the input (rows already "
+                                 "answered are kept). If it is on remote storage that failed, rerun: the job resumes.")
+
+
+def test_a_rewrite_of_the_same_size_changes_the_stamp(monkeypatch):
+    fs = fsspec.filesystem("memory")
+    with fs.open("/stamp/in.parquet", "wb") as f:
+        pq.write_table(pa.table({"id": ["a"], "prompt": ["x"]}), f)
+    first = source("memory://stamp/in.parquet")
+    assert first.input_stamp() == source("memory://stamp/in.parquet").input_stamp()   # unchanged: the same
+    with fs.open("/stamp/in.parquet", "wb") as f:
+        pq.write_table(pa.table({"id": ["b"], "prompt": ["y"]}), f)   # the same size, other rows
+    again = source("memory://stamp/in.parquet")
+    assert again.files[0].version.split(":")[0] == first.files[0].version.split(":")[0]
+    assert again.input_stamp() != first.input_stamp()
+    # a file system that tells only the size: no version, and a stamp that never matches (the job scans OUT)
+    info = type(fs).info
+    monkeypatch.setattr(type(fs), "info", lambda self, path, **kw: {
+        k: v for k, v in info(self, path, **kw).items() if k in ("name", "size", "type")})
+    blind = source("memory://stamp/in.parquet")
+    assert blind.files[0].version == ""
+    assert blind.input_stamp() != source("memory://stamp/in.parquet").input_stamp()
+
+
+def test_a_folder_skips_hidden_and_underscore_folders(tmp_path, write_parquet):
+    t = pa.table({"prompt": ["Say hi.", "Say bye."]})
+    write_parquet(t, "in/part-00000.parquet")
+    write_parquet(t, "in/_temporary/0/_temporary/attempt_1/part-00000.parquet")
+    write_parquet(t, "in/.snapshot/part-00000.parquet")
+    write_parquet(t, "in/_delta_log/x.parquet")
+    write_parquet(t, "in/sub/part-00001.parquet")
+    s = source(tmp_path / "in")
+    assert [f.name for f in s.files] == ["part-00000.parquet", "sub/part-00001.parquet"] and s.num_rows == 4
+
+
+def test_string_view_ids_and_prompts(tmp_path):
+    (tmp_path / "v").mkdir()
+    view = pa.table({"id": pa.array(["a", "b"], pa.string_view()), "prompt": pa.array(["x", "y"], pa.string_view())})
+    pq.write_table(view, tmp_path / "v/a.parquet")
+    pq.write_table(pa.table({"id": ["c"], "prompt": ["z"]}), tmp_path / "v/b.parquet")
+    s = source(tmp_path / "v")
+    assert s.id_type == pa.string() and s.schema.field("id").type == pa.string()
+    assert [(r["id"], r["prompt"]) for _, _, r in all_rows(s)] == [("a", "x"), ("b", "y"), ("c", "z")]
+    assert source(tmp_path / "v/a.parquet").has_id_column
+
+
+def test_ids_that_are_not_utf8_read_as_null_and_say_why(write_parquet):
+    import json
+
+    from overnight.pipeline.input.source import BAD_IDS_KEY
+
+    ids = pa.array([b"good", b"caf\xe9-1", None], pa.binary()).view(pa.string())
+    s = source(write_parquet({"id": ids, "prompt": ["a", "b", "c"]}))
+    (sb,) = list(s.batches())
+    assert sb.batch.column("id").to_pylist() == ["good", None, None]
+    meta = sb.batch.schema.field("id").metadata
+    assert json.loads(meta[BAD_IDS_KEY]) == {"1": "byte 3 is not valid UTF-8 (b'\\xe9')"}

@@ -202,3 +202,104 @@ def test_struct_schemas_of_different_shapes_in_one_column():
     parsed, errors = parse(batch)
     assert errors == []
     assert [p.sampling["structured"] for p in parsed] == [{"json": s1}, {"json": s2}, {"json": s2}]
+
+
+def test_values_python_cannot_hold_make_error_rows_naming_the_column():
+    import datetime as dt
+
+    not_utf8 = pa.array([b"fine", b"caf\xe9", b"fine"], pa.binary()).view(pa.string())
+    when = pa.array([0, 0, 2 ** 62], pa.timestamp("us"))   # the last: far past year 9999
+    parsed, errors = parse({"id": ["ok", "text", "time"], "prompt": ["a", "b", "c"], "note": not_utf8,
+                            "created_at": when}, passthrough=["note", "created_at"])
+    assert [p.id for p in parsed] == ["ok"]
+    assert parsed[0].passthrough == {"note": "fine", "created_at": dt.datetime(1970, 1, 1)}
+    got = {e.id: e for e in errors}
+    assert got["text"].error == ("in.parquet#1: passthrough column 'note' is not valid text: byte 3 is not valid "
+                                 "UTF-8 (b'\\xe9'); re-encode the file as UTF-8, or leave the column out of "
+                                 "--passthrough")
+    assert got["time"].error == ("in.parquet#2: passthrough column 'created_at' holds a value that cannot be read "
+                                 "(OverflowError: date value out of range); fix the value, or leave the column out "
+                                 "of --passthrough")
+    # the error rows carry the values that can be written, and null for the others
+    assert got["text"].passthrough == {"note": None, "created_at": dt.datetime(1970, 1, 1)}
+    assert got["time"].passthrough == {"note": "fine", "created_at": None}
+
+
+def test_a_string_prompt_that_is_not_utf8_is_an_error_row_even_when_passed_through():
+    prompts = pa.array([b"Say hi.", b"caf\xe9 au lait"], pa.binary()).view(pa.string())
+    parsed, errors = parse({"id": ["good", "bad"], "prompt": prompts}, passthrough=["prompt"])
+    assert [p.id for p in parsed] == ["good"] and parsed[0].passthrough == {"prompt": "Say hi."}
+    assert errors[0].error == ("in.parquet#1: prompt column 'prompt' is not valid text: byte 3 is not valid UTF-8 "
+                               "(b'\\xe9'); re-encode the file as UTF-8")
+
+
+def test_an_id_that_is_not_utf8_is_an_error_row_without_an_id(write_parquet):
+    from overnight.pipeline.input.source import ParquetSource
+
+    message = ("in.parquet#1: column 'id' is not valid text: byte 3 is not valid UTF-8 (b'\\xe9'); re-encode the ids "
+               "as UTF-8, or drop the column so ids are derived from file and row")
+    ids = pa.array([b"good", b"caf\xe9-1", b"caf\xe9-2"], pa.binary()).view(pa.string())
+    # as the source hands it over (the id read as null, the reason in the column's metadata) ...
+    src = ParquetSource(InputConfig(path=write_parquet({"id": ids, "prompt": ["a", "b", "c"]})))
+    (sb,) = list(src.batches())
+    parsed, errors = parse_batch(sb, InputConfig(), DEFAULTS, [])
+    assert [p.id for p in parsed] == ["good"]
+    assert [(e.id, e.error) for e in errors] == [(None, message), (None, message.replace("#1", "#2"))]
+    # ... and as a batch read directly
+    parsed, errors = parse({"id": ids, "prompt": ["a", "b", "c"]})
+    assert [p.id for p in parsed] == ["good"] and [e.id for e in errors] == [None, None]
+    assert errors[0].error == message
+
+
+@pytest.mark.parametrize("column,value,message", [
+    ("regex", "a{4294967296}", "regex 'a{4294967296}' is not a valid regular expression: the repetition number is "
+                               "too large"),
+    ("json_schema", '{"$schema": 5, "type": "object"}',
+     "json_schema is not a valid JSON schema (AttributeError: 'int' object has no attribute 'decode'); check its "
+     "$schema (a URI string) and keywords"),
+    ("json_schema", '{"$schema": [], "type": "object"}',
+     "json_schema is not a valid JSON schema (TypeError: unhashable type: 'list'); check its $schema (a URI string) "
+     "and keywords"),
+    ("json_schema", "[" * 100000 + "]" * 100000, "json_schema is nested too deeply to read; give the schema as a "
+                                                 "JSON object"),
+    ("deadline", "0001-01-01T00:00", "deadline is '0001-01-01T00:00', out of the range of times this machine can "
+                                     "hold; use a time such as 2026-11-23T06:00"),
+])
+def test_a_check_that_fails_on_an_odd_value_makes_an_error_row(column, value, message):
+    parsed, errors = parse({"id": ["good", "bad"], "prompt": ["a", "b"], column: [None, value]})
+    assert [p.id for p in parsed] == ["good"]
+    assert errors[0].id == "bad" and errors[0].error == f"in.parquet#1: {message}"
+
+
+def test_any_other_exception_of_a_check_makes_an_error_row(monkeypatch):
+    from overnight.pipeline.input import checks
+
+    def boom(value):
+        raise RecursionError("maximum recursion depth exceeded")
+
+    monkeypatch.setitem(checks._OVERRIDE_CHECKS, "seed", boom)
+    parsed, errors = parse({"id": ["good", "bad"], "prompt": ["a", "b"], "seed": [None, 3]})
+    assert [p.id for p in parsed] == ["good"]
+    assert errors[0].error == ("in.parquet#1: seed could not be checked (RecursionError: maximum recursion depth "
+                               "exceeded); fix the value, or set it to null")
+
+
+def test_messages_as_a_list_of_maps():
+    msgs = pa.array([[[("role", "system"), ("content", "Be brief.")], [("role", "user"), ("content", "Hi")]]],
+                    pa.list_(pa.map_(pa.string(), pa.string())))
+    parsed, errors = parse(pa.RecordBatch.from_pydict({"id": ["r0"], "messages": msgs}))
+    assert errors == []
+    assert parsed[0].messages == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+
+
+def test_a_chat_with_per_row_columns_parses_without_job_defaults():
+    # the resume filter re-parses rows whose prompt it cannot hash from the column's bytes (chats) with no defaults
+    import json
+
+    from overnight.pipeline.input.validate import prompt_hash
+
+    chat = [{"role": "user", "content": "Hi"}]
+    batch = pa.RecordBatch.from_pydict({"id": ["a"], "messages": [json.dumps(chat)], "temperature": [0.5]})
+    f = InputFile(path="/x/in.parquet", name="in.parquet", num_rows=1, schema=batch.schema)
+    parsed, errors = parse_batch(SourceBatch(f, 0, batch), InputConfig(), {}, [])
+    assert errors == [] and parsed[0].prompt_hash == prompt_hash(None, chat)

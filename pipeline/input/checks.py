@@ -92,10 +92,7 @@ def _schema(value, what: str = "json_schema") -> dict:
     import jsonschema
 
     if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except ValueError as e:
-            raise RowError(f"{what} is not valid JSON ({e}); give the schema as a JSON object") from None
+        value = _json(value, what, "give the schema as a JSON object")
     else:
         value = _unfilled(value)
     if not isinstance(value, dict):
@@ -104,7 +101,19 @@ def _schema(value, what: str = "json_schema") -> dict:
         jsonschema.validators.validator_for(value).check_schema(value)
     except jsonschema.exceptions.SchemaError as e:
         raise RowError(f"{what} is not a valid JSON schema: {e.message}") from None
+    except Exception as e:  # jsonschema fails on some schemas instead of judging them ($schema not a string ...)
+        raise RowError(f"{what} is not a valid JSON schema ({type(e).__name__}: {_clip(str(e))}); check its "
+                       f"$schema (a URI string) and keywords") from None
     return value
+
+
+def _json(text: str, what: str, fix: str):
+    try:
+        return json.loads(text)
+    except ValueError as e:
+        raise RowError(f"{what} is not valid JSON ({e}); {fix}") from None
+    except RecursionError:
+        raise RowError(f"{what} is nested too deeply to read; {fix}") from None
 
 
 def _unfilled(value):
@@ -121,10 +130,7 @@ def _unfilled(value):
 def _response_format(value) -> dict:
     """OpenAI's response_format: {"type": "json_schema", "json_schema": {"schema": {...}}} or {"type": "json_object"}."""
     if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except ValueError as e:
-            raise RowError(f"response_format is not valid JSON ({e})") from None
+        value = _json(value, "response_format", "give it as a JSON object")
     else:
         value = _unfilled(value)
     kind = value.get("type") if isinstance(value, dict) else None
@@ -145,7 +151,7 @@ def _regex(value) -> dict:
         raise RowError(f"regex is {_short(value)}; it must be a regular expression")
     try:
         re.compile(value)
-    except re.error as e:
+    except (re.error, OverflowError, RecursionError, ValueError) as e:  # a{4294967296}: OverflowError
         raise RowError(f"regex {value!r} is not a valid regular expression: {e}") from None
     return {"regex": value}
 
@@ -181,7 +187,8 @@ def _lora(value) -> str:
 def _check_request(sampling: dict, loras: Optional[Collection[str]]) -> None:
     """What a row's columns ask for together: n > 1 needs sampling, min_tokens no more than max_tokens, and its
     adapter must be registered."""
-    if sampling.get("min_tokens", 0) > sampling["max_tokens"]:
+    # (the resume filter's re-parse passes no job defaults: no max_tokens then)
+    if sampling.get("max_tokens") is not None and sampling.get("min_tokens", 0) > sampling["max_tokens"]:
         raise RowError(f"min_tokens ({sampling['min_tokens']}) is above max_tokens ({sampling['max_tokens']}); lower "
                        f"the row's min_tokens or raise its max_tokens")
     n = sampling.get("n", 1)
@@ -271,18 +278,31 @@ def parse_time(value, name: str) -> float:
     if isinstance(value, dt.datetime):
         if value.tzinfo is None:
             value = value.replace(tzinfo=dt.timezone.utc)
-        return value.timestamp()
+        return _timestamp(value, value, name)
     if isinstance(value, str):
         try:
             parsed = dt.datetime.fromisoformat(value.strip())
         except ValueError:
             raise RowError(f"{name} is {_short(value)}; use an ISO time such as 2026-11-23T06:00 or "
                            f"2026-11-23T06:00+01:00") from None
-        return parsed.timestamp()  # naive: local time
+        return _timestamp(parsed, value, name)  # naive: local time
     raise RowError(f"{name} is {_short(value)} ({type(value).__name__}); use a timestamp or an ISO time string")
 
 
+def _timestamp(when, value, name: str) -> float:
+    try:
+        return when.timestamp()
+    except (ValueError, OverflowError, OSError):  # 0001-01-01T00:00 in local time falls before year 1
+        raise RowError(f"{name} is {_short(value)}, out of the range of times this machine can hold; use a time "
+                       f"such as 2026-11-23T06:00") from None
+
+
 _SCHEDULING_CHECKS = {"priority": _priority, "value": _value, "deadline": _deadline}
+
+
+def _clip(text: str, limit: int = 100) -> str:
+    text = text.strip().splitlines()[0] if text.strip() else ""
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _short(value, limit: int = 60) -> str:

@@ -44,7 +44,8 @@ import pyarrow as pa
 from overnight.pipeline.input.openai_body import (_COLUMNS, LineError, _is_text, _messages, _parameters, _prompt,
                                                   _short)
 from overnight.pipeline.input.source import (INPUT_ERROR_COLUMN, MODEL_COLUMN, RAW_PROMPT_COLUMN, InputError,
-                                             InputFile, ParquetSource, SourceBatch, _first_line)
+                                             InputFile, ParquetSource, SourceBatch, _first_line, _is_data_file,
+                                             file_version)
 from overnight.pipeline.output.faults import failpoint
 from overnight.pipeline.output.storage import unstrip, url_to_fs
 
@@ -77,12 +78,12 @@ def is_jsonl_input(path: Optional[str]) -> bool:
         fs, root = url_to_fs(path)
         if any(c in root for c in "*?[") or not fs.isdir(root):
             return False
-        names = [posixpath.basename(p) for p in fs.find(root)]
+        paths = fs.find(root)
     except (OSError, ValueError):
         return False  # the Parquet source says what is wrong with the path
-    visible = [n for n in names if not n.startswith((".", "_"))]
-    jsonl = any(n.endswith(SUFFIXES) for n in visible)
-    parquet = any(n.endswith(ParquetSource.SUFFIXES) for n in visible)
+    # the files a folder input reads: none inside a "." or "_" folder (_temporary/, .snapshot/ ...)
+    jsonl = any(_is_data_file(p, SUFFIXES, root) for p in paths)
+    parquet = any(_is_data_file(p, ParquetSource.SUFFIXES, root) for p in paths)
     if jsonl and parquet:
         raise InputError(f"Folder {path} holds both Parquet and JSONL files. Point INPUT at one kind, with a glob "
                          f"such as {path.rstrip('/')}/*.jsonl or {path.rstrip('/')}/*.parquet.")
@@ -138,13 +139,9 @@ class OpenAIBatchSource(ParquetSource):
         if compressed and rows:
             rows, offsets = [sum(rows)], []
         name = posixpath.relpath(path, base) if base else path
-        try:
-            info = self.fs.info(path)
-            version = f"{info.get('size')}:{info.get('mtime') or info.get('LastModified') or info.get('ETag') or ''}"
-        except OSError:
-            version = ""
         return JsonlFile(path=path, name=name, num_rows=sum(rows), schema=request_schema(self.cfg),
-                         row_groups=tuple(rows), version=version, offsets=tuple(offsets), chunk_lines=chunk_lines)
+                         row_groups=tuple(rows), version=file_version(self.fs, path), offsets=tuple(offsets),
+                         chunk_lines=chunk_lines)
 
     def _open(self, path: str):
         return self.fs.open(path, "rb", compression="gzip" if path.endswith(".gz") else None)

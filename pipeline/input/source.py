@@ -2,7 +2,9 @@
 
 Opening a source checks every file's footer (schema and row count), unifies
 the schemas as one dataset, and checks the columns the job needs, so a bad job
-stops before the engine starts. Reading then streams record batches, one row
+stops before the engine starts. A folder is read recursively, leaving out files
+and folders whose names start with "_" or "." (_SUCCESS, _temporary/, .snapshot/),
+as pyarrow.dataset does. Reading then streams record batches, one row
 group at a time; the dataset is never loaded whole.
 
 Row ids: the id column when the input has one; otherwise "<file>#<row>", where
@@ -12,6 +14,8 @@ prefix, or its base name for a single file) and <row> its 0-based row number.
 
 from __future__ import annotations
 
+import json
+import os
 import posixpath
 from dataclasses import dataclass
 from typing import ClassVar, Iterator, Optional
@@ -38,6 +42,14 @@ RAW_PROMPT_COLUMN = "_raw_prompt"
 MODEL_COLUMN = "_model"
 
 _GLOB_CHARS = "*?["
+# What tells a rewritten file from the same one, besides its size: the first of these keys a file system's info()
+# has (local: mtime; S3: LastModified, ETag; GCS: updated, md5Hash; memory: created).
+_VERSION_KEYS = ("mtime", "LastModified", "ETag", "last_modified", "etag", "updated", "md5", "md5Hash", "created")
+# Field metadata on a batch's id column whose text ids were not valid UTF-8: {row number: reason} as JSON. Those
+# ids read as null, so the hash split and the resume filter key such a row by its origin, as they key a null id
+# (and match its error row by it); ``validate`` makes each one an error row saying why.
+BAD_IDS_KEY = b"overnight.invalid_ids"
+_INT64_MAX = 2 ** 63 - 1
 
 
 class InputError(Exception):
@@ -59,7 +71,8 @@ class InputFile:
     num_rows: int
     schema: pa.Schema
     row_groups: tuple[int, ...] = ()  # rows in each row group
-    version: str = ""  # size and modification time (or ETag): tells a rewritten file from the same one
+    # size and modification time (or ETag ...): tells a rewritten file from the same one; "" when unknown
+    version: str = ""
     # Columns that only this kind of file's reader writes (INPUT_ERROR_COLUMN, RAW_PROMPT_COLUMN, MODEL_COLUMN for
     # a JSONL file): they steer a row only when its batch comes from such a file, so a Parquet column of the same
     # name is an ordinary column.
@@ -86,8 +99,12 @@ def _is_text(t: pa.DataType) -> bool:
             or pa.types.is_null(t))
 
 
+def _is_string_view(t: pa.DataType) -> bool:
+    return getattr(pa.types, "is_string_view", lambda _: False)(t)
+
+
 def _is_id_type(t: pa.DataType) -> bool:
-    return pa.types.is_integer(t) or pa.types.is_string(t) or pa.types.is_large_string(t)
+    return pa.types.is_integer(t) or pa.types.is_string(t) or pa.types.is_large_string(t) or _is_string_view(t)
 
 
 class ParquetSource:
@@ -128,7 +145,7 @@ class ParquetSource:
             base = root[: min(root.index(c) for c in _GLOB_CHARS if c in root)]
             base = base.rsplit("/", 1)[0] if "/" in base else ""
         elif fs.isdir(root):
-            paths = sorted(p for p in fs.find(root) if _is_data_file(p, self.SUFFIXES))
+            paths = sorted(p for p in fs.find(root) if _is_data_file(p, self.SUFFIXES, root))
             if not paths:
                 raise InputError(f"Folder {self.url} has no {self.FILES}. "
                                  f"Point INPUT at the folder that holds them, or at a file or glob.")
@@ -151,15 +168,32 @@ class ParquetSource:
         except (pa.ArrowInvalid, OSError) as e:
             raise InputError(f"{shown} is not a readable Parquet file ({_first_line(e)}). "
                              f"Re-export it as Parquet, or remove it from the input.") from None
+        self._check_id_range(meta, schema, shown)
         name = posixpath.relpath(path, base) if base else path
         groups = tuple(meta.row_group(g).num_rows for g in range(meta.num_row_groups))
-        try:
-            info = self.fs.info(path)
-            version = f"{info.get('size')}:{info.get('mtime') or info.get('LastModified') or info.get('ETag') or ''}"
-        except OSError:
-            version = ""
         return InputFile(path=path, name=name, num_rows=meta.num_rows, schema=schema, row_groups=groups,
-                         version=version)
+                         version=file_version(self.fs, path))
+
+    def _check_id_range(self, meta, schema: pa.Schema, shown: str) -> None:
+        """A uint64 id column must hold no value above int64's maximum, which the results' id column cannot
+        hold: known from the row groups' statistics, without reading a row."""
+        name = self.cfg.id_column
+        if name not in schema.names or schema.field(name).type != pa.uint64():
+            return
+        for g in range(meta.num_row_groups):
+            group = meta.row_group(g)
+            col = next((group.column(j) for j in range(group.num_columns)
+                        if group.column(j).path_in_schema == name), None)
+            stats = col.statistics if col is not None else None
+            if stats is not None and stats.has_min_max:
+                fits = stats.max <= _INT64_MAX
+            else:  # no statistics: fits only if the row group holds no value at all
+                fits = stats is not None and stats.null_count == group.num_rows
+            if not fits:
+                raise InputError(f"Id column {name!r} in {shown} is uint64 and holds values above "
+                                 f"{_INT64_MAX} (or its statistics cannot show it does not); the results keep "
+                                 f"integer ids as int64. Cast the column to int64 or string, or name another column "
+                                 f"with --id-column.")
 
     # -- schema ------------------------------------------------------------------------------
     def _unify(self) -> pa.Schema:
@@ -176,7 +210,7 @@ class ParquetSource:
                         f"{unstrip(self.fs, f.path)}. Mixed schemas cannot be read as one dataset: cast the "
                         f"column to one type in every file.")
         try:
-            return pa.unify_schemas([f.schema for f in self.files], promote_options="permissive")
+            return pa.unify_schemas([_plain(f.schema) for f in self.files], promote_options="permissive")
         except (pa.ArrowInvalid, pa.ArrowTypeError) as e:
             raise InputError(f"The files of {self.url} have schemas that cannot be read as one dataset "
                              f"({_first_line(e)}). Cast the columns to one type in every file.") from None
@@ -214,6 +248,10 @@ class ParquetSource:
         """This job's input as it is now: the files (names, row groups, sizes, modification times), --limit and
         the shard. A rerun of a completed job whose stamp is unchanged has nothing to do, and knows it at once."""
         import hashlib
+        if any(not f.version for f in self.files):
+            # A file whose rewrite cannot be told from it (no modification time, ETag or checksum): never the
+            # same stamp, so a rerun scans OUT instead of trusting that nothing changed.
+            return "untrusted-" + os.urandom(8).hex()
         parts = [f"{f.name}:{','.join(map(str, f.row_groups))}:{f.version}" for f in self.files]
         parts.append(f"limit={self.cfg.limit} shard={self.shard} id={self.cfg.id_column}")
         return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
@@ -232,7 +270,7 @@ class ParquetSource:
     def id_type(self) -> pa.DataType:
         if self.has_id_column:
             t = self.schema.field(self.cfg.id_column).type
-            return pa.int64() if pa.types.is_integer(t) else pa.string()
+            return pa.int64() if pa.types.is_integer(t) else pa.string()  # string, large_string, string_view
         return pa.string()
 
     @property
@@ -299,21 +337,35 @@ class ParquetSource:
 
         read_schema = pa.schema([self.schema.field(n) for n in columns])
         hashed = self.selection.hash_of if self.selection is not None else None
+        ids = self.cfg.id_column if self.has_id_column and self.cfg.id_column in columns else None
         open_index, pf, handle = None, None, None
         try:
             for frag in fragments:
                 file = self.files[frag.file_index]
+                start = 0 if frag.row_group is None else sum(file.row_groups[:frag.row_group])
                 if frag.file_index != open_index:
                     if handle is not None:
                         handle.close()
-                    handle = self.fs.open(file.path, "rb")
-                    pf, open_index = pq.ParquetFile(handle, pre_buffer=False), frag.file_index
+                        handle = None
+                    try:
+                        handle = self.fs.open(file.path, "rb")
+                        pf, open_index = pq.ParquetFile(handle, pre_buffer=False), frag.file_index
+                    except (OSError, pa.ArrowException) as e:
+                        raise InputError(f"{unstrip(self.fs, file.path)} cannot be opened ({_first_line(e)}); it "
+                                         f"could when the job started. Restore it, or remove it from the input, "
+                                         f"and rerun: the job resumes.") from None
                 present = [c for c in columns if c in pf.schema_arrow.names]
                 groups = None if frag.row_group is None else [frag.row_group]
-                start = 0 if frag.row_group is None else sum(file.row_groups[:frag.row_group])
                 lo, hi = (start + frag.rows[0], start + frag.rows[1]) if frag.rows else (start, None)
-                for batch in pf.iter_batches(batch_size=self.cfg.batch_rows, row_groups=groups, columns=present,
-                                             use_threads=False):
+                reader = pf.iter_batches(batch_size=self.cfg.batch_rows, row_groups=groups, columns=present,
+                                         use_threads=False)
+                while True:
+                    try:
+                        batch = next(reader, None)
+                    except (OSError, pa.ArrowException) as e:  # a damaged page, or the store failed mid-read
+                        raise self._unreadable(file, start, e) from None
+                    if batch is None:
+                        break
                     first, start = start, start + batch.num_rows
                     if hi is not None:  # a slice of the row group: keep the rows in [lo, hi)
                         if first >= hi:
@@ -325,7 +377,7 @@ class ParquetSource:
                     if batch.num_rows == 0:
                         continue
                     failpoint("source.batch")
-                    sb = SourceBatch(file, first, _conform(batch, read_schema))
+                    sb = SourceBatch(file, first, _conform(batch, read_schema, ids, first))
                     if hashed is not None:
                         sb = self._hash_filter(sb, hashed)
                         if sb is None:
@@ -335,14 +387,28 @@ class ParquetSource:
             if handle is not None:
                 handle.close()
 
+    def _unreadable(self, file: InputFile, row: int, e: Exception) -> InputError:
+        """The error of a file that fails while its rows are read (row: the first row not read yet)."""
+        group, below = 0, 0
+        for group, rows in enumerate(file.row_groups):
+            if row < below + rows or group == len(file.row_groups) - 1:
+                break
+            below += rows
+        why = _first_line(e).rstrip(".")
+        return InputError(f"{unstrip(self.fs, file.path)}: row group {group} (rows from {below}) cannot be read "
+                          f"({why}). The file is damaged: re-export it, or remove it from the input (rows already "
+                          f"answered are kept). If it is on remote storage that failed, rerun: the job resumes.")
+
     def _hash_filter(self, sb: SourceBatch, shard: Shard) -> Optional[SourceBatch]:
         batch, n = sb.batch, sb.batch.num_rows
         if self.has_id_column:
             ids = batch.column(self.cfg.id_column).to_pylist()
         else:
             ids = [None] * n
+        # a row without an id goes by its origin, "<file>#<row>", its derived id
         keep = [i for i in range(n)
-                if hash_shard(ids[i] if ids[i] is not None else f"{sb.file.name}#{sb.start + i}", shard.n) == shard.k]
+                if hash_shard(ids[i] if ids[i] is not None else f"{sb.file.name}#{sb.row_number(i)}",
+                              shard.n) == shard.k]
         if not keep:
             return None
         if len(keep) == n:
@@ -355,19 +421,77 @@ def _head(sb: SourceBatch, n: int) -> SourceBatch:
     return SourceBatch(sb.file, sb.start, sb.batch.slice(0, n), rows)
 
 
-def _conform(batch: pa.RecordBatch, schema: pa.Schema) -> pa.RecordBatch:
-    """The batch with exactly the schema's columns and types: missing columns as nulls, widths unified."""
-    arrays = []
-    for f in schema:
+def _conform(batch: pa.RecordBatch, schema: pa.Schema, ids: Optional[str] = None, first: int = 0) -> pa.RecordBatch:
+    """The batch with exactly the schema's columns and types: missing columns as nulls, widths unified.
+
+    ids: the id column, whose text ids that are not valid UTF-8 become null, with their reasons in the column's
+    metadata (BAD_IDS_KEY; first: the batch's first row number)."""
+    if not len(schema):
+        return batch.select([])  # no columns, but the batch's rows (a hash split counting an input without ids)
+    arrays, fields = [], list(schema)
+    for j, f in enumerate(schema):
         i = batch.schema.get_field_index(f.name)
         col = batch.column(i) if i >= 0 else pa.nulls(batch.num_rows, f.type)
-        arrays.append(col if col.type == f.type else col.cast(f.type))
-    return pa.RecordBatch.from_arrays(arrays, schema=schema)
+        col = col if col.type == f.type else col.cast(f.type)
+        if f.name == ids and (pa.types.is_string(f.type) or pa.types.is_large_string(f.type)):
+            col, bad = _valid_ids(col, first)
+            if bad:
+                fields[j] = f.with_metadata({BAD_IDS_KEY: json.dumps(bad).encode()})
+        arrays.append(col)
+    return pa.RecordBatch.from_arrays(arrays, schema=pa.schema(fields, metadata=schema.metadata))
 
 
-def _is_data_file(path: str, suffixes: tuple[str, ...] = ParquetSource.SUFFIXES) -> bool:
+def _valid_ids(col: pa.Array, first: int) -> tuple[pa.Array, dict]:
+    """The ids with those that are not valid UTF-8 as null, and {row number: reason} of those."""
+    try:
+        col.validate(full=True)
+        return col, {}
+    except pa.ArrowInvalid:
+        pass
+    values, bad = [], {}
+    for r, raw in enumerate(col.cast(pa.binary() if pa.types.is_string(col.type) else pa.large_binary()).to_pylist()):
+        try:
+            values.append(None if raw is None else raw.decode("utf-8"))
+        except UnicodeDecodeError as e:
+            values.append(None)
+            bad[str(first + r)] = f"byte {e.start} is not valid UTF-8 ({raw[e.start:e.start + 1]!r})"
+    return pa.array(values, col.type), bad
+
+
+def _plain(schema: pa.Schema) -> pa.Schema:
+    """The schema with string_view columns as string (binary_view as binary), which every file's columns unify
+    with and the output holds."""
+    fields = []
+    for f in schema:
+        if _is_string_view(f.type):
+            f = f.with_type(pa.string())
+        elif getattr(pa.types, "is_binary_view", lambda _: False)(f.type):
+            f = f.with_type(pa.binary())
+        fields.append(f)
+    return pa.schema(fields, metadata=schema.metadata)
+
+
+def file_version(fs, path: str) -> str:
+    """The file's size and its modification time (else ETag, checksum or creation time, as the file system tells
+    them): tells a rewritten file from the same one. "" when the file system tells none of them, so a rewrite of
+    the same size could not be told (``input_stamp`` then trusts nothing)."""
+    try:
+        info = fs.info(path)
+    except OSError:
+        return ""
+    mark = next((info[k] for k in _VERSION_KEYS if info.get(k)), None)
+    return f"{info.get('size')}:{mark}" if mark is not None else ""
+
+
+def _is_data_file(path: str, suffixes: tuple[str, ...] = ParquetSource.SUFFIXES, base: str = "") -> bool:
+    """A data file of a folder input: its name ends with one of suffixes, and neither it nor a folder between it
+    and ``base`` starts with "." or "_" (as pyarrow.dataset skips _SUCCESS, _temporary/, _delta_log/, .snapshot/)."""
     name = posixpath.basename(path)
-    return name.endswith(suffixes) and not name.startswith((".", "_"))
+    if not name.endswith(suffixes):
+        return False
+    root = base.rstrip("/")
+    rel = path[len(root) + 1:] if root and path.startswith(root + "/") else name
+    return not any(part.startswith((".", "_")) for part in rel.split("/"))
 
 
 def _compatible(a: pa.DataType, b: pa.DataType) -> bool:
@@ -377,7 +501,7 @@ def _compatible(a: pa.DataType, b: pa.DataType) -> bool:
         return True
     if pa.types.is_floating(a) and pa.types.is_floating(b):
         return True
-    text = (pa.types.is_string, pa.types.is_large_string)
+    text = (pa.types.is_string, pa.types.is_large_string, _is_string_view)
     return any(f(a) for f in text) and any(f(b) for f in text)
 
 

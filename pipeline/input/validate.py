@@ -3,7 +3,9 @@
 A row with a null or empty prompt, a malformed chat, or a per-row column of
 the wrong type becomes an error result whose message names the file, the row
 and the column, and says what a valid value looks like. The per-row columns'
-checks are ``checks``'s.
+checks are ``checks``'s. So does a row with a value Python cannot hold (text
+that is not UTF-8, a timestamp out of range), an id that is not UTF-8, or a
+value a check fails on unexpectedly.
 """
 
 from __future__ import annotations
@@ -19,8 +21,8 @@ from overnight.pipeline.config import InputConfig, SamplingConfig
 from overnight.pipeline.records import Result
 from overnight.pipeline.input.checks import (_OVERRIDE_CHECKS, _SCHEDULING_CHECKS, STRUCTURED_COLUMNS, RowError,
                                              _check_request, _short, job_structured)
-from overnight.pipeline.input.source import (INPUT_ERROR_COLUMN, OVERRIDE_COLUMNS, RAW_PROMPT_COLUMN,
-                                             SCHEDULING_COLUMNS, SourceBatch)
+from overnight.pipeline.input.source import (BAD_IDS_KEY, INPUT_ERROR_COLUMN, OVERRIDE_COLUMNS, RAW_PROMPT_COLUMN,
+                                             SCHEDULING_COLUMNS, SourceBatch, _first_line)
 
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 
@@ -89,7 +91,10 @@ def parse_batch(sb: SourceBatch, cfg: InputConfig, defaults: dict, passthrough: 
     overrides = {c: _column(batch, c) for c in OVERRIDE_COLUMNS if c in names}
     scheduling = {c: _column(batch, c) for c in SCHEDULING_COLUMNS if c in names}
     kept = [c for c in passthrough if c in names]
-    carried = batch.select(kept).to_pylist() if kept else [{} for _ in range(n)]
+    carried_columns = {c: _column(batch, c) for c in kept}
+    carried = [{c: v[i] for c, v in carried_columns.items()} for i in range(n)]
+    # ids the source read as null because they were not valid UTF-8 (source.BAD_IDS_KEY): {row number: why}
+    bad_ids = _bad_ids(batch, cfg.id_column) if ids is not None else {}
 
     parsed: list[Parsed] = []
     errors: list[Result] = []
@@ -100,6 +105,11 @@ def parse_batch(sb: SourceBatch, cfg: InputConfig, defaults: dict, passthrough: 
         try:
             if unreadable[i] is not None:
                 raise RowError(unreadable[i])
+            if isinstance(row_id, _BadText) or (row_id is None and str(row_no) in bad_ids):
+                reason = row_id if row_id is not None else bad_ids[str(row_no)]
+                row_id = None  # an error row without an id, matched by its origin on a resume, as a null id's
+                raise RowError(f"column {cfg.id_column!r} is not valid text: {reason}; re-encode the ids as UTF-8, "
+                               f"or drop the column so ids are derived from file and row")
             if row_id is None:
                 raise RowError(f"column {cfg.id_column!r} is null; give every row an id, or drop the column "
                                f"so ids are derived from file and row")
@@ -110,22 +120,29 @@ def parse_batch(sb: SourceBatch, cfg: InputConfig, defaults: dict, passthrough: 
                                f"keep one of them and set the others to null")
             for col, values in overrides.items():
                 if values[i] is not None:
-                    key, value = _OVERRIDE_CHECKS[col](values[i])
+                    key, value = _checked(col, _OVERRIDE_CHECKS[col], values[i])
                     sampling[key] = value
             if overrides:
                 _check_request(sampling, loras)
             sched = {}
             for col, values in scheduling.items():
                 if values[i] is not None:
-                    key, value = _SCHEDULING_CHECKS[col](values[i])
+                    key, value = _checked(col, _SCHEDULING_CHECKS[col], values[i])
                     sched[key] = value
             chat = _messages(messages[i]) if messages is not None and messages[i] is not None else None
             prompt = None
             if chat is None:
                 prompt = _prompt(prompts[i], cfg.prompt_column)
-        except RowError as e:
-            err = Result.failed(row_id, carried[i], f"{origin}: {e}")
-            err.prompt_hash = prompt_hash(prompts[i], messages[i] if messages is not None else None)
+            for col in kept:
+                if isinstance(carried[i][col], (_BadText, _Unreadable)):
+                    raise RowError(_bad_value(f"passthrough column {col!r}", carried[i][col],
+                                              "leave the column out of --passthrough"))
+        except Exception as e:  # RowError; anything else is a check that failed on an odd value
+            message = str(e) if isinstance(e, RowError) else (
+                f"the row could not be checked ({type(e).__name__}: {_first_line(e)}); fix its values")
+            keep = {c: (None if isinstance(v, (_BadText, _Unreadable)) else v) for c, v in carried[i].items()}
+            err = Result.failed(row_id, keep, f"{origin}: {message}")
+            err.prompt_hash = _safe_hash(prompts[i], messages[i] if messages is not None else None)
             errors.append(err)
             continue
         parsed.append(Parsed(row_id, origin, carried[i], sampling, prompt, chat, sched,
@@ -133,18 +150,81 @@ def parse_batch(sb: SourceBatch, cfg: InputConfig, defaults: dict, passthrough: 
     return parsed, errors
 
 
+def _checked(column: str, check, value):
+    """check(value), with any exception but a RowError (a library failing on an odd value: RecursionError,
+    OverflowError ...) as a RowError naming the column."""
+    if isinstance(value, (_BadText, _Unreadable)):
+        raise RowError(_bad_value(column, value, "set it to null"))
+    try:
+        return check(value)
+    except RowError:
+        raise
+    except Exception as e:
+        raise RowError(f"{column} could not be checked ({type(e).__name__}: {_first_line(e)}); fix the value, or "
+                       f"set it to null") from None
+
+
+def _safe_hash(prompt, messages) -> str:
+    try:
+        return prompt_hash(prompt, messages)
+    except Exception:  # a value that cannot be hashed as text (a chat too deeply nested for JSON, say)
+        return ""
+
+
+def _bad_ids(batch: pa.RecordBatch, name: str) -> dict:
+    meta = batch.schema.field(name).metadata or {}
+    return json.loads(meta[BAD_IDS_KEY]) if BAD_IDS_KEY in meta else {}
+
+
 # -- columns -----------------------------------------------------------------------------------
 
 def _column(batch: pa.RecordBatch, name: str) -> list:
+    """The column's values as Python objects; a value Python cannot hold is a _BadText (text that is not UTF-8)
+    or an _Unreadable (a timestamp out of range, say), which makes its row an error row."""
     col = batch.column(name)
     try:
         return col.to_pylist()
-    except UnicodeDecodeError:
-        return _texts(col)
+    except Exception:
+        if _is_text(col.type):
+            return _texts(col)
+        return [_value(col, j) for j in range(len(col))]
+
+
+def _value(col: pa.Array, j: int):
+    try:
+        return col[j].as_py()
+    except UnicodeDecodeError as e:
+        return _BadText(f"a string in it is not valid UTF-8 at byte {e.start} ({e.object[e.start:e.start + 1]!r})")
+    except Exception as e:
+        return _Unreadable(f"{type(e).__name__}: {_first_line(e)}")
+
+
+def _is_text(t: pa.DataType) -> bool:
+    return (pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_binary(t)
+            or pa.types.is_large_binary(t))
 
 
 class _BadText(str):
     """Marks a value that was not valid UTF-8; carries the reason."""
+
+
+class _Unreadable:
+    """Marks a value Python cannot hold (a timestamp out of range, say); carries the reason."""
+    __slots__ = ("reason",)
+
+    def __init__(self, reason: str):
+        self.reason = reason
+
+    def __repr__(self) -> str:
+        return f"<unreadable: {self.reason}>"
+
+
+def _bad_value(what: str, value, other: str) -> str:
+    """The message of a _BadText or _Unreadable value of ``what`` (a column), with the fixes: the usual one, and
+    ``other``."""
+    if isinstance(value, _BadText):
+        return f"{what} is not valid text: {value}; re-encode the file as UTF-8, or {other}"
+    return f"{what} holds a value that cannot be read ({value.reason}); fix the value, or {other}"
 
 
 def _texts(col: pa.Array) -> list:
@@ -178,15 +258,19 @@ def _prompt(value, column: str) -> str:
 
 
 def _messages(value) -> list:
+    if isinstance(value, (_BadText, _Unreadable)):
+        raise RowError(_bad_value("messages", value, "give the row a prompt instead"))
     if isinstance(value, str):
         try:
             value = json.loads(value)
-        except ValueError:
+        except (ValueError, RecursionError):
             raise RowError("messages is a string but not JSON; give a list of {role, content}") from None
     if not isinstance(value, list) or not value:
         raise RowError(f"messages must be a non-empty list of {{role, content}}, got {_short(value)}")
     out = []
     for j, m in enumerate(value):
+        if isinstance(m, list) and m and all(isinstance(p, tuple) and len(p) == 2 for p in m):
+            m = dict(m)  # a map<string, string> message (Spark's array<map<string,string>>): (key, value) pairs
         if not isinstance(m, dict) or "role" not in m or "content" not in m:
             raise RowError(f"messages[{j}] must be a {{role, content}} mapping, got {_short(m)}")
         role, content = m["role"], m["content"]

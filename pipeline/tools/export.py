@@ -1,25 +1,33 @@
 """`overnight export OUT`: the job's results as one file, in input order.
 
     parquet | jsonl | csv   every row of every part (all shards and workers), one file, in the input's order
-    openai                  the OpenAI Batch API's output lines: a chat.completion body per ok row, its n samples
-                            as ``choices`` (index = sample_index), logprobs in OpenAI's ``choices[i].logprobs``;
-                            error rows and the rows never done (as ``batch_expired``, like OpenAI at its 24-hour
+    openai                  the OpenAI Batch API's output lines: a chat.completion body per ok row (a
+                            text_completion for a /v1/completions request line), its n samples as ``choices``
+                            (index = sample_index), logprobs in OpenAI's ``choices[i].logprobs``; error rows and
+                            the rows of the job never done (as ``batch_expired``, like OpenAI at its 24-hour
                             limit) go to the --errors file, or into the output when none is given
 
-Input order comes from the input itself (its ids, or its file and row for derived ids), read with DuckDB from
-the path the manifest records (OpenAI Batch request lines: each line's custom_id, streamed line by line); rows
-whose id is no longer in the input come last.
+Input order comes from the input itself, at the path the manifest records, read as the run read it, up to its
+--limit: through the run's own source (``input.source``: its listing, and for derived ids its file names and
+row numbers) for Parquet; OpenAI Batch request lines streamed line by line (each line's custom_id and endpoint).
+Rows whose id is no longer in the input come last.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import os
+import posixpath
 import uuid
 from typing import Optional
 
-from overnight.pipeline.output.checkpoint import OutputError
+import pyarrow as pa
+
+from overnight.pipeline.output.checkpoint import OutputDir, OutputError
+from overnight.pipeline.output.layout import job_dirs
+from overnight.pipeline.output.storage import is_local
 from overnight.pipeline.tools.inspection import open_results
 
 FORMATS = ("parquet", "jsonl", "csv", "openai")
@@ -30,80 +38,206 @@ def _q(text: str) -> str:
     return "'" + text.replace("'", "''") + "'"
 
 
-def _ordered(con, manifest: dict) -> tuple[str, bool]:
+# The table ``_input``: each input row's id, its position in input order and whether its request line asked
+# /v1/completions (its prompt went to the model raw; false for every Parquet row).
+INPUT_SCHEMA = pa.schema([("_id", pa.string()), ("_pos", pa.int64()), ("_raw", pa.bool_())])
+CHUNK = 65536
+RAW = "_overnight_raw"  # the results' column that says so, in the openai format's query
+
+
+def _ordered(con, manifest: dict, out_url: str) -> tuple[str, bool]:
     """A view of results in input order, and whether the input could be read for it."""
-    fields = manifest.get("fingerprint_fields", {})
-    id_col = fields.get("id_column", "id")
-    url = (manifest.get("input") or {}).get("url")
+    id_col = manifest.get("fingerprint_fields", {}).get("id_column", "id")
     cols = {r[0] for r in con.execute("describe results").fetchall()}
-    if not url or id_col not in cols:
+    if id_col not in cols:
         return "select * from results", False
-    from overnight.pipeline.input.openai_batch import is_jsonl_input
-
-    try:
-        jsonl = is_jsonl_input(url)
-    except Exception:  # a folder of both kinds: the run would have refused it
-        jsonl = False
-    if jsonl:
-        if not _line_ids(con, url):
-            return "select * from results", False
-        return _in_order(id_col, cols), True
-    path = url if not os.path.isdir(url) else os.path.join(url, "**", "*.parquet")
-    try:
-        names = {r[0] for r in con.execute(f"describe select * from read_parquet({_q(path)}, union_by_name = true)"
-                                           ).fetchall()}
-    except Exception:  # the input moved or is not reachable from here: finish order
-        return "select * from results", False
-    if id_col in names:
-        src = f"select \"{id_col}\" as _id, row_number() over () as _pos from read_parquet({_q(path)}, " \
-              f"union_by_name = true)"
-    else:
-        src = f"select parse_filename(filename) || '#' || (file_row_number) as _id, " \
-              f"row_number() over (order by filename, file_row_number) as _pos from read_parquet({_q(path)}, " \
-              f"filename = true, file_row_number = true, union_by_name = true)"
-    con.sql(f"create or replace temp view _input as {src}")
-    return _in_order(id_col, cols), True
+    for url in _input_urls(manifest, out_url):
+        if _read_input(con, manifest, url, out_url):
+            return _in_order(id_col, cols), True
+    return "select * from results", False  # the input moved or is not reachable from here: finish order
 
 
-def _in_order(id_col: str, cols: set) -> str:
-    """The results ordered by the view or table ``_input`` (_id, _pos)."""
+def _in_order(id_col: str, cols: set, raw: bool = False) -> str:
+    """The results ordered by the table ``_input``; with ``raw``, each row's ``_raw`` as the column RAW."""
     samples = f", r.\"{id_col}\", r.sample_index" if "sample_index" in cols else ""  # a row's samples together
-    return (f"select r.* from results r left join (select _id, min(_pos) _pos from _input group by 1) i "
+    return (f"select r.*{f', i._raw as {RAW}' if raw else ''} from results r left join "
+            f"(select _id, min(_pos) _pos, arg_min(_raw, _pos) _raw from _input group by 1) i "
             f"on r.\"{id_col}\"::varchar = i._id::varchar order by i._pos nulls last{samples}")
 
 
-def _line_ids(con, url: str) -> bool:
-    """The table ``_input`` (_id, _pos) of an OpenAI Batch input: each line's custom_id and its position, read
-    line by line into DuckDB in batches (the file is never loaded whole). False when the input cannot be read."""
-    import pyarrow as pa
+def _input_urls(manifest: dict, out_url: str) -> list[str]:
+    """Where the input the manifest names may be, best first. A relative local path is relative to the folder the
+    run started in: the one the manifest records (``input.cwd``), else the one the run's status.json shows (its
+    absolute OUT, less --out as the run gave it), then the one where OUT is now shows (OUT and its input moved
+    together); only when none is known, the folder export runs in."""
+    given = manifest.get("input") or {}
+    url = given.get("url")
+    if not url:
+        return []
+    if "://" in url or os.path.isabs(url):
+        return [url]
+    folders = ([given["cwd"]] if given.get("cwd") else []) + _run_folders(manifest, out_url)
+    return list(dict.fromkeys(os.path.join(f, url) for f in folders)) or [url]
 
-    from overnight.pipeline.input.openai_batch import line_ids
 
-    schema = pa.schema([("_id", pa.string()), ("_pos", pa.int64())])
+def _run_folders(manifest: dict, out_url: str) -> list[str]:
+    """The folders the run ran in, as OUT's paths show: --out as the run gave it (relative, without ..) is the end
+    of the absolute path each job folder's status.json names, and of OUT's path now."""
+    given = ((manifest.get("config") or {}).get("output") or {}).get("path") or ""
+    if not given or "://" in given or os.path.isabs(given):
+        return []
+    tail = [p for p in os.path.normpath(given).split(os.sep) if p not in ("", ".")]
+    if not tail or ".." in tail:
+        return []
+    root = OutputDir(out_url)
+    outs = []
+    for d in job_dirs(out_url):
+        shown = (d.out.read_status() or {}).get("out")
+        if not isinstance(shown, str) or not os.path.isabs(shown):
+            continue
+        parts = os.path.normpath(shown).split(os.sep)
+        below = [p for p in posixpath.relpath(d.out.root, root.root).split("/") if p != "."]  # a shard's folder
+        if not below or parts[-len(below):] == below:
+            outs.append(parts[:len(parts) - len(below)])
+    if is_local(root.fs):
+        outs.append(os.path.normpath(os.path.abspath(root.root)).split(os.sep))
+    return list(dict.fromkeys(os.sep.join(p[:-len(tail)]) or os.sep for p in outs if p[-len(tail):] == tail))
 
-    def batches():
-        ids, pos = line_ids(url), 0
-        while chunk := list(itertools.islice(ids, 65536)):
-            yield pa.record_batch([pa.array(chunk, pa.string()),
-                                   pa.array(range(pos + 1, pos + len(chunk) + 1), pa.int64())], schema=schema)
-            pos += len(chunk)
 
-    reader = pa.RecordBatchReader.from_batches(schema, batches())
+def _read_input(con, manifest: dict, url: str, out_url: str) -> bool:
+    """The table ``_input`` of the input at ``url``: its rows as the run read them, in input order and up to its
+    --limit (a shard's limit is its own). False when the input cannot be read."""
+    from overnight.pipeline.config import InputConfig
+    from overnight.pipeline.input.openai_batch import is_jsonl_input
+    from overnight.pipeline.input.shards import Shard
+    from overnight.pipeline.input.source import InputError, open_source
+
+    known = {f.name for f in dataclasses.fields(InputConfig)}
+    given = {k: v for k, v in ((manifest.get("config") or {}).get("input") or {}).items() if k in known}
     try:
-        con.register("_input_lines", reader)
-        con.execute("create or replace temp table _input as select * from _input_lines")
+        cfg = InputConfig(**{**given, "path": url})
+        jsonl = is_jsonl_input(url)
+    except Exception:  # a folder of both kinds (the run would have refused it), a config this version refuses
+        return False
+    n = max((d.shard.n for d in job_dirs(out_url) if d.shard is not None), default=None)
+    shards = [None] if n is None or cfg.limit is None else [Shard(k, n) for k in range(n)]
+    if jsonl and shards == [None]:
+        return _load(con, _line_rows(url, cfg.limit))
+    try:
+        sources = [open_source(cfg, shard) for shard in shards]
+    except (InputError, OSError, ValueError):
+        return False
+    return _load(con, (b for source in sources for b in _source_rows(source)))
+
+
+def _load(con, batches) -> bool:
+    """Stream record batches of INPUT_SCHEMA into the table ``_input`` (the input is never loaded whole)."""
+    reader = pa.RecordBatchReader.from_batches(INPUT_SCHEMA, batches)
+    try:
+        con.register("_input_rows", reader)
+        con.execute("create or replace temp table _input as select * from _input_rows")
     except Exception:  # the input moved or is not reachable from here: finish order
         return False
     finally:
-        con.unregister("_input_lines")
+        con.unregister("_input_rows")
     return True
+
+
+def _batch(ids, pos, raw=None) -> pa.RecordBatch:
+    ids = ids if isinstance(ids, pa.Array) else pa.array(ids, pa.string())
+    raw = pa.array([False] * len(ids), pa.bool_()) if raw is None else raw
+    return pa.record_batch([ids, pa.array(pos, pa.int64()), raw], schema=INPUT_SCHEMA)
+
+
+def _line_rows(url: str, limit: Optional[int]):
+    """An OpenAI Batch input's request lines in input order, up to --limit: each line's custom_id (None for a
+    line without one; blank lines skipped) and whether it asks /v1/completions, the files streamed line by line
+    in the source's order (as ``openai_batch.line_ids``)."""
+    from overnight.pipeline.input.openai_batch import _Lines
+    from overnight.pipeline.input.openai_body import _is_text
+
+    def each():
+        lines = _Lines(url)
+        for path in lines.paths:
+            with lines._open(path) as f:
+                for line in f:
+                    if line.isspace():
+                        continue
+                    try:
+                        req = json.loads(line)
+                    except ValueError:  # not JSON, not UTF-8
+                        yield None, False
+                        continue
+                    if not isinstance(req, dict):
+                        yield None, False
+                        continue
+                    cid = req.get("custom_id")
+                    yield (cid if isinstance(cid, str) and cid and _is_text(cid) else None,
+                           req.get("url") == "/v1/completions")
+
+    rows, pos = itertools.islice(each(), limit), 0
+    while chunk := list(itertools.islice(rows, CHUNK)):
+        yield _batch([c for c, _ in chunk], range(pos + 1, pos + len(chunk) + 1),
+                     pa.array([r for _, r in chunk], pa.bool_()))
+        pos += len(chunk)
+
+
+def _source_rows(source):
+    """The rows a source (``input.source``, the run's own reader) reads, in input order and up to its --limit: the
+    id column (and a request line's raw-prompt marker), or without one the id the run derives, "<file>#<row>"
+    from the source's file names and row numbers (computed, not read). A row's position: its file's index, then
+    its row number there."""
+    from overnight.pipeline.input.source import RAW_PROMPT_COLUMN
+
+    if not source.has_id_column:
+        for i, rows in _derived_rows(source):
+            name = source.files[i].name
+            yield _batch([f"{name}#{r}" for r in rows], [(i << 40) + r for r in rows])
+        return
+    index = {f.path: i for i, f in enumerate(source.files)}
+    id_col = source.cfg.id_column
+    columns = [n for n in source.schema.names if n in (id_col, RAW_PROMPT_COLUMN)]
+    source.read_columns = lambda: columns  # batches() reads these alone
+    for sb in source.batches():
+        i, names = index[sb.file.path], sb.batch.schema.names
+        raw = None
+        if RAW_PROMPT_COLUMN in names and RAW_PROMPT_COLUMN in sb.file.internal_columns:
+            raw = sb.batch.column(RAW_PROMPT_COLUMN).fill_null(False)
+        yield _batch(sb.batch.column(id_col).cast(pa.string()),
+                     [(i << 40) + sb.row_number(k) for k in range(sb.batch.num_rows)], raw)
+
+
+def _derived_rows(source):
+    """(file index, row numbers) of the rows ``source.batches()`` reads, without reading them: its fragments in
+    order, its shard's rows under the hash split, up to --limit."""
+    from overnight.pipeline.input.shards import hash_shard
+
+    hashed = source.selection.hash_of if source.selection is not None else None
+    left = source.cfg.limit
+    if left == 0:
+        return
+    for frag in source.fragments():
+        f = source.files[frag.file_index]
+        start = 0 if frag.row_group is None else sum(f.row_groups[:frag.row_group])
+        lo, hi = (start + frag.rows[0], start + frag.rows[1]) if frag.rows else (start, start + frag.num_rows)
+        for a in range(lo, hi, CHUNK):
+            rows = range(a, min(hi, a + CHUNK))
+            if hashed is not None:
+                rows = [r for r in rows if hash_shard(f"{f.name}#{r}", hashed.n) == hashed.k]
+            if left is not None:
+                rows = rows[:left]
+                left -= len(rows)
+            if len(rows):
+                yield frag.file_index, rows
+            if left == 0:
+                return
 
 
 def export(url: str, fmt: str, output: str, errors: Optional[str] = None) -> dict:
     if fmt not in FORMATS:
         raise OutputError(f"--format {fmt}: use one of {', '.join(FORMATS)}.")
     con, manifest = open_results(url)
-    query, in_order = _ordered(con, manifest or {})
+    query, in_order = _ordered(con, manifest or {}, url)
     if fmt in ("parquet", "csv"):
         opts = "(format parquet, compression zstd)" if fmt == "parquet" else "(header, format csv)"
         con.sql(f"copy ({query}) to {_q(output)} {opts}")
@@ -119,37 +253,41 @@ def export(url: str, fmt: str, output: str, errors: Optional[str] = None) -> dic
                     f.write(json.dumps(dict(zip(names, row)), default=str) + "\n")
                     n += 1
         return {"rows": n, "in_input_order": in_order, "output": output}
-    return _openai(con, manifest or {}, query, in_order, output, errors)
+    return _openai(con, manifest or {}, in_order, output, errors, url)
 
 
-def _openai(con, manifest: dict, query: str, in_order: bool, output: str, errors: Optional[str]) -> dict:
+def _openai(con, manifest: dict, in_order: bool, output: str, errors: Optional[str], url: str) -> dict:
     id_col = manifest.get("fingerprint_fields", {}).get("id_column", "id")
     model = manifest.get("fingerprint_fields", {}).get("model", "")
     cols = {r[0] for r in con.execute("describe results").fetchall()}
     index = "sample_index" if "sample_index" in cols else "0"
     logprobs = "logprobs" if "logprobs" in cols else "null"
     lora = "lora::varchar" if "lora" in cols else "null"   # a row's adapter answers as its model, as in vLLM
+    query = _in_order(id_col, cols, raw=True) if in_order else f"select *, {_raw_guess(manifest, cols)} as {RAW} " \
+                                                               f"from results"
     cur = con.execute(f"select \"{id_col}\", status, text, finish_reason, prompt_tokens, output_tokens, error, "
-                      f"epoch(finished_at), {index}, {logprobs}, {lora} from ({query})")
+                      f"epoch(finished_at), {index}, {logprobs}, {lora}, coalesce({RAW}, false) from ({query})")
     ok = bad = expired = 0
     out = open(output, "w", encoding="utf-8")
     err = open(errors, "w", encoding="utf-8") if errors else out
     try:
         for rows in _by_row(cur):
-            rid, status, _, _, ptok, _, error, finished, _, _, adapter = rows[0]
+            rid, status, _, _, ptok, _, error, finished, _, _, adapter, raw = rows[0]
             if status == "ok":
-                choices = [_choice(r[2], r[3], r[8], r[9]) for r in rows]
+                choice = _text_choice if raw else _choice  # a /v1/completions line: a text_completion
+                choices = [choice(r[2], r[3], r[8], r[9]) for r in rows]
                 otok = sum(r[5] or 0 for r in rows)
-                out.write(json.dumps(_ok_line(rid, choices, ptok, otok, finished, adapter or model)) + "\n")
+                out.write(json.dumps(_ok_line(rid, choices, ptok, otok, finished, adapter or model, raw)) + "\n")
                 ok += 1
             else:
                 err.write(json.dumps(_error_line(rid, "invalid_request", error or "failed")) + "\n")
                 bad += 1
         if in_order:  # rows of the input that no part holds: not done when the job stopped
             done_ids = f"select \"{id_col}\"::varchar from results where \"{id_col}\" is not null"
-            left = con.execute(f"select _id from _input where _id::varchar not in ({done_ids}) order by _pos")
+            left = con.execute(f"select _id, min(_pos) from _input where _id::varchar not in ({done_ids}) "
+                               f"group by 1 order by 2")  # a duplicate id's later rows were skipped, not left
             while batch := left.fetchmany(10_000):
-                for (rid,) in batch:
+                for rid, _ in batch:
                     err.write(json.dumps(_error_line(rid, "batch_expired", EXPIRED)) + "\n")
                     expired += 1
     finally:
@@ -180,22 +318,58 @@ def _choice(text, finish, index, logprobs) -> dict:
             "finish_reason": finish or "stop"}
 
 
+def _raw_guess(manifest: dict, cols: set) -> str:
+    """Without the input, whether a row came from a /v1/completions line, from its passthrough columns: such a
+    line is a prompt without messages (a JSONL job's rows carry both columns unless --passthrough left them out)."""
+    from overnight.pipeline.input.openai_batch import SUFFIXES
+
+    url = (manifest.get("input") or {}).get("url") or ""
+    fields = manifest.get("fingerprint_fields", {})
+    prompt, messages = fields.get("prompt_column", "prompt"), fields.get("messages_column", "messages")
+    if not url.rstrip("/").endswith(SUFFIXES) or prompt not in cols or messages not in cols:
+        return "null::boolean"
+    return f"(\"{messages}\" is null and \"{prompt}\" is not null)"
+
+
+def _text_choice(text, finish, index, logprobs) -> dict:
+    """A /v1/completions choice; logprobs in the legacy shape: tokens, token_logprobs, top_logprobs ({token:
+    logprob} of the K most likely) and text_offset (where each token starts in the text)."""
+    lp = None
+    if logprobs is not None:
+        offsets, at = [], 0
+        for t in logprobs:
+            offsets.append(at)
+            at += len(t.get("token") or "")
+        lp = {"tokens": [t.get("token") or "" for t in logprobs],
+              "token_logprobs": [_logprob(t) for t in logprobs],
+              "top_logprobs": [{a.get("token") or "": _logprob(a) for a in t.get("top_logprobs") or []}
+                               for t in logprobs],
+              "text_offset": offsets}
+    return {"text": text or "", "index": index or 0, "logprobs": lp, "finish_reason": finish or "stop"}
+
+
+def _logprob(t: dict) -> float:
+    return max(t["logprob"], -9999.0) if t.get("logprob") is not None else -9999.0
+
+
 def _token(t: dict, top: bool) -> dict:
     """One token of the logprobs column in OpenAI's shape (bytes: the token text's UTF-8)."""
     token = t.get("token") or ""
-    logprob = t.get("logprob")
-    out = {"token": token, "logprob": max(logprob, -9999.0) if logprob is not None else -9999.0,
+    out = {"token": token, "logprob": _logprob(t),
            "bytes": list(token.encode("utf-8", "surrogatepass"))}
     if top:
         out["top_logprobs"] = [_token(a, False) for a in t.get("top_logprobs") or []]
     return out
 
 
-def _ok_line(rid, choices, ptok, otok, finished, model) -> dict:
+def _ok_line(rid, choices, ptok, otok, finished, model, text: bool = False) -> dict:
+    """An OpenAI Batch output line: a chat.completion body, or for a /v1/completions line (``text``) a
+    text_completion."""
     request = f"req_{uuid.uuid4().hex}"
+    kind, prefix = ("text_completion", "cmpl") if text else ("chat.completion", "chatcmpl")
     return {"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": str(rid), "error": None,
             "response": {"status_code": 200, "request_id": request, "body": {
-                "id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(finished or 0),
+                "id": f"{prefix}-{uuid.uuid4().hex}", "object": kind, "created": int(finished or 0),
                 "model": model,
                 "choices": choices,
                 "usage": {"prompt_tokens": ptok or 0, "completion_tokens": otok or 0,

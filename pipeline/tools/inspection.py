@@ -16,9 +16,9 @@ import io
 from typing import Optional
 
 from overnight.pipeline.output.checkpoint import OutputDir, OutputError
-from overnight.pipeline.output.layout import job_dirs, job_manifest, part_globs
+from overnight.pipeline.output.layout import job_dirs, job_manifest
 from overnight.pipeline.progress import fmt_duration
-from overnight.pipeline.output.storage import is_local
+from overnight.pipeline.output.storage import is_local, unstrip
 
 
 def open_results(url: str):
@@ -28,20 +28,47 @@ def open_results(url: str):
     out = OutputDir(url)
     if not out.fs.exists(out.root):
         raise OutputError(f"Output folder {url} does not exist. Pass the --out folder of a run.")
-    if not job_dirs(url):
+    dirs = job_dirs(url)
+    if not dirs:
         raise OutputError(f"{url} is not an overnight output folder (no manifest.json, no parts/, at its top or "
                           f"in shards/). Pass the --out folder of a run.")
     manifest = job_manifest(url)
+    if manifest is not None and "num_duplicates" not in manifest.get("counts", {}):
+        from overnight.pipeline.tools.status import duplicates
+
+        manifest.setdefault("counts", {})["num_duplicates"] = sum(duplicates(d) for d in dirs)
     con = duckdb.connect()
     if not is_local(out.fs):
         con.register_filesystem(out.fs)
-    globs = part_globs(url)
-    if globs:
-        listed = ", ".join("'" + g.replace("'", "''") + "'" for g in globs)
+    # Each part by its own name (DuckDB reads a name as a glob: OUT's own *, ? or [ are escaped).
+    parts = [_literal(unstrip(d.out.fs, p)) for d in dirs for p in d.out.part_paths()]
+    if parts:
+        listed = ", ".join("'" + p.replace("'", "''") + "'" for p in parts)
         con.sql(f"create view results as select * from read_parquet([{listed}], union_by_name = true)")
-    else:
-        con.sql("create view results as select null::varchar as id, null::varchar as status where false")
+    else:  # no part yet (a job stopped before its first flush): no rows, with the columns parts will have
+        con.register("_no_parts", _empty_results(manifest or {}))
+        con.sql("create view results as select * from _no_parts")
     return con, manifest
+
+
+def _literal(path: str) -> str:
+    """A path that DuckDB's read_parquet reads as that one file: its glob characters each in a [class]."""
+    return "".join(f"[{c}]" if c in "*?[" else c for c in path)
+
+
+def _empty_results(manifest: dict):
+    """An empty table with the output schema (output.schema) of the job the manifest describes; the input's
+    passthrough columns are unknown until a part is written, so it has none."""
+    import pyarrow as pa
+
+    from overnight.pipeline.output.schema import OutputSchema
+
+    cfg = manifest.get("config", {})
+    sampling = cfg.get("sampling") or {}
+    id_name = manifest.get("fingerprint_fields", {}).get("id_column") or (cfg.get("input") or {}).get("id_column")
+    schema = OutputSchema(id_name or "id", pa.string(), [], samples=(sampling.get("n") or 1) > 1,
+                          logprobs=sampling.get("logprobs") is not None)
+    return schema.schema.empty_table()
 
 
 def summary_lines(con, manifest: Optional[dict], price_per_hour: Optional[float] = None) -> list[str]:
@@ -63,15 +90,19 @@ def summary_lines(con, manifest: Optional[dict], price_per_hour: Optional[float]
         f"select count(*) filter ({row}), count(*) filter (status = 'ok' and {row}), "
         f"count(*) filter (status = 'error' and {row}), coalesce(sum(prompt_tokens) filter ({row}), 0), "
         f"coalesce(sum(output_tokens), 0), count(*) filter (status = 'ok') from results").fetchone()
-    total = (manifest or {}).get("counts", {}).get("num_rows")
-    left = f", {total - n} not done" if isinstance(total, int) and total > n else ""
+    counts = (manifest or {}).get("counts", {})
+    total = counts.get("num_rows")
+    # Duplicate ids are skipped, neither done nor left; a completed job has none left.
+    not_done = total - n - (counts.get("num_duplicates") or 0) if isinstance(total, int) else 0
+    left = f", {not_done} not done" if not_done > 0 and (manifest or {}).get("state") != "completed" else ""
     samples = f"; {num_samples} samples" if "sample_index" in columns else ""
     lines.append(f"rows: {n} ({ok} ok, {err} error{left}{samples})")
     if ok:
         first, last, avg_out, p50, p90 = con.execute(
-            "select min(queued_at), max(finished_at), avg(output_tokens), "
-            "quantile_cont(epoch(finished_at - queued_at), 0.5), quantile_cont(epoch(finished_at - queued_at), 0.9) "
-            "from results where status = 'ok'").fetchone()
+            f"select min(queued_at), max(finished_at), sum(output_tokens) / {ok}, "
+            f"quantile_cont(epoch(finished_at - queued_at), 0.5) filter ({row}), "
+            f"quantile_cont(epoch(finished_at - queued_at), 0.9) filter ({row}) from results where status = 'ok'"
+        ).fetchone()
         lines.append(f"tokens: {ptok} prompt, {otok} output (mean {avg_out:.0f} per row)")
         lines.append(f"row latency (queued -> finished): p50 {p50:.1f} s, p90 {p90:.1f} s")
         reasons = con.execute("select coalesce(finish_reason, 'null'), count(*) from results where status = 'ok' "

@@ -73,9 +73,10 @@ def build(url: str) -> Report:
     con, manifest = open_results(url)
     dirs = job_dirs(url)
     lanes = [(d.label if len(dirs) > 1 else "job", d.out.read_timeline(), d.out.read_manifest() or {}) for d in dirs]
+    row = _row_filter(con)
     n, ok, err, otok = con.execute(
-        "select count(*), count(*) filter (status = 'ok'), count(*) filter (status = 'error'), "
-        "coalesce(sum(output_tokens), 0) from results").fetchone()
+        f"select count(*) filter ({row}), count(*) filter (status = 'ok' and {row}), "
+        f"count(*) filter (status = 'error' and {row}), coalesce(sum(output_tokens), 0) from results").fetchone()
     total = (manifest or {}).get("counts", {}).get("num_rows")
     report = Report(url, [("output", url), ("state", str((manifest or {}).get("state", "?"))),
                           ("rows", f"{n} done of {total if total is not None else '?'} ({ok} ok, {err} error)"),
@@ -94,6 +95,12 @@ def build(url: str) -> Report:
             report.figures.append(f)
     report.settings = _settings(manifest or {})
     return report
+
+
+def _row_filter(con) -> str:
+    """With n > 1 a row's samples are output rows of their own (sample_index 0 .. n-1): a row counts once."""
+    columns = {r[0] for r in con.execute("describe results").fetchall()}
+    return "coalesce(sample_index, 0) = 0" if "sample_index" in columns else "true"
 
 
 def _deadline(lanes) -> Optional[float]:
@@ -181,8 +188,8 @@ def _lengths(con) -> Optional[Figure]:
 
 
 def _buckets(con) -> Optional[Figure]:
-    rows = con.execute("select bucket, count(*) from results where bucket is not null group by 1 order by 1"
-                       ).fetchall()
+    rows = con.execute(f"select bucket, count(*) from results where bucket is not null and {_row_filter(con)} "
+                       f"group by 1 order by 1").fetchall()
     if not rows:
         return None
     plt = _plt()
@@ -195,8 +202,8 @@ def _buckets(con) -> Optional[Figure]:
 
 
 def _latency(con) -> Optional[Figure]:
-    rows = con.execute("select epoch(finished_at - queued_at) from results where status = 'ok' and "
-                       "finished_at is not null and queued_at is not null").fetchall()
+    rows = con.execute(f"select epoch(finished_at - queued_at) from results where status = 'ok' and "
+                       f"finished_at is not null and queued_at is not null and {_row_filter(con)}").fetchall()
     if not rows:
         return None
     lat = np.array([r[0] for r in rows], dtype=float)

@@ -23,8 +23,33 @@ def _is_running(out: OutputDir) -> bool:
     return holder is not None and not lock.is_stale(holder)
 
 
+def is_current(st: Optional[dict], m: Optional[dict]) -> bool:
+    """Whether status.json is the latest attempt's. An attempt writes its first status at its first flush, so
+    until then (and for good when it is killed before) the file is an earlier attempt's: its counts and exit code
+    are not this attempt's."""
+    attempts = (m or {}).get("attempts") or []
+    if not st or not attempts:
+        return bool(st)
+    if isinstance(st.get("attempt"), int):
+        return st["attempt"] >= len(attempts)
+    started, updated = attempts[-1].get("started_at"), st.get("updated_at")  # a status without its attempt
+    return not (started and updated and updated < started)
+
+
+def duplicates(d) -> int:
+    """Input rows of job folder ``d`` skipped as duplicate ids (neither done nor left), as far as its latest
+    attempt has read."""
+    st, m = d.out.read_status(), d.out.read_manifest()
+    counts = (m or {}).get("counts", {})
+    if isinstance(counts.get("num_duplicates"), int):
+        return counts["num_duplicates"]
+    return (((st or {}).get("rows") or {}).get("duplicates") or 0) if is_current(st, m) else 0
+
+
 def shard_status(d, lock_of: OutputDir) -> dict:
     st, m = d.out.read_status() or {}, d.out.read_manifest() or {}
+    if not is_current(st, m):
+        st = {}  # an earlier attempt's: the manifest's counts stand, the exit code is not known yet
     state = st.get("state") or m.get("state") or "not started"
     if m.get("state") == "running" and state != "running":
         state = "running"  # a new attempt began; its first status is written at its first flush
@@ -34,8 +59,11 @@ def shard_status(d, lock_of: OutputDir) -> dict:
     counts = m.get("counts", {})
     total = rows.get("total", counts.get("num_rows"))
     done = max(rows.get("done") or 0, counts.get("num_done") or 0)
+    # Duplicate ids are skipped, neither done nor left; a completed job has none left.
+    dup = rows.get("duplicates") or counts.get("num_duplicates") or 0
+    left = rows.get("remaining", None if total is None else max(0, total - done - dup))
     return {"shard": d.label, "state": state, "rows_total": total, "rows_done": done,
-            "rows_left": rows.get("remaining", None if total is None else max(0, total - done)),
+            "rows_left": 0 if state == "completed" else left,
             "output_tokens_per_s": st.get("output_tokens_per_s") if state == "running" else None,
             "eta_s": st.get("eta_s") if state == "running" else (0.0 if state == "completed" else None),
             "exit_code": st.get("exit_code") if state != "running" else None,
@@ -70,13 +98,15 @@ def job_status(url: str) -> dict:
     totals = [s["rows_total"] for s in shards]
     total = sum(totals) if None not in totals else None
     done = sum(s["rows_done"] or 0 for s in shards)
+    lefts = [s["rows_left"] for s in shards]
     etas = [s["eta_s"] for s in shards]
     codes = [s["exit_code"] for s in shards]
     exit_code: Optional[int] = None
     if state not in ("running", "not started") and None not in codes:
         exit_code = next((c for c in EXIT_ORDER if c in codes), 0)
     return {"out": out.shown(), "state": state, "shards": len(shards) if n is not None else None,
-            "rows_total": total, "rows_done": done, "rows_left": None if total is None else max(0, total - done),
+            "rows_total": total, "rows_done": done,
+            "rows_left": sum(lefts) if total is not None and None not in lefts else None,
             "output_tokens_per_s": (round(sum(s["output_tokens_per_s"] or 0 for s in shards), 2)
                                     if "running" in states else None),
             "eta_s": max(etas) if None not in etas else None, "exit_code": exit_code,
