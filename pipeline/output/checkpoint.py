@@ -197,9 +197,6 @@ class OutputDir:
         names = [p.rsplit("/", 1)[-1] for p in self.fs.ls(folder, detail=False)]
         return sorted(self.path(PARTS, n) for n in names if PART_RE.match(n))
 
-    def part_glob(self) -> str:
-        return self.shown(PARTS, "part-*.parquet")
-
     def scan(self, id_column: str, into: Optional[Scan] = None) -> Scan:
         """Read the id, status, token and prompt_hash columns of every completed part, adding them to ``into``
         when given (a job can scan several folders into one Scan), else to a new Scan.

@@ -101,11 +101,6 @@ def check_layout(url: str, shard: Optional[Shard], ray: bool = False) -> None:
                           f"another --out (or remove {url}) to start over.")
 
 
-def part_globs(url: str) -> list[str]:
-    """DuckDB globs over every completed part in OUT, one per job folder that has parts."""
-    return [d.out.part_glob() for d in job_dirs(url) if d.out.part_paths()]
-
-
 def read_manifests(url: str) -> list[tuple[JobDir, Optional[dict]]]:
     return [(d, d.out.read_manifest()) for d in job_dirs(url)]
 
