@@ -329,9 +329,10 @@ class _Lines(OpenAIBatchSource):
         self.paths, _ = self._listing(root)
 
 
-def line_ids(url: str) -> Iterator[Optional[str]]:
-    """Each request line's custom_id in input order (None for a line without one; blank lines skipped), as the
-    source reads it: the files in the source's order, each streamed line by line."""
+def request_lines(url: str) -> Iterator[tuple[Optional[str], bool]]:
+    """Each request line's custom_id in input order (None for a line without one; blank lines skipped), and
+    whether it asks /v1/completions, as the source reads them: the files in the source's order, each streamed
+    line by line."""
     lines = _Lines(url)
     for path in lines.paths:
         with lines._open(path) as f:
@@ -341,10 +342,14 @@ def line_ids(url: str) -> Iterator[Optional[str]]:
                 try:
                     req = json.loads(line)
                 except ValueError:  # not JSON, not UTF-8
-                    yield None
+                    yield None, False
                     continue
-                cid = req.get("custom_id") if isinstance(req, dict) else None
-                yield cid if isinstance(cid, str) and cid and _is_text(cid) else None
+                if not isinstance(req, dict):
+                    yield None, False
+                    continue
+                cid = req.get("custom_id")
+                yield (cid if isinstance(cid, str) and cid and _is_text(cid) else None,
+                       req.get("url") == "/v1/completions")
 
 
 

@@ -150,32 +150,11 @@ def _batch(ids, pos, raw=None) -> pa.RecordBatch:
 
 
 def _line_rows(url: str, limit: Optional[int]):
-    """An OpenAI Batch input's request lines in input order, up to --limit: each line's custom_id (None for a
-    line without one; blank lines skipped) and whether it asks /v1/completions, the files streamed line by line
-    in the source's order (as ``openai_batch.line_ids``)."""
-    from overnight.pipeline.input.openai_batch import _Lines
-    from overnight.pipeline.input.openai_body import _is_text
+    """An OpenAI Batch input's request lines in input order, up to --limit: each line's custom_id and whether it
+    asks /v1/completions (``openai_batch.request_lines``)."""
+    from overnight.pipeline.input.openai_batch import request_lines
 
-    def each():
-        lines = _Lines(url)
-        for path in lines.paths:
-            with lines._open(path) as f:
-                for line in f:
-                    if line.isspace():
-                        continue
-                    try:
-                        req = json.loads(line)
-                    except ValueError:  # not JSON, not UTF-8
-                        yield None, False
-                        continue
-                    if not isinstance(req, dict):
-                        yield None, False
-                        continue
-                    cid = req.get("custom_id")
-                    yield (cid if isinstance(cid, str) and cid and _is_text(cid) else None,
-                           req.get("url") == "/v1/completions")
-
-    rows, pos = itertools.islice(each(), limit), 0
+    rows, pos = itertools.islice(request_lines(url), limit), 0
     while chunk := list(itertools.islice(rows, CHUNK)):
         yield _batch([c for c, _ in chunk], range(pos + 1, pos + len(chunk) + 1),
                      pa.array([r for _, r in chunk], pa.bool_()))
