@@ -43,7 +43,7 @@ def merge(base: dict, over: dict, given_none: bool = False) -> dict:
     out = dict(base)
     for key, value in over.items():
         if value is None and (not given_none or isinstance(out.get(key), dict)):
-            continue  # a mapping's null (``engine.lora:`` alone) is an empty one
+            continue  # a null over a mapping leaves the mapping (check_keys refuses it in the file itself)
         if isinstance(value, dict):
             base_value = out.get(key)
             out[key] = merge(base_value if isinstance(base_value, dict) else {}, value, given_none)

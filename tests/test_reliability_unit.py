@@ -62,8 +62,7 @@ def test_a_lock_without_heartbeat_is_stale_anywhere(tmp_path):
     RunLock(OutputDir(str(out))).acquire()
 
 
-def test_a_live_holder_on_this_host_keeps_its_lock_whatever_its_heartbeat(tmp_path):
-    # an engine that takes minutes to start left the heartbeat old; the process that holds the lock still runs
+def test_a_lock_whose_pid_was_reused_after_it_is_taken_over(tmp_path):
     import subprocess
     import datetime as dt
 
@@ -71,7 +70,7 @@ def test_a_live_holder_on_this_host_keeps_its_lock_whatever_its_heartbeat(tmp_pa
     holder = subprocess.Popen(["sleep", "30"])
     try:
         started = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
-        write_lock(out, pid=holder.pid, started_at=started, heartbeat=time.time() - 3600)
+        write_lock(out, pid=holder.pid, started_at=started, heartbeat=time.time())
         with pytest.raises(LockError, match=f"in use by another overnight run: host .*, pid {holder.pid}"):
             RunLock(OutputDir(str(out))).acquire()
         # the same pid, for a lock older than the process: the pid was reused, the holder is gone
@@ -276,6 +275,9 @@ def test_resume_after_the_input_changed(write_parquet, tmp_path, cfg, caplog):
     assert s.line().startswith("overnight: done: 4/4 rows (5 ok, 0 error, 3 already done, 1 no longer in the input)")
     st = json.loads((out / "status.json").read_text())
     assert (st["rows"]["done"], st["rows"]["remaining"]) == (4, 0)
+    from overnight.pipeline.tools.status import job_status
+    js = job_status(str(out))
+    assert (js["rows_done"], js["rows_left"]) == (4, 0), js
     assert "id 'c' at v2.parquet#1: its prompt changed since its result was written" in caplog.text
     assert "1 rows in" in caplog.text and "are no longer in the input (e.g. ids 'b')" in caplog.text
     t = pq.read_table(out / "parts").to_pylist()

@@ -172,12 +172,21 @@ def test_uint64_ids_above_int64_are_refused_when_the_source_opens(write_parquet)
     p = write_parquet({"id": pa.array([1, 2 ** 63 + 5], pa.uint64()), "prompt": ["a", "b"]})
     with pytest.raises(InputError) as e:
         source(p)
-    assert str(e.value) == (f"Id column 'id' in {p} is uint64 and holds values above 9223372036854775807 (or its "
-                            f"statistics cannot show it does not); the results keep integer ids as int64. Cast the "
+    assert str(e.value) == (f"Id column 'id' in {p} is uint64 and holds values above 9223372036854775807; the results keep integer ids as int64. Cast the "
                             f"column to int64 or string, or name another column with --id-column.")
     small = write_parquet({"id": pa.array([1, 2 ** 63 - 1], pa.uint64()), "prompt": ["a", "b"]}, "small.parquet")
     s = source(small)
     assert s.id_type == pa.int64() and [r["id"] for _, _, r in all_rows(s)] == [1, 2 ** 63 - 1]
+    # without the row groups' statistics the ids are read once to tell
+    for ids, fits in (([1, 2 ** 63 - 1], True), ([1, 2 ** 63 + 5], False)):
+        path = p.replace(".parquet", f"-nostats-{fits}.parquet")
+        pq.write_table(pa.table({"id": pa.array(ids, pa.uint64()), "prompt": ["a", "b"]}), path,
+                       write_statistics=False)
+        if fits:
+            assert source(path).id_type == pa.int64()
+        else:
+            with pytest.raises(InputError, match="is uint64 and holds values above"):
+                source(path)
 
 
 def test_a_damaged_data_page_names_the_file_and_row_group(tmp_path, write_parquet):

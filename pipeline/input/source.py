@@ -168,13 +168,13 @@ class ParquetSource:
         except (pa.ArrowInvalid, OSError) as e:
             raise InputError(f"{shown} is not a readable Parquet file ({_first_line(e)}). "
                              f"Re-export it as Parquet, or remove it from the input.") from None
-        self._check_id_range(meta, schema, shown)
+        self._check_id_range(meta, schema, shown, path)
         name = posixpath.relpath(path, base) if base else path
         groups = tuple(meta.row_group(g).num_rows for g in range(meta.num_row_groups))
         return InputFile(path=path, name=name, num_rows=meta.num_rows, schema=schema, row_groups=groups,
                          version=file_version(self.fs, path))
 
-    def _check_id_range(self, meta, schema: pa.Schema, shown: str) -> None:
+    def _check_id_range(self, meta, schema: pa.Schema, shown: str, path: str) -> None:
         """A uint64 id column must hold no value above int64's maximum, which the results' id column cannot
         hold: known from the row groups' statistics, without reading a row."""
         name = self.cfg.id_column
@@ -187,11 +187,16 @@ class ParquetSource:
             stats = col.statistics if col is not None else None
             if stats is not None and stats.has_min_max:
                 fits = stats.max <= _INT64_MAX
-            else:  # no statistics: fits only if the row group holds no value at all
-                fits = stats is not None and stats.null_count == group.num_rows
+            else:  # no statistics: the row group's ids are read once
+                import pyarrow.compute as pc
+                import pyarrow.parquet as pq
+
+                with self.fs.open(path, "rb") as f:
+                    top = pc.max(pq.ParquetFile(f).read_row_group(g, columns=[name]).column(0)).as_py()
+                fits = top is None or top <= _INT64_MAX
             if not fits:
                 raise InputError(f"Id column {name!r} in {shown} is uint64 and holds values above "
-                                 f"{_INT64_MAX} (or its statistics cannot show it does not); the results keep "
+                                 f"{_INT64_MAX}; the results keep "
                                  f"integer ids as int64. Cast the column to int64 or string, or name another column "
                                  f"with --id-column.")
 

@@ -89,6 +89,7 @@ def parse_batch(sb: SourceBatch, cfg: InputConfig, defaults: dict, passthrough: 
     unreadable = _column(batch, INPUT_ERROR_COLUMN) if INPUT_ERROR_COLUMN in internal else [None] * n
     raw = _column(batch, RAW_PROMPT_COLUMN) if RAW_PROMPT_COLUMN in internal else [None] * n
     overrides = {c: _column(batch, c) for c in OVERRIDE_COLUMNS if c in names}
+    structured = [c for c in STRUCTURED_COLUMNS if c in overrides]
     scheduling = {c: _column(batch, c) for c in SCHEDULING_COLUMNS if c in names}
     kept = [c for c in passthrough if c in names]
     carried_columns = {c: _column(batch, c) for c in kept}
@@ -114,7 +115,7 @@ def parse_batch(sb: SourceBatch, cfg: InputConfig, defaults: dict, passthrough: 
                 raise RowError(f"column {cfg.id_column!r} is null; give every row an id, or drop the column "
                                f"so ids are derived from file and row")
             sampling = dict(defaults)
-            given = [c for c in STRUCTURED_COLUMNS if c in overrides and overrides[c][i] is not None]
+            given = [c for c in structured if overrides[c][i] is not None] if len(structured) > 1 else ()
             if len(given) > 1:
                 raise RowError(f"the row sets {' and '.join(given)}, and a request takes one structured output; "
                                f"keep one of them and set the others to null")
@@ -137,9 +138,8 @@ def parse_batch(sb: SourceBatch, cfg: InputConfig, defaults: dict, passthrough: 
                 if isinstance(carried[i][col], (_BadText, _Unreadable)):
                     raise RowError(_bad_value(f"passthrough column {col!r}", carried[i][col],
                                               "leave the column out of --passthrough"))
-        except Exception as e:  # RowError; anything else is a check that failed on an odd value
-            message = str(e) if isinstance(e, RowError) else (
-                f"the row could not be checked ({type(e).__name__}: {_first_line(e)}); fix its values")
+        except RowError as e:  # (a column's check that fails otherwise on an odd value raises one: _checked)
+            message = str(e)
             keep = {c: (None if isinstance(v, (_BadText, _Unreadable)) else v) for c, v in carried[i].items()}
             err = Result.failed(row_id, keep, f"{origin}: {message}")
             err.prompt_hash = _safe_hash(prompts[i], messages[i] if messages is not None else None)
@@ -157,7 +157,7 @@ def _checked(column: str, check, value):
         raise RowError(_bad_value(column, value, "set it to null"))
     try:
         return check(value)
-    except RowError:
+    except (RowError, MemoryError):
         raise
     except Exception as e:
         raise RowError(f"{column} could not be checked ({type(e).__name__}: {_first_line(e)}); fix the value, or "
@@ -184,6 +184,8 @@ def _column(batch: pa.RecordBatch, name: str) -> list:
     col = batch.column(name)
     try:
         return col.to_pylist()
+    except MemoryError:
+        raise
     except Exception:
         if _is_text(col.type):
             return _texts(col)
@@ -195,6 +197,8 @@ def _value(col: pa.Array, j: int):
         return col[j].as_py()
     except UnicodeDecodeError as e:
         return _BadText(f"a string in it is not valid UTF-8 at byte {e.start} ({e.object[e.start:e.start + 1]!r})")
+    except MemoryError:
+        raise
     except Exception as e:
         return _Unreadable(f"{type(e).__name__}: {_first_line(e)}")
 

@@ -2,8 +2,9 @@
 
 A second run on the same OUT refuses, naming the first (host, pid, start
 time). A lock left by a run that died is stale, and taken over: on the same
-host when its process is gone (whatever its heartbeat), on another host when
-its heartbeat is older than STALE_S. Taking over writes our own lock and reads
+host at once when its process is gone (its pid not running, or reused by a
+process started after the lock), anywhere when its heartbeat is older than
+STALE_S. Taking over writes our own lock and reads
 it back, so of two runs racing for a stale lock exactly one wins.
 
 A thread refreshes the heartbeat every HEARTBEAT_S while the lock is held, so
@@ -86,8 +87,9 @@ class RunLock:
         if other.get("host") == self.info["host"]:
             if other.get("pid") == os.getpid():
                 return True  # left by this very process (an earlier job in a notebook, a test)
-            # a live holder on this host keeps its lock, however old its heartbeat (a process stopped with ^Z)
-            return not _holder_alive(int(other.get("pid", -1)), other.get("started_at"))
+            if not _holder_alive(int(other.get("pid", -1)), other.get("started_at")):
+                return True
+        # (a live pid on a host of the same name may be another container's: its heartbeat decides)
         return self.clock() - float(other.get("heartbeat", 0)) > STALE_S
 
     def acquire(self) -> None:
@@ -133,31 +135,39 @@ class RunLock:
         self.last_beat = self.clock()
 
     def heartbeat(self) -> None:
-        with self._beat_lock:
-            if not self.is_held or self.lost or self.clock() - self.last_beat < HEARTBEAT_S:
+        if not self._beat_lock.acquire(blocking=False):
+            return  # the other caller (the thread, or the loop) is beating now
+        try:
+            self._beat()
+        finally:
+            self._beat_lock.release()
+
+    def _beat(self) -> None:
+        if not self.is_held or self.lost or self.clock() - self.last_beat < HEARTBEAT_S:
+            return
+        try:
+            mine = self.holder()
+            if mine is not None and mine.get("token") != self.token:
+                self.lost = True
+                log.error("another run took over the lock on %s (host %s, pid %s, started %s): two runs may "
+                          "now be writing to it; stop one of them", self.out.url, mine.get("host"),
+                          mine.get("pid"), mine.get("started_at"))
                 return
-            try:
-                mine = self.holder()
-                if mine is not None and mine.get("token") != self.token:
-                    self.lost = True
-                    log.error("another run took over the lock on %s (host %s, pid %s, started %s): two runs may "
-                              "now be writing to it; stop one of them", self.out.url, mine.get("host"),
-                              mine.get("pid"), mine.get("started_at"))
-                    return
-                self._write(exclusive=False)
-            except OSError as e:  # a missed heartbeat is not worth failing the job for
-                log.warning("could not refresh the lock on %s: %s", self.out.url, e)
+            self._write(exclusive=False)
+        except OSError as e:  # a missed heartbeat is not worth failing the job for
+            log.warning("could not refresh the lock on %s: %s", self.out.url, e)
 
     def release(self) -> None:
         self._stop.set()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=5)
-        if not self.is_held:
-            return
-        self.is_held = False
-        try:
-            mine = self.holder()
-            if mine and mine.get("token") == self.token:
-                self.out.fs.rm(self.path)
-        except OSError as e:
-            log.warning("could not remove the lock on %s: %s", self.out.url, e)
+        with self._beat_lock:  # a heartbeat still writing finishes first, and none follows
+            if not self.is_held:
+                return
+            self.is_held = False
+            try:
+                mine = self.holder()
+                if mine and mine.get("token") == self.token:
+                    self.out.fs.rm(self.path)
+            except OSError as e:
+                log.warning("could not remove the lock on %s: %s", self.out.url, e)
