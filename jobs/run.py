@@ -56,15 +56,29 @@ def run(input_path, out, config_file, fresh, as_json, **options):
 
     from overnight.pipeline.streams import filtered_stderr, reserved_stdout
 
-    cfg = build_config(input_path, out, config_file, options)
+    from overnight.jobs.options import USER_ERRORS
+
+    def failed(e: Exception, code: int, stdout=None) -> None:
+        """A job that fails before it has a summary: the error on stderr and, with --json, still one JSON document
+        on stdout."""
+        click.echo(f"Error: {e}", err=True)
+        if as_json:
+            click.echo(json.dumps({"state": "failed", "exit_code": code, "message": str(e)}, indent=2), file=stdout)
+        click.get_current_context().exit(code)
+
+    try:
+        cfg = build_config(input_path, out, config_file, options)
+    except USER_ERRORS as e:
+        failed(e, 1)
     verbose = logging.getLogger("overnight").isEnabledFor(logging.DEBUG)
     # What the engine and its libraries print goes to stderr, without the noise unless -v.
     with filtered_stderr(verbose), reserved_stdout() as stdout:
         try:
             summary = run_job(cfg, fresh=fresh)
         except EngineError as e:
-            click.echo(f"Error: {e}", err=True)
-            click.get_current_context().exit(EXIT_ENGINE)
+            failed(e, EXIT_ENGINE, stdout)
+        except USER_ERRORS as e:
+            failed(e, 1, stdout)
         if as_json:
             from dataclasses import asdict
             click.echo(json.dumps(asdict(summary), indent=2), file=stdout)

@@ -29,3 +29,15 @@ def test_hub_id_fails_clearly_when_the_hub_is_unreachable(tmp_path, write_parque
     assert r.returncode == 1
     assert r.stderr.startswith("Error: Could not load 'HuggingFaceTB/SmolLM2-360M-Instruct' from the Hugging Face Hub")
     assert "pass its local folder, or use the embedded alias 'smollm2-135m'" in r.stderr
+
+
+def test_a_job_that_fails_before_its_summary_still_prints_one_json_document(tmp_path, write_parquet):
+    import json
+
+    missing = run_cli("run", tmp_path / "nope.parquet", "--out", tmp_path / "out", "--json")
+    assert missing.returncode == 1 and missing.stderr.strip().startswith("Error: Input ")
+    doc = json.loads(missing.stdout)
+    assert doc["state"] == "failed" and doc["exit_code"] == 1 and doc["message"].startswith("Input ")
+    bad = run_cli("run", write_parquet({"prompt": ["hi"]}), "--out", tmp_path / "o", "--temperature", "3", "--json")
+    assert bad.returncode == 1 and json.loads(bad.stdout)["message"] == (
+        "configuration: sampling.temperature is 3.0; it must be 0 (greedy) to 2.")
