@@ -1,7 +1,8 @@
 """OpenAI Batch files in and out with the real engine: `overnight run requests.jsonl` on chat and completions
-lines with the embedded model, then `overnight export --format openai`, read with OpenAI's own types, in the
-file's line order; a completions prompt reaches the model raw (its prompt tokens are the tokenizer's encoding of
-the text), a chat through the template; a bad line is an error row naming its line, in the errors file."""
+lines with the embedded model, then `overnight export --format openai`, read with OpenAI's own types (a chat
+completion for a chat line, a text completion for a completions line), in the file's line order; a completions
+prompt reaches the model raw (its prompt tokens are the tokenizer's encoding of the text), a chat through the
+template; a bad line is an error row naming its line, in the errors file."""
 
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ LINES = [
 
 
 def test_openai_batch_file_in_and_out(tmp_path, model_path):
-    from openai.types import BatchError
+    from openai.types import BatchError, Completion
     from openai.types.chat import ChatCompletion
 
     requests = tmp_path / "requests.jsonl"
@@ -52,9 +53,13 @@ def test_openai_batch_file_in_and_out(tmp_path, model_path):
     answers = {x["custom_id"]: x for x in map(json.loads, ok.read_text().splitlines())}
     assert list(answers) == ["chat-1", "chat-parts", "completion-1", "completion-2"]     # the file's order
     limits = {"chat-1": 12, "chat-parts": 10, "completion-1": 8, "completion-2": 4}
-    for cid, x in answers.items():
-        completion = ChatCompletion.model_validate(x["response"]["body"])   # a user's parser works unchanged
-        assert completion.choices[0].message.content
+    for cid, x in answers.items():   # a user's parser works unchanged: a chat's body, or a completion's
+        if cid.startswith("chat"):
+            completion = ChatCompletion.model_validate(x["response"]["body"])
+            assert completion.object == "chat.completion" and completion.choices[0].message.content
+        else:
+            completion = Completion.model_validate(x["response"]["body"])
+            assert completion.object == "text_completion" and completion.choices[0].text
         assert 0 < completion.usage.completion_tokens <= limits[cid]
     assert "Paris" in answers["chat-1"]["response"]["body"]["choices"][0]["message"]["content"]
     from transformers import AutoTokenizer
