@@ -74,6 +74,7 @@ def test_duplicate_ids_are_not_left(tmp_path, cfg, write_parquet):
     run_job(cfg(inp, out), engine_factory=given(FakeEngine()), is_tty=False)
     s = job_status(str(out))
     assert (s["rows_done"], s["rows_total"], s["rows_left"]) == (3, 4, 0)
+    assert json.loads((out / "manifest.json").read_text())["counts"]["num_duplicates"] == 1
     con, m = open_results(str(out))
     assert "rows: 3 (3 ok, 0 error)" in summary_lines(con, m)
     # a job that stopped: its rows left are the input's rows less those done and the duplicates
