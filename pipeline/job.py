@@ -96,7 +96,8 @@ def _open_locked(cfg, fresh, source, out, model, fields, lock, deadline_at, marg
                  shortcut: bool = True) -> OpenJob:
     """shortcut: a completed job over an unchanged input may skip the scan of its parts (``unchanged``). A Ray
     worker's folder is not a job of its own (its units change from run to run), so a worker passes False."""
-    _check_other_shards(cfg, source, out, fields)
+    given = mf.fingerprint_fields(cfg, model.requested, model.chat, as_given=True)  # as OUTs before stop 37 had it
+    _check_other_shards(cfg, source, out, fields, given)
     previous = out.read_manifest()
     if fresh:
         if previous or out.part_paths():
@@ -104,7 +105,7 @@ def _open_locked(cfg, fresh, source, out, model, fields, lock, deadline_at, marg
         out.clear()
         previous = None
     elif previous is not None:
-        mf.check_resume(previous, fields, out.url)
+        mf.check_resume(previous, fields, out.url, also=given)
     elif out.part_paths():
         raise OutputError(f"{out.url} holds result parts but no manifest.json, so they cannot be trusted for a "
                           f"resume. Pass --fresh to discard them, or choose another --out.")
@@ -140,7 +141,7 @@ def _open_locked(cfg, fresh, source, out, model, fields, lock, deadline_at, marg
                    unchanged=unchanged, lazy_engine=scan.num_done > 0)
 
 
-def _check_other_shards(cfg, source, out, fields) -> None:
+def _check_other_shards(cfg, source, out, fields, given) -> None:
     """Every shard of a job runs with the same settings, over the same input listing (the split is computed
     from it: a file added or grown would move rows between shards, whose resumes are their own)."""
     if source.shard is None:
@@ -149,7 +150,7 @@ def _check_other_shards(cfg, source, out, fields) -> None:
     for d, m in read_manifests(cfg.output.path):
         if m is None or d.shard is None:
             continue
-        if d.out.root != out.root and m.get("fingerprint") != mf.fingerprint(fields):
+        if d.out.root != out.root and not mf.same_settings(m, fields, given):
             raise OutputError(f"Shard {d.label} of this job in {cfg.output.path} ran with other settings "
                               f"({mf.differences(m, fields)}); every shard of a job must run with the same "
                               f"settings. Rerun with theirs, or choose another --out.")

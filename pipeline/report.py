@@ -225,6 +225,12 @@ class Reporter:
         m["counts"] = self._counts()
         mf.end_attempt(m, state, message)
         status = self.status(state, exit_code, message)
+        lock = self.job.lock
+        if lock is not None and lock.lost:
+            log.error(message)  # the folder is the other run's now: its manifest and status are left alone
+            return summary(self.tally, self.job.run_id, self.job.out.shown(), state, exit_code, message,
+                           {"scheduler": status["scheduler"], "forecast": status["forecast"], "rows": status["rows"],
+                            "cost": status["cost"]})
         try:
             self.job.out.write_manifest(m)
             self._publish(status)

@@ -67,7 +67,8 @@ class Runner:
                                  supervisor)
         self.writer = CheckpointWriter(job.out, job.schema, job.run_id, job.model.requested, scan.next_index,
                                        cfg.output.flush_rows, cfg.output.flush_seconds,
-                                       on_flush=self.reporter.on_flush)
+                                       on_flush=self.reporter.on_flush,
+                                       may_write=job.lock.confirm if job.lock is not None else None)
         self.resume = ResumeFilter(scan, self.tally, job.out.url)
         self.reader: Optional[Prefetcher] = None
         self.queued_at: dict[str, float] = {}
@@ -99,7 +100,9 @@ class Runner:
             if self.engine is not None or self._has_work():
                 self.engine = self.engine or self._start_engine()
                 self._loop()
-            if self._is_complete() and not self.tally.num_aborted:
+            if self._lock_lost():
+                state, message = RunState.FAILED, self._lost_message()
+            elif self._is_complete() and not self.tally.num_aborted:
                 # A full pass: report the rows done before that are no longer in the input.
                 self.resume.report_removed(cfg.input.limit is not None or not self.job.source.sees_every_row)
                 state = RunState.COMPLETED
@@ -248,7 +251,9 @@ class Runner:
     def _tick(self) -> None:
         now = self.clock()
         if self.stopping is None:
-            if self.signals.first:
+            if self._lock_lost():
+                self._begin_stop(f"another run took over {self.job.out.shown()}", now)
+            elif self.signals.first:
                 self._begin_stop(f"interrupted by {self.signals.first}", now + self.job.cfg.scheduler.grace_s)
             elif self.tracker.should_stop():
                 hard = self.tracker.stop_at if self.job.cfg.scheduler.on_deadline == "abort" else self.tracker.deadline
@@ -268,6 +273,15 @@ class Runner:
             # own CPU time, not the wall clock's: on a busy machine one forecast preempted for 40 ms would
             # otherwise put the next 20 s off (samples 24 s apart on a 2-core machine running the engine beside it)
             self._forecast_every = max(FORECAST_S, 500 * (time.thread_time() - t0))
+
+    def _lock_lost(self) -> bool:
+        return self.job.lock is not None and self.job.lock.lost
+
+    def _lost_message(self) -> str:
+        unsaved = self.writer.num_unsaved + len(self.writer.buffer)
+        return (f"another run took over {self.job.out.shown()} ({self.job.lock.taken_by()}): this run stopped "
+                f"and wrote nothing more there ({unsaved} finished rows not saved; the other run answers them). "
+                f"Let that run finish, and give each run its own --out")
 
     def _forecast(self) -> None:
         # Rows an earlier attempt did are left out of the unread rows; a Ray worker's units are not its folder's

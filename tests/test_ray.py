@@ -117,6 +117,23 @@ def test_a_rerun_with_other_settings_is_refused_before_any_worker_starts(tmp_pat
     assert not (out / "workers" / "w00002").exists()   # no new worker ran the rest with the new settings
 
 
+def test_workers_get_the_json_schema_itself_and_an_edited_file_is_refused(tmp_path, cfg, local_ray):
+    from overnight.pipeline.output.checkpoint import OutputError
+
+    inp = write_input(tmp_path / "in", 1, 20, 10)
+    out = tmp_path / "out"
+    f = tmp_path / "schema.json"   # a path a worker on another node may not have
+    f.write_text('{"type": "object"}')
+    c = cfg(inp, out, engine={"kind": "echo", "echo_step_ms": 1, "max_num_seqs": 8},
+            sampling={"max_tokens": 4, "json_schema": str(f)})
+    assert run_on_ray(c, False, 1, is_tty=False).num_done == 20
+    worker = json.loads((out / "workers" / "w00000" / "manifest.json").read_text())
+    assert worker["config"]["sampling"]["json_schema"] == '{"type": "object"}'
+    f.write_text('{"type": "array"}')
+    with pytest.raises(OutputError, match=r"sampling.json_schema.type: 'object' -> 'array'"):
+        run_on_ray(c, False, 1, is_tty=False)
+
+
 def test_two_workers_share_the_units_and_answer_each_id_once(tmp_path, cfg, local_ray):
     inp = write_input(tmp_path / "in", 2, 400, 50)
     out = tmp_path / "out"

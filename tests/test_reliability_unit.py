@@ -112,6 +112,31 @@ def test_a_heartbeat_does_not_write_over_a_lock_another_run_took(tmp_path, caplo
     assert json.loads((out / ".overnight.lock").read_text())["token"] == "theirs"   # theirs is left in place
 
 
+def test_a_run_whose_lock_another_took_over_stops_and_writes_nothing_more(data, tmp_path, cfg, monkeypatch):
+    # This run was held up past the stale heartbeat, and another took OUT over: part numbers would collide.
+    from overnight.pipeline.output import lock as lock_module
+
+    monkeypatch.setattr(lock_module, "HEARTBEAT_S", 0.01)  # every write asks again
+    out = tmp_path / "out"
+    at_takeover = {}
+
+    class TakenOver(FakeEngine):
+        def _step(self):
+            if self.num_steps == 8:
+                write_lock(out, host="other-host", pid=99, token="theirs")
+                at_takeover["parts"] = sorted(os.listdir(out / "parts"))
+                at_takeover["manifest"] = (out / "manifest.json").read_text()
+            return super()._step()
+
+    s = run_job(cfg(data, out), engine_factory=given(TakenOver(step_sleep=0.02)), is_tty=False)
+    assert at_takeover["parts"], "the run had written parts before the takeover"
+    assert s.state == "failed" and s.exit_code == 1
+    assert "another run took over" in s.message and "host other-host, pid 99" in s.message
+    assert sorted(os.listdir(out / "parts")) == at_takeover["parts"]            # no part after it
+    assert (out / "manifest.json").read_text() == at_takeover["manifest"]     # nor its manifest
+    assert json.loads((out / ".overnight.lock").read_text())["token"] == "theirs"   # and theirs stays
+
+
 def test_two_runs_at_once_through_the_job(data, tmp_path, cfg):
     out = tmp_path / "out"
     write_lock(out, host="busy-host", pid=7)

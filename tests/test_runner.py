@@ -103,6 +103,38 @@ def test_fingerprint_mismatch_is_refused_and_fresh_starts_over(data, tmp_path, c
     assert len(eng.added) == 10 and s.num_resumed == 0 and output(out).num_rows == 10
 
 
+def test_a_json_schema_is_fingerprinted_by_what_it_says_not_where_it_is(data, tmp_path, cfg):
+    import json
+
+    from overnight.pipeline.output import manifest as mf
+
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    f = tmp_path / "schema.json"
+    f.write_text(json.dumps(schema))
+    out = tmp_path / "out"
+    run_job(cfg(data, out, input={"limit": 3}, sampling={"json_schema": str(f)}), engine_factory=given(FakeEngine()),
+            is_tty=False)
+    # the same schema given inline: the same settings
+    s = run_job(cfg(data, out, input={"limit": 5}, sampling={"json_schema": json.dumps(schema)}),
+                engine_factory=given(FakeEngine()), is_tty=False)
+    assert (s.num_resumed, s.num_done) == (3, 5)
+    # the file edited: other settings, though its path is the same
+    f.write_text(json.dumps(dict(schema, required=["a"])))
+    with pytest.raises(OutputError, match=r"sampling.json_schema.required: None -> \['a'\]"):
+        run_job(cfg(data, out, sampling={"json_schema": str(f)}), engine_factory=given(FakeEngine()), is_tty=False)
+    # an OUT written before stop 37 fingerprinted the path: the same path resumes it
+    m = json.loads((out / "manifest.json").read_text())
+    m["fingerprint_fields"]["sampling"]["json_schema"] = str(f)
+    m["fingerprint"] = mf.fingerprint(m["fingerprint_fields"])
+    (out / "manifest.json").write_text(json.dumps(m))
+    s = run_job(cfg(data, out, input={"limit": 6}, sampling={"json_schema": str(f)}),
+                engine_factory=given(FakeEngine()), is_tty=False)
+    assert (s.num_resumed, s.num_done) == (5, 6)
+    with pytest.raises(OutputError, match="sampling.json_schema"):
+        run_job(cfg(data, out, sampling={"json_schema": json.dumps(schema)}), engine_factory=given(FakeEngine()),
+                is_tty=False)
+
+
 def test_parts_without_manifest_are_refused(data, tmp_path, cfg):
     out = tmp_path / "out"
     run_job(cfg(data, out), engine_factory=given(FakeEngine()), is_tty=False)

@@ -15,6 +15,7 @@ Rerunning the same command continues: every worker resumes against the ids in al
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import os
 import signal
@@ -64,10 +65,11 @@ def run_on_ray(cfg: JobConfig, fresh: bool, workers: int, address: Optional[str]
             from overnight.pipeline.output import manifest as mf
 
             fields = mf.fingerprint_fields(cfg, model.requested, model.chat)
+            given = mf.fingerprint_fields(cfg, model.requested, model.chat, as_given=True)
             for d in job_dirs(cfg.output.path):
                 previous = d.out.read_manifest()
                 if previous is not None:
-                    mf.check_resume(previous, fields, d.out.url)
+                    mf.check_resume(previous, fields, d.out.url, also=given)
         units = plan_units(source.files, workers, cfg.input.limit)
         total = sum(u.num_rows for u in units)
         # Every worker gets the same absolute deadline and margin.
@@ -77,6 +79,10 @@ def run_on_ray(cfg: JobConfig, fresh: bool, workers: int, address: Optional[str]
         # queue for whichever worker frees up first.
         sc = dataclasses.replace(sc, lookahead_rows=min(sc.lookahead_rows, 2 * cfg.engine.max_num_seqs))
         wcfg = dataclasses.replace(cfg, scheduler=sc, output=dataclasses.replace(cfg.output, log_every_seconds=1e9))
+        if cfg.sampling.json_schema is not None:  # the schema itself: a worker on another node may not see the file
+            from overnight.pipeline.input.checks import job_structured
+            wcfg = dataclasses.replace(wcfg, sampling=dataclasses.replace(
+                cfg.sampling, json_schema=json.dumps(job_structured(cfg.sampling)["json"])))
         if not ray.is_initialized():
             address = address or os.environ.get("RAY_ADDRESS") or None
             # A local cluster gets a slot for every worker, even beyond the machine's cores (echo engines, or

@@ -344,7 +344,8 @@ class CheckpointWriter:
 
     def __init__(self, out: OutputDir, schema: OutputSchema, run_id: str, model: str, first_index: int,
                  flush_rows: int, flush_seconds: float, clock: Callable[[], float] = time.monotonic,
-                 on_flush: Optional[Callable[[list[Result], str], None]] = None):
+                 on_flush: Optional[Callable[[list[Result], str], None]] = None,
+                 may_write: Optional[Callable[[], bool]] = None):
         self.out = out
         self.schema = schema
         self.run_id = run_id
@@ -354,6 +355,8 @@ class CheckpointWriter:
         self.flush_seconds = flush_seconds
         self.clock = clock
         self.on_flush = on_flush
+        self.may_write = may_write  # asked before each part: False once another run took the folder over
+        self.num_unsaved = 0  # results not written because of it
         self.buffer: list[Result] = []
         self.last_flush = clock()
 
@@ -371,6 +374,9 @@ class CheckpointWriter:
         if not self.buffer:
             return
         results, self.buffer = self.buffer, []
+        if self.may_write is not None and not self.may_write():
+            self.num_unsaved += len(results)
+            return
         table = self.schema.table(results, self.run_id, self.model)
         try:
             path = self.out.write_part(self.next_index, table)

@@ -10,7 +10,10 @@ it back, so of two runs racing for a stale lock exactly one wins.
 A thread refreshes the heartbeat every HEARTBEAT_S while the lock is held, so
 an engine that takes minutes to start, or to restart, keeps it. A heartbeat
 reads the lock back first: if another run has taken it over, this run stops
-refreshing it and says so (``lost``) rather than write over the other's.
+refreshing it and says so (``lost``) rather than write over the other's. The
+run then stops: ``confirm`` is asked before each part is written, and a run
+that lost its folder writes no more parts, manifest or status there (its part
+numbers would collide with the other run's).
 """
 
 from __future__ import annotations
@@ -142,6 +145,22 @@ class RunLock:
         finally:
             self._beat_lock.release()
 
+    def confirm(self) -> bool:
+        """Whether this run still holds the lock, asked before a write: a heartbeat that is due (this run was
+        held up for a while: another may have taken the lock over as stale) is made first, which reads the
+        lock back."""
+        with self._beat_lock:
+            self._beat()
+            return self.is_held and not self.lost
+
+    def taken_by(self) -> str:
+        """Who took the lock over, for the message of a run that lost it."""
+        try:
+            mine = self.holder() or {}
+        except OSError:
+            mine = {}
+        return f"host {mine.get('host')}, pid {mine.get('pid')}, started {mine.get('started_at')}"
+
     def _beat(self) -> None:
         if not self.is_held or self.lost or self.clock() - self.last_beat < HEARTBEAT_S:
             return
@@ -149,9 +168,9 @@ class RunLock:
             mine = self.holder()
             if mine is not None and mine.get("token") != self.token:
                 self.lost = True
-                log.error("another run took over the lock on %s (host %s, pid %s, started %s): two runs may "
-                          "now be writing to it; stop one of them", self.out.url, mine.get("host"),
-                          mine.get("pid"), mine.get("started_at"))
+                log.error("another run took over the lock on %s (host %s, pid %s, started %s): this run stops "
+                          "and writes nothing more there", self.out.url, mine.get("host"), mine.get("pid"),
+                          mine.get("started_at"))
                 return
             self._write(exclusive=False)
         except OSError as e:  # a missed heartbeat is not worth failing the job for

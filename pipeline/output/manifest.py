@@ -40,12 +40,19 @@ LATER_SAMPLING = {"stop_token_ids": [], "presence_penalty": 0.0, "frequency_pena
                   "json_schema": None, "regex": None, "choice": None, "n": 1, "logprobs": None}
 
 
-def fingerprint_fields(cfg, model: str, chat: bool) -> dict:
+def fingerprint_fields(cfg, model: str, chat: bool, as_given: bool = False) -> dict:
+    """as_given: --json-schema as the user gave it, a file's path, as fingerprints did before stop 37 (an OUT
+    written then resumes); otherwise the schema itself, so that an edited schema file is a change of settings
+    and the same schema given inline or from another path is not."""
     fields = _fields(cfg, model, chat)
     for k, default in LATER_SAMPLING.items():
         value = getattr(cfg.sampling, k)
         if value != default:
             fields["sampling"][k] = value
+    if cfg.sampling.json_schema is not None and not as_given:
+        from overnight.pipeline.input.checks import job_structured
+
+        fields["sampling"]["json_schema"] = job_structured(cfg.sampling)["json"]
     if cfg.engine.lora:  # the adapters rows may pick (name -> folder), likewise only when registered
         fields["lora"] = dict(sorted(cfg.engine.lora.items()))
     return fields
@@ -91,9 +98,15 @@ def differences(previous: dict, fields: dict) -> str:
     return "; ".join(diffs[:6]) or "settings differ"
 
 
-def check_resume(previous: dict, fields: dict, out_url: str) -> None:
+def same_settings(previous: dict, fields: dict, also: Optional[dict] = None) -> bool:
+    """Whether a manifest was written with these settings. also: the same settings as an older version
+    fingerprinted them (``fingerprint_fields(as_given=True)``)."""
+    return previous.get("fingerprint") in [fingerprint(f) for f in (fields, also) if f is not None]
+
+
+def check_resume(previous: dict, fields: dict, out_url: str, also: Optional[dict] = None) -> None:
     """Refuse to mix outputs of different settings in one OUT."""
-    if previous.get("fingerprint") == fingerprint(fields):
+    if same_settings(previous, fields, also):
         return
     detail = differences(previous, fields)
     raise OutputError(
