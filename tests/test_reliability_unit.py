@@ -1,5 +1,6 @@
 """Reliability pieces without the engine: locks, retries, failpoints, redaction, signals, engine restarts."""
 
+import datetime as dt
 import errno
 import json
 import os
@@ -11,7 +12,7 @@ import time
 import pyarrow.parquet as pq
 import pytest
 
-from fakes import FakeEngine, given
+from fakes import FakeClock, FakeEngine, given
 from overnight.pipeline.output import faults
 from overnight.pipeline.api import run_job
 from overnight.pipeline.output.checkpoint import OutputDir
@@ -35,13 +36,45 @@ def write_lock(out, **info):
     (out / ".overnight.lock").write_text(json.dumps(base))
 
 
-def test_a_second_run_on_the_same_out_is_refused_naming_the_first(tmp_path):
+def test_a_second_run_on_the_same_out_is_refused_naming_the_first(tmp_path, caplog):
+    # on another host: its heartbeat is watched, and moves (a live run): refused as soon as it does
     out = tmp_path / "out"
-    write_lock(out, host="other-host", pid=4242)
+    clock = FakeClock()
+    write_lock(out, host="other-host", pid=4242, heartbeat=clock.t - 10)
+
+    def sleep(s):
+        clock.t += s
+        if clock.t >= 1_900_000_000.0 + 20:   # the holder's thread beats 30 s after its last heartbeat
+            write_lock(out, host="other-host", pid=4242, heartbeat=clock.t)
+
     with pytest.raises(LockError) as e:
-        RunLock(OutputDir(str(out))).acquire()
+        RunLock(OutputDir(str(out)), clock=clock, sleep=sleep).acquire()
     assert str(e.value).startswith(f"{out} is in use by another overnight run: host other-host, pid 4242, started "
                                    f"2026-11-22T01:00:00+00:00 (run-x).")
+    assert clock.t - 1_900_000_000.0 == 20   # watched 20 s, in WATCH_S steps
+    assert "heartbeat 10 s ago): watching it for up to 110 s" in caplog.text
+    # on this host, with its process alive: refused at once
+    write_lock(out, pid=os.getppid(), started_at=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"))
+    with pytest.raises(LockError, match=f"host {socket.gethostname()}, pid {os.getppid()}"):
+        RunLock(OutputDir(str(out)), sleep=lambda s: pytest.fail("no need to watch a process on this host")).acquire()
+
+
+def test_a_lock_of_a_run_killed_on_another_host_is_taken_over_once_its_heartbeat_stays_still(tmp_path, caplog):
+    # a Kubernetes pod killed (OOM, a lost node) and retried on another node: its lock is fresh, and never beats
+    out = tmp_path / "out"
+    clock = FakeClock()
+    write_lock(out, host="pod-0-abcde", pid=1, heartbeat=clock.t - 5)
+
+    def sleep(s):
+        clock.t += s
+
+    lock = RunLock(OutputDir(str(out)), clock=clock, sleep=sleep)
+    lock.acquire()
+    waited = clock.t - 1_900_000_000.0
+    assert 115 < waited < 116 + 1, waited   # until the heartbeat was STALE_S old, not a retry's failure at once
+    assert json.loads((out / ".overnight.lock").read_text())["token"] == lock.token
+    assert "taking over a stale lock" in caplog.text
+    lock.release()
 
 
 def test_a_lock_of_a_dead_process_on_this_host_is_taken_over(tmp_path, caplog):
@@ -139,8 +172,9 @@ def test_a_run_whose_lock_another_took_over_stops_and_writes_nothing_more(data, 
 
 def test_two_runs_at_once_through_the_job(data, tmp_path, cfg):
     out = tmp_path / "out"
-    write_lock(out, host="busy-host", pid=7)
-    with pytest.raises(LockError, match="in use by another overnight run: host busy-host, pid 7"):
+    write_lock(out, pid=os.getppid(), started_at=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"))
+    with pytest.raises(LockError, match=f"in use by another overnight run: host {socket.gethostname()}, "
+                                        f"pid {os.getppid()}"):
         run_job(cfg(data, out), engine_factory=given(FakeEngine()), is_tty=False)
     assert not (out / "manifest.json").exists()  # refused before touching anything
 

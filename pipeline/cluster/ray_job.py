@@ -156,6 +156,11 @@ class Driver:
                         log.warning(f"worker w{i} is unavailable ({type(e).__name__}); asking it again")
                         if restarts <= MAX_ACTOR_RESTARTS * self.num_workers:
                             calls[actors[i].run.remote()] = i
+                        else:  # given up on: stopped, so that none of its rows is answered twice, and its units
+                            ray.kill(actors[i])  # go back to the queue for the others
+                            n = ray.get(self.coordinator.release.remote(i, worker_out(self.cfg.output.path, i).url))
+                            log.warning(f"worker w{i} stayed unavailable after {restarts} tries; it is stopped, its "
+                                        f"{n} units go back to the queue and what it wrote is kept")
                     except ray.exceptions.RayActorError as e:
                         restarts += 1
                         if self._restarted(actors[i]):  # its new incarnation gave back what it held (hello)

@@ -4,8 +4,12 @@ A second run on the same OUT refuses, naming the first (host, pid, start
 time). A lock left by a run that died is stale, and taken over: on the same
 host at once when its process is gone (its pid not running, or reused by a
 process started after the lock), anywhere when its heartbeat is older than
-STALE_S. Taking over writes our own lock and reads
-it back, so of two runs racing for a stale lock exactly one wins.
+STALE_S. A lock from another host whose heartbeat is recent is watched: a
+heartbeat that moves is a live run (refused within HEARTBEAT_S or so), one
+that stays still until it is STALE_S old is a run that died a moment ago (a
+Kubernetes pod killed, retried on another node), and is taken over. Taking
+over writes our own lock and reads it back, so of two runs racing for a stale
+lock exactly one wins.
 
 A thread refreshes the heartbeat every HEARTBEAT_S while the lock is held, so
 an engine that takes minutes to start, or to restart, keeps it. A heartbeat
@@ -37,6 +41,7 @@ LOCK = ".overnight.lock"
 # A lock whose heartbeat is older than this belongs to a run that is gone.
 STALE_S = 120.0
 HEARTBEAT_S = 30.0
+WATCH_S = 5.0  # how often a lock from another host is read again while it is watched
 
 
 class LockError(OutputError):
@@ -60,10 +65,11 @@ def _holder_alive(pid: int, started_at: Optional[str]) -> bool:
 
 
 class RunLock:
-    def __init__(self, out: OutputDir, run_id: str = "", clock=time.time):
+    def __init__(self, out: OutputDir, run_id: str = "", clock=time.time, sleep=time.sleep):
         self.out = out
         self.path = out.path(LOCK)
         self.clock = clock
+        self.sleep = sleep
         self.token = uuid.uuid4().hex
         self.info = {"host": socket.gethostname(), "pid": os.getpid(), "run_id": run_id,
                      "started_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
@@ -95,15 +101,40 @@ class RunLock:
         # (a live pid on a host of the same name may be another container's: its heartbeat decides)
         return self.clock() - float(other.get("heartbeat", 0)) > STALE_S
 
+    def _in_use(self, other: dict) -> LockError:
+        return LockError(
+            f"{self.out.url} is in use by another overnight run: host {other.get('host')}, pid "
+            f"{other.get('pid')}, started {other.get('started_at')} ({other.get('run_id') or 'run'}). "
+            f"Wait for it to finish, or stop it; if that process is gone, its lock is taken over once its "
+            f"heartbeat is {STALE_S:.0f} s old.")
+
+    def _watch(self, other: dict) -> Optional[dict]:
+        """A recent lock from another host: a live run's heartbeat moves (refused), a dead one's stays still
+        until it is stale (returned, to be taken over). None: it was released meanwhile."""
+        if other.get("host") == self.info["host"]:
+            raise self._in_use(other)  # its process runs here: no need to watch
+        start = self.clock()
+        # stale by its own timestamp, or still for STALE_S as this run sees it (the hosts' clocks may differ)
+        until = start + max(0.0, min(STALE_S, STALE_S - (start - float(other.get("heartbeat", 0)))))
+        log.warning("%s is locked by host %s, pid %s (heartbeat %.0f s ago): watching it for up to %.0f s; a "
+                    "live run refreshes it, a run that died does not and its lock is then taken over",
+                    self.out.url, other.get("host"), other.get("pid"), start - float(other.get("heartbeat", 0)),
+                    until - start)
+        while True:
+            self.sleep(max(0.1, min(WATCH_S, until - self.clock() + 0.1)))
+            now = self.holder()
+            if now is None:
+                return None
+            if (now.get("token"), now.get("heartbeat")) != (other.get("token"), other.get("heartbeat")):
+                raise self._in_use(now)
+            if self.clock() > until or self.is_stale(now):
+                return now
+
     def acquire(self) -> None:
         other = self.holder()
+        if other is not None and not self.is_stale(other):
+            other = self._watch(other)
         if other is not None:
-            if not self.is_stale(other):
-                raise LockError(
-                    f"{self.out.url} is in use by another overnight run: host {other.get('host')}, pid "
-                    f"{other.get('pid')}, started {other.get('started_at')} ({other.get('run_id') or 'run'}). "
-                    f"Wait for it to finish, or stop it; if that process is gone, its lock is taken over once its "
-                    f"heartbeat is {STALE_S:.0f} s old.")
             log.warning("taking over a stale lock on %s (host %s, pid %s, started %s)", self.out.url,
                         other.get("host"), other.get("pid"), other.get("started_at"))
         self._write(exclusive=other is None)
