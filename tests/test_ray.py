@@ -126,7 +126,7 @@ def test_workers_get_the_json_schema_itself_and_an_edited_file_is_refused(tmp_pa
     f.write_text('{"type": "object"}')
     c = cfg(inp, out, engine={"kind": "echo", "echo_step_ms": 1, "max_num_seqs": 8},
             sampling={"max_tokens": 4, "json_schema": str(f)})
-    assert run_on_ray(c, False, 1, is_tty=False).num_done == 20
+    assert run_on_ray(c, False, 1, is_tty=False).num_done == 20 and len(set(ids_in(out))) == 20
     worker = json.loads((out / "workers" / "w00000" / "manifest.json").read_text())
     assert worker["config"]["sampling"]["json_schema"] == '{"type": "object"}'
     f.write_text('{"type": "array"}')

@@ -182,7 +182,7 @@ class RunLock:
         lock back."""
         with self._beat_lock:
             self._beat()
-            return self.is_held and not self.lost
+            return not self.lost  # (a lock not held at all: a Ray worker's folder, which the driver's lock covers)
 
     def taken_by(self) -> str:
         """Who took the lock over, for the message of a run that lost it."""
