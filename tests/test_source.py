@@ -249,7 +249,7 @@ def test_string_view_ids_and_prompts(tmp_path):
 def test_ids_that_are_not_utf8_read_as_null_and_say_why(write_parquet):
     import json
 
-    from overnight.pipeline.input.source import BAD_IDS_KEY
+    from overnight.pipeline.input.arrow_types import BAD_IDS_KEY
 
     ids = pa.array([b"good", b"caf\xe9-1", None], pa.binary()).view(pa.string())
     s = source(write_parquet({"id": ids, "prompt": ["a", "b", "c"]}))

@@ -44,8 +44,8 @@ import pyarrow as pa
 from overnight.pipeline.input.openai_body import (_COLUMNS, LineError, _is_text, _messages, _parameters, _prompt,
                                                   _short)
 from overnight.pipeline.input.source import (INPUT_ERROR_COLUMN, MODEL_COLUMN, RAW_PROMPT_COLUMN, InputError,
-                                             InputFile, ParquetSource, SourceBatch, _first_line, _is_data_file,
-                                             file_version)
+                                             InputFile, ParquetSource, SourceBatch, _first_line)
+from overnight.pipeline.input.listing import file_version, is_data_file
 from overnight.pipeline.output.faults import failpoint
 from overnight.pipeline.output.storage import unstrip, url_to_fs
 
@@ -82,8 +82,8 @@ def is_jsonl_input(path: Optional[str]) -> bool:
     except (OSError, ValueError):
         return False  # the Parquet source says what is wrong with the path
     # the files a folder input reads: none inside a "." or "_" folder (_temporary/, .snapshot/ ...)
-    jsonl = any(_is_data_file(p, SUFFIXES, root) for p in paths)
-    parquet = any(_is_data_file(p, ParquetSource.SUFFIXES, root) for p in paths)
+    jsonl = any(is_data_file(p, SUFFIXES, root) for p in paths)
+    parquet = any(is_data_file(p, ParquetSource.SUFFIXES, root) for p in paths)
     if jsonl and parquet:
         raise InputError(f"Folder {path} holds both Parquet and JSONL files. Point INPUT at one kind, with a glob "
                          f"such as {path.rstrip('/')}/*.jsonl or {path.rstrip('/')}/*.parquet.")

@@ -14,7 +14,6 @@ prefix, or its base name for a single file) and <row> its 0-based row number.
 
 from __future__ import annotations
 
-import json
 import os
 import posixpath
 from dataclasses import dataclass
@@ -23,6 +22,8 @@ from typing import ClassVar, Iterator, Optional
 import pyarrow as pa
 
 from overnight.pipeline.config import InputConfig
+from overnight.pipeline.input.arrow_types import compatible, conform, is_id_type, is_text, plain
+from overnight.pipeline.input.listing import GLOB_CHARS, PARQUET_SUFFIXES, file_version, glob_base, is_data_file
 from overnight.pipeline.input.shards import Fragment, Selection, Shard, hash_shard, split
 from overnight.pipeline.output.faults import failpoint
 from overnight.pipeline.output.storage import unstrip, url_to_fs
@@ -41,14 +42,6 @@ RAW_PROMPT_COLUMN = "_raw_prompt"
 # A request's body.model (OpenAI Batch input): the name of a registered adapter picks it (openai_batch.ModelRoute).
 MODEL_COLUMN = "_model"
 
-_GLOB_CHARS = "*?["
-# What tells a rewritten file from the same one, besides its size: the first of these keys a file system's info()
-# has (local: mtime; S3: LastModified, ETag; GCS: updated, md5Hash; memory: created).
-_VERSION_KEYS = ("mtime", "LastModified", "ETag", "last_modified", "etag", "updated", "md5", "md5Hash", "created")
-# Field metadata on a batch's id column whose text ids were not valid UTF-8: {row number: reason} as JSON. Those
-# ids read as null, so the hash split and the resume filter key such a row by its origin, as they key a null id
-# (and match its error row by it); ``validate`` makes each one an error row saying why.
-BAD_IDS_KEY = b"overnight.invalid_ids"
 _INT64_MAX = 2 ** 63 - 1
 
 
@@ -93,25 +86,11 @@ class SourceBatch:
         return self.start + i if self.row_numbers is None else self.row_numbers[i]
 
 
-def _is_text(t: pa.DataType) -> bool:
-    return (pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_binary(t)
-            or pa.types.is_large_binary(t) or getattr(pa.types, "is_string_view", lambda _: False)(t)
-            or pa.types.is_null(t))
-
-
-def _is_string_view(t: pa.DataType) -> bool:
-    return getattr(pa.types, "is_string_view", lambda _: False)(t)
-
-
-def _is_id_type(t: pa.DataType) -> bool:
-    return pa.types.is_integer(t) or pa.types.is_string(t) or pa.types.is_large_string(t) or _is_string_view(t)
-
-
 class ParquetSource:
     """The input, or one shard's part of it (``shard``: see ``input.shards``)."""
 
     # What a folder's data files end with, and how to name them in messages.
-    SUFFIXES = (".parquet", ".parq", ".pq")
+    SUFFIXES = PARQUET_SUFFIXES
     FILES = "Parquet files (*.parquet)"
 
     def __init__(self, cfg: InputConfig, shard: Optional[Shard] = None):
@@ -138,14 +117,13 @@ class ParquetSource:
     def _listing(self, root: str) -> tuple[list[str], str]:
         """The input's data files in input order, and the folder their names are relative to."""
         fs = self.fs
-        if any(c in root for c in _GLOB_CHARS):
+        if any(c in root for c in GLOB_CHARS):
             paths = sorted(p for p in fs.glob(root) if fs.isfile(p))
             if not paths:
                 raise InputError(f"No files match {self.url}. Check the pattern, or pass a folder or file.")
-            base = root[: min(root.index(c) for c in _GLOB_CHARS if c in root)]
-            base = base.rsplit("/", 1)[0] if "/" in base else ""
+            base = glob_base(root)
         elif fs.isdir(root):
-            paths = sorted(p for p in fs.find(root) if _is_data_file(p, self.SUFFIXES, root))
+            paths = sorted(p for p in fs.find(root) if is_data_file(p, self.SUFFIXES, root))
             if not paths:
                 raise InputError(f"Folder {self.url} has no {self.FILES}. "
                                  f"Point INPUT at the folder that holds them, or at a file or glob.")
@@ -209,13 +187,13 @@ class ParquetSource:
                     seen[fld.name] = (fld.type, f)
                     continue
                 t0, f0 = seen[fld.name]
-                if not _compatible(t0, fld.type):
+                if not compatible(t0, fld.type):
                     raise InputError(
                         f"Column {fld.name!r} has type {t0} in {unstrip(self.fs, f0.path)} but {fld.type} in "
                         f"{unstrip(self.fs, f.path)}. Mixed schemas cannot be read as one dataset: cast the "
                         f"column to one type in every file.")
         try:
-            return pa.unify_schemas([_plain(f.schema) for f in self.files], promote_options="permissive")
+            return pa.unify_schemas([plain(f.schema) for f in self.files], promote_options="permissive")
         except (pa.ArrowInvalid, pa.ArrowTypeError) as e:
             raise InputError(f"The files of {self.url} have schemas that cannot be read as one dataset "
                              f"({_first_line(e)}). Cast the columns to one type in every file.") from None
@@ -233,13 +211,13 @@ class ParquetSource:
             if prompt not in fnames and messages not in fnames:
                 raise InputError(f"{unstrip(self.fs, f.path)} has no column {prompt!r} or {messages!r} "
                                  f"(columns: {', '.join(f.schema.names)}). Every input file needs the prompt column.")
-        if prompt in names and not _is_text(schema.field(prompt).type):
+        if prompt in names and not is_text(schema.field(prompt).type):
             raise InputError(
                 f"Column {prompt!r} in {self.url} has type {schema.field(prompt).type}; prompts must be strings. "
                 f"Pick the text column with --prompt-column.")
         if cfg.id_column in names:
             t = schema.field(cfg.id_column).type
-            if not _is_id_type(t):
+            if not is_id_type(t):
                 raise InputError(f"Id column {cfg.id_column!r} in {self.url} has type {t}; ids must be integers "
                                  f"or strings. Cast it, or name another column with --id-column.")
         if isinstance(cfg.passthrough, list):
@@ -382,7 +360,7 @@ class ParquetSource:
                     if batch.num_rows == 0:
                         continue
                     failpoint("source.batch")
-                    sb = SourceBatch(file, first, _conform(batch, read_schema, ids, first))
+                    sb = SourceBatch(file, first, conform(batch, read_schema, ids, first))
                     if hashed is not None:
                         sb = self._hash_filter(sb, hashed)
                         if sb is None:
@@ -424,90 +402,6 @@ class ParquetSource:
 def _head(sb: SourceBatch, n: int) -> SourceBatch:
     rows = sb.row_numbers[:n] if sb.row_numbers is not None else None
     return SourceBatch(sb.file, sb.start, sb.batch.slice(0, n), rows)
-
-
-def _conform(batch: pa.RecordBatch, schema: pa.Schema, ids: Optional[str] = None, first: int = 0) -> pa.RecordBatch:
-    """The batch with exactly the schema's columns and types: missing columns as nulls, widths unified.
-
-    ids: the id column, whose text ids that are not valid UTF-8 become null, with their reasons in the column's
-    metadata (BAD_IDS_KEY; first: the batch's first row number)."""
-    if not len(schema):
-        return batch.select([])  # no columns, but the batch's rows (a hash split counting an input without ids)
-    arrays, fields = [], list(schema)
-    for j, f in enumerate(schema):
-        i = batch.schema.get_field_index(f.name)
-        col = batch.column(i) if i >= 0 else pa.nulls(batch.num_rows, f.type)
-        col = col if col.type == f.type else col.cast(f.type)
-        if f.name == ids and (pa.types.is_string(f.type) or pa.types.is_large_string(f.type)):
-            col, bad = _valid_ids(col, first)
-            if bad:
-                fields[j] = f.with_metadata({BAD_IDS_KEY: json.dumps(bad).encode()})
-        arrays.append(col)
-    return pa.RecordBatch.from_arrays(arrays, schema=pa.schema(fields, metadata=schema.metadata))
-
-
-def _valid_ids(col: pa.Array, first: int) -> tuple[pa.Array, dict]:
-    """The ids with those that are not valid UTF-8 as null, and {row number: reason} of those."""
-    try:
-        col.validate(full=True)
-        return col, {}
-    except pa.ArrowInvalid:
-        pass
-    values, bad = [], {}
-    for r, raw in enumerate(col.cast(pa.binary() if pa.types.is_string(col.type) else pa.large_binary()).to_pylist()):
-        try:
-            values.append(None if raw is None else raw.decode("utf-8"))
-        except UnicodeDecodeError as e:
-            values.append(None)
-            bad[str(first + r)] = f"byte {e.start} is not valid UTF-8 ({raw[e.start:e.start + 1]!r})"
-    return pa.array(values, col.type), bad
-
-
-def _plain(schema: pa.Schema) -> pa.Schema:
-    """The schema with string_view columns as string (binary_view as binary), which every file's columns unify
-    with and the output holds."""
-    fields = []
-    for f in schema:
-        if _is_string_view(f.type):
-            f = f.with_type(pa.string())
-        elif getattr(pa.types, "is_binary_view", lambda _: False)(f.type):
-            f = f.with_type(pa.binary())
-        fields.append(f)
-    return pa.schema(fields, metadata=schema.metadata)
-
-
-def file_version(fs, path: str) -> str:
-    """The file's size and its modification time (else ETag, checksum or creation time, as the file system tells
-    them): tells a rewritten file from the same one. "" when the file system tells none of them, so a rewrite of
-    the same size could not be told (``input_stamp`` then trusts nothing)."""
-    try:
-        info = fs.info(path)
-    except OSError:
-        return ""
-    mark = next((info[k] for k in _VERSION_KEYS if info.get(k)), None)
-    return f"{info.get('size')}:{mark}" if mark is not None else ""
-
-
-def _is_data_file(path: str, suffixes: tuple[str, ...] = ParquetSource.SUFFIXES, base: str = "") -> bool:
-    """A data file of a folder input: its name ends with one of suffixes, and neither it nor a folder between it
-    and ``base`` starts with "." or "_" (as pyarrow.dataset skips _SUCCESS, _temporary/, _delta_log/, .snapshot/)."""
-    name = posixpath.basename(path)
-    if not name.endswith(suffixes):
-        return False
-    root = base.rstrip("/")
-    rel = path[len(root) + 1:] if root and path.startswith(root + "/") else name
-    return not any(part.startswith((".", "_")) for part in rel.split("/"))
-
-
-def _compatible(a: pa.DataType, b: pa.DataType) -> bool:
-    if a == b or pa.types.is_null(a) or pa.types.is_null(b):
-        return True
-    if pa.types.is_integer(a) and pa.types.is_integer(b):
-        return True
-    if pa.types.is_floating(a) and pa.types.is_floating(b):
-        return True
-    text = (pa.types.is_string, pa.types.is_large_string, _is_string_view)
-    return any(f(a) for f in text) and any(f(b) for f in text)
 
 
 def _first_line(e: Exception) -> str:

@@ -21,7 +21,8 @@ from overnight.pipeline.config import InputConfig, SamplingConfig
 from overnight.pipeline.records import Result
 from overnight.pipeline.input.checks import (_OVERRIDE_CHECKS, _SCHEDULING_CHECKS, STRUCTURED_COLUMNS, RowError,
                                              _check_request, _short, job_structured)
-from overnight.pipeline.input.source import (BAD_IDS_KEY, INPUT_ERROR_COLUMN, OVERRIDE_COLUMNS, RAW_PROMPT_COLUMN,
+from overnight.pipeline.input.arrow_types import BAD_IDS_KEY
+from overnight.pipeline.input.source import (INPUT_ERROR_COLUMN, OVERRIDE_COLUMNS, RAW_PROMPT_COLUMN,
                                              SCHEDULING_COLUMNS, SourceBatch, _first_line)
 
 CHAT_ROLES = ("system", "user", "assistant", "tool")
@@ -94,7 +95,7 @@ def parse_batch(sb: SourceBatch, cfg: InputConfig, defaults: dict, passthrough: 
     kept = [c for c in passthrough if c in names]
     carried_columns = {c: _column(batch, c) for c in kept}
     carried = [{c: v[i] for c, v in carried_columns.items()} for i in range(n)]
-    # ids the source read as null because they were not valid UTF-8 (source.BAD_IDS_KEY): {row number: why}
+    # ids the source read as null because they were not valid UTF-8 (arrow_types.BAD_IDS_KEY): {row number: why}
     bad_ids = _bad_ids(batch, cfg.id_column) if ids is not None else {}
 
     parsed: list[Parsed] = []

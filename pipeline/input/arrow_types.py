@@ -1,0 +1,89 @@
+"""Arrow types and batches as the job reads them: which column types are text or ids, which unify across files,
+and each batch conformed to the input's one schema (missing columns as nulls, ids that are not UTF-8 as null)."""
+
+from __future__ import annotations
+
+import json
+from typing import Optional
+
+import pyarrow as pa
+
+# Field metadata on a batch's id column whose text ids were not valid UTF-8: {row number: reason} as JSON. Those
+# ids read as null, so the hash split and the resume filter key such a row by its origin, as they key a null id
+# (and match its error row by it); ``validate`` makes each one an error row saying why.
+BAD_IDS_KEY = b"overnight.invalid_ids"
+
+
+def is_string_view(t: pa.DataType) -> bool:
+    return getattr(pa.types, "is_string_view", lambda _: False)(t)
+
+
+def is_text(t: pa.DataType) -> bool:
+    return (pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_binary(t)
+            or pa.types.is_large_binary(t) or is_string_view(t) or pa.types.is_null(t))
+
+
+def is_id_type(t: pa.DataType) -> bool:
+    return pa.types.is_integer(t) or pa.types.is_string(t) or pa.types.is_large_string(t) or is_string_view(t)
+
+
+def compatible(a: pa.DataType, b: pa.DataType) -> bool:
+    """Whether two files' types of one column unify: the same, null, both integers, both floats or both text."""
+    if a == b or pa.types.is_null(a) or pa.types.is_null(b):
+        return True
+    if pa.types.is_integer(a) and pa.types.is_integer(b):
+        return True
+    if pa.types.is_floating(a) and pa.types.is_floating(b):
+        return True
+    text = (pa.types.is_string, pa.types.is_large_string, is_string_view)
+    return any(f(a) for f in text) and any(f(b) for f in text)
+
+
+def plain(schema: pa.Schema) -> pa.Schema:
+    """The schema with string_view columns as string (binary_view as binary), which every file's columns unify
+    with and the output holds."""
+    fields = []
+    for f in schema:
+        if is_string_view(f.type):
+            f = f.with_type(pa.string())
+        elif getattr(pa.types, "is_binary_view", lambda _: False)(f.type):
+            f = f.with_type(pa.binary())
+        fields.append(f)
+    return pa.schema(fields, metadata=schema.metadata)
+
+
+def conform(batch: pa.RecordBatch, schema: pa.Schema, ids: Optional[str] = None, first: int = 0) -> pa.RecordBatch:
+    """The batch with exactly the schema's columns and types: missing columns as nulls, widths unified.
+
+    ids: the id column, whose text ids that are not valid UTF-8 become null, with their reasons in the column's
+    metadata (BAD_IDS_KEY; first: the batch's first row number)."""
+    if not len(schema):
+        return batch.select([])  # no columns, but the batch's rows (a hash split counting an input without ids)
+    arrays, fields = [], list(schema)
+    for j, f in enumerate(schema):
+        i = batch.schema.get_field_index(f.name)
+        col = batch.column(i) if i >= 0 else pa.nulls(batch.num_rows, f.type)
+        col = col if col.type == f.type else col.cast(f.type)
+        if f.name == ids and (pa.types.is_string(f.type) or pa.types.is_large_string(f.type)):
+            col, bad = valid_ids(col, first)
+            if bad:
+                fields[j] = f.with_metadata({BAD_IDS_KEY: json.dumps(bad).encode()})
+        arrays.append(col)
+    return pa.RecordBatch.from_arrays(arrays, schema=pa.schema(fields, metadata=schema.metadata))
+
+
+def valid_ids(col: pa.Array, first: int) -> tuple[pa.Array, dict]:
+    """The ids with those that are not valid UTF-8 as null, and {row number: reason} of those."""
+    try:
+        col.validate(full=True)
+        return col, {}
+    except pa.ArrowInvalid:
+        pass
+    values, bad = [], {}
+    for r, raw in enumerate(col.cast(pa.binary() if pa.types.is_string(col.type) else pa.large_binary()).to_pylist()):
+        try:
+            values.append(None if raw is None else raw.decode("utf-8"))
+        except UnicodeDecodeError as e:
+            values.append(None)
+            bad[str(first + r)] = f"byte {e.start} is not valid UTF-8 ({raw[e.start:e.start + 1]!r})"
+    return pa.array(values, col.type), bad
