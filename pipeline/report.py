@@ -226,8 +226,7 @@ class Reporter:
         mf.end_attempt(m, state, message)
         status = self.status(state, exit_code, message)
         lock = self.job.lock
-        if lock is not None and lock.lost:
-            log.error(message)  # the folder is the other run's now: its manifest and status are left alone
+        if lock is not None and lock.lost:  # the folder is another run's now: its manifest and status are left alone
             return summary(self.tally, self.job.run_id, self.job.out.shown(), state, exit_code, message,
                            {"scheduler": status["scheduler"], "forecast": status["forecast"], "rows": status["rows"],
                             "cost": status["cost"]})

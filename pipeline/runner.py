@@ -355,4 +355,6 @@ class Runner:
         except Exception as e:
             log.error("could not flush the last finished rows: %s", e)
             state, message = RunState.FAILED, message or f"flush failed: {e}"
+        if self._lock_lost() and state != RunState.FAILED:
+            state, message = RunState.FAILED, self._lost_message()  # found out at this last flush
         return self.reporter.finish(state, message, self.engine_failed)

@@ -134,6 +134,32 @@ def test_workers_get_the_json_schema_itself_and_an_edited_file_is_refused(tmp_pa
         run_on_ray(c, False, 1, is_tty=False)
 
 
+def test_a_driver_whose_lock_another_run_took_stops_every_worker(tmp_path, cfg, local_ray, monkeypatch):
+    from overnight.pipeline.output import lock as lock_module
+
+    monkeypatch.setattr(lock_module, "HEARTBEAT_S", 0.2)   # the driver's: it reads its lock back every 0.2 s
+    inp = write_input(tmp_path / "in", 2, 400, 50)
+    out = tmp_path / "out"
+    c = cfg(inp, out, engine={"kind": "echo", "echo_step_ms": 20, "max_num_seqs": 8}, sampling={"max_tokens": 6})
+
+    def take_over():
+        while not list(out.glob("workers/*/parts/*.parquet")):
+            time.sleep(0.1)
+        lock = json.loads((out / ".overnight.lock").read_text())
+        (out / ".overnight.lock").write_text(json.dumps(dict(lock, host="other-host", pid=99, token="theirs")))
+
+    t = threading.Thread(target=take_over, daemon=True)
+    t.start()
+    s = run_on_ray(c, False, 2, is_tty=False)
+    t.join(timeout=5)
+    assert (s.state, s.exit_code) == ("failed", 1) and s.num_done < 800
+    assert "another run took over" in s.message and "host other-host, pid 99" in s.message
+    assert json.loads((out / ".overnight.lock").read_text())["token"] == "theirs"
+    assert json.loads((out / "status.json").read_text())["state"] == "running"   # no end state written over theirs
+    for w in out.glob("workers/*/status.json"):   # each worker stopped without its end status
+        assert json.loads(w.read_text())["state"] == "running", w
+
+
 def test_two_workers_share_the_units_and_answer_each_id_once(tmp_path, cfg, local_ray):
     inp = write_input(tmp_path / "in", 2, 400, 50)
     out = tmp_path / "out"

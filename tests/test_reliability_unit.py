@@ -170,6 +170,77 @@ def test_a_run_whose_lock_another_took_over_stops_and_writes_nothing_more(data, 
     assert json.loads((out / ".overnight.lock").read_text())["token"] == "theirs"   # and theirs stays
 
 
+def test_a_takeover_found_only_at_the_last_flush_fails_the_run(data, tmp_path, cfg, monkeypatch):
+    from overnight.pipeline.output import lock as lock_module
+
+    monkeypatch.setattr(lock_module, "HEARTBEAT_S", 0.01)
+    monkeypatch.setattr(RunLock, "_beat_until_released", lambda self: None)   # only the loop and the writes ask
+    out = tmp_path / "out"
+
+    class TakenAtTheEnd(FakeEngine):
+        def _step(self):
+            done = super()._step()
+            if len(self.added) == 24 and not self.has_unfinished():   # the last rows finish: the loop ends
+                write_lock(out, host="other-host", pid=99, token="theirs")
+            return done
+
+    s = run_job(cfg(data, out, output={"flush_rows": 1000}), engine_factory=given(TakenAtTheEnd(step_sleep=0.02)),
+                is_tty=False)
+    assert (s.state, s.exit_code) == ("failed", 1) and "(24 finished rows not saved" in s.message
+    assert not list(out.glob("parts/*.parquet"))
+    assert json.loads((out / "manifest.json").read_text())["state"] == "running"   # as the other run left it
+
+
+def test_a_lock_removed_while_held_is_lost(tmp_path):
+    # the run that took it over finished and removed it: its part numbers may collide with ours
+    out = tmp_path / "out"
+    lock = RunLock(OutputDir(str(out)))
+    lock.acquire()
+    (out / ".overnight.lock").unlink()
+    lock.last_beat = 0.0
+    assert not lock.confirm() and lock.lost and "removed it since" in lock.taken_by()
+    lock.release()
+    assert not (out / ".overnight.lock").exists()   # not written again
+
+
+def test_watching_a_lock_survives_read_errors_and_takes_a_corrupt_one(tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    clock = FakeClock()
+    write_lock(out, host="other-host", pid=1, heartbeat=clock.t)
+    reads = []
+    real = RunLock.holder
+
+    def flaky(self):
+        reads.append(clock.t)
+        if len(reads) == 2:
+            raise OSError("a storage blip")
+        if len(reads) == 4:
+            (out / ".overnight.lock").write_text("{not json")
+        return real(self)
+
+    monkeypatch.setattr(RunLock, "holder", flaky)
+    lock = RunLock(OutputDir(str(out)), clock=clock, sleep=lambda s: setattr(clock, "t", clock.t + s))
+    lock.acquire()
+    assert len(reads) >= 4 and json.loads((out / ".overnight.lock").read_text())["token"] == lock.token
+    lock.release()
+
+
+def test_a_live_run_is_seen_to_beat_however_far_ahead_the_watchers_clock_is(tmp_path):
+    # this host's clock 110 s ahead: the holder's heartbeat looks 110 s old, 10 s short of stale
+    out = tmp_path / "out"
+    clock = FakeClock()
+    write_lock(out, host="other-host", pid=4242, heartbeat=clock.t - 110)
+    start = clock.t
+
+    def sleep(s):
+        clock.t += s
+        if clock.t - start >= 30:   # its thread beats 30 s after its last heartbeat
+            write_lock(out, host="other-host", pid=4242, heartbeat=clock.t - 110)
+
+    with pytest.raises(LockError, match="host other-host, pid 4242"):
+        RunLock(OutputDir(str(out)), clock=clock, sleep=sleep).acquire()
+
+
 def test_two_runs_at_once_through_the_job(data, tmp_path, cfg):
     out = tmp_path / "out"
     write_lock(out, pid=os.getppid(), started_at=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"))

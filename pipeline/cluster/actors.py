@@ -38,6 +38,7 @@ class Coordinator:
         self.held: dict[int, list[Unit]] = {}
         self.stop_reason: Optional[str] = None
         self.stop_count = 0
+        self.lost_to: Optional[str] = None  # the driver lost OUT's lock to this run: workers write nothing more
         self.statuses: dict[int, dict] = {}
         self.deaths = 0
         self.started: set[int] = set()  # worker actors the cluster found room for
@@ -77,8 +78,14 @@ class Coordinator:
         self.stop_reason = self.stop_reason or reason
         self.stop_count += 1
 
-    def stop_state(self) -> tuple[Optional[str], int]:
-        return self.stop_reason, self.stop_count
+    def lose(self, to: str) -> None:
+        """The driver lost OUT's lock to another run: every worker stops at once and writes nothing more."""
+        self.lost_to = to
+        self.stop("another run took over the output folder")
+        self.stop_count = max(self.stop_count, 2)  # urgent: rows in flight are aborted, not drained
+
+    def stop_state(self) -> tuple[Optional[str], int, Optional[str]]:
+        return self.stop_reason, self.stop_count, self.lost_to
 
     def report(self, worker: int, status: dict) -> None:
         self.statuses[worker] = status
@@ -100,8 +107,9 @@ class RemoteStop:
     """A worker's stop requests: the driver's (through the coordinator), polled at most once a second. It stands
     in for the runner's signal handlers, which only the main thread of a process may install."""
 
-    def __init__(self, coordinator):
+    def __init__(self, coordinator, lock=None):
         self.coordinator = coordinator
+        self.lock = lock  # the worker folder's: lost when the driver lost OUT's
         self._first: Optional[str] = None
         self._count = 0
         self._last = 0.0
@@ -110,7 +118,9 @@ class RemoteStop:
         now = time.monotonic()
         if now - self._last >= 1.0:
             self._last = now
-            reason, self._count = _ray().get(self.coordinator.stop_state.remote())
+            reason, self._count, lost_to = _ray().get(self.coordinator.stop_state.remote())
+            if lost_to and self.lock is not None:
+                self.lock.lose(lost_to)
             self._first = self._first or reason
 
     @property
@@ -187,7 +197,7 @@ class Worker:
                     "output_tokens_per_s": 0.0, "elapsed_s": 0.0}
         job = self._open(lambda: ray.get(self.coordinator.next.remote(self.index)))
         runner = Runner(job, EngineSupervisor(factory_for(self.cfg), job), is_tty=False)
-        runner.signals = RemoteStop(self.coordinator)
+        runner.signals = RemoteStop(self.coordinator, job.lock)
 
         def taken(n: int) -> None:
             runner.tally.num_rows += n

@@ -118,7 +118,7 @@ class Driver:
         self.done_before = sum(self.done_in.values())
         self.progress = Progress(total, min(self.done_before, total), log_every, is_tty=is_tty)
         self.signals: list[str] = []
-        self.warned = self.warned_unplaced = False
+        self.warned = self.warned_unplaced = self.told_lost = False
         log.info(f"{len(units)} units of the input ({total} rows, {self.done_before} already done) over {workers} "
                  f"Ray workers; one engine each")
 
@@ -140,6 +140,7 @@ class Driver:
         results: dict[int, dict] = {}
         failures: dict[int, str] = {}
         restarts = 0
+        unavailable: dict[int, int] = {}  # times each worker was found unavailable
         previous = self._install_signals()
         try:
             while calls:
@@ -153,14 +154,15 @@ class Driver:
                         # Restarting, or unreachable for now and maybe still working: ask again. A restarted
                         # worker's new incarnation gives back what the dead one held (Coordinator.hello).
                         restarts += 1
+                        unavailable[i] = unavailable.get(i, 0) + 1
                         log.warning(f"worker w{i} is unavailable ({type(e).__name__}); asking it again")
-                        if restarts <= MAX_ACTOR_RESTARTS * self.num_workers:
+                        if unavailable[i] <= MAX_ACTOR_RESTARTS:
                             calls[actors[i].run.remote()] = i
                         else:  # given up on: stopped, so that none of its rows is answered twice, and its units
                             ray.kill(actors[i])  # go back to the queue for the others
                             n = ray.get(self.coordinator.release.remote(i, worker_out(self.cfg.output.path, i).url))
-                            log.warning(f"worker w{i} stayed unavailable after {restarts} tries; it is stopped, its "
-                                        f"{n} units go back to the queue and what it wrote is kept")
+                            log.warning(f"worker w{i} stayed unavailable after {unavailable[i]} tries; it is stopped, "
+                                        f"its {n} units go back to the queue and what it wrote is kept")
                     except ray.exceptions.RayActorError as e:
                         restarts += 1
                         if self._restarted(actors[i]):  # its new incarnation gave back what it held (hello)
@@ -259,6 +261,11 @@ class Driver:
             log.warning(f"deadline at risk: over {self.num_workers} workers the job needs {fmt_duration(eta)} but "
                         f"{fmt_duration(time_left)} is left; about {expected_left} of {left} remaining rows will be "
                         f"left undone (the job stops in time and exits {EXIT_PARTIAL}; a rerun continues them)")
+        if self.lock.lost:
+            if not self.told_lost:  # every worker stops at once and writes nothing more; nor does the driver
+                self.told_lost = True
+                self.ray.get(self.coordinator.lose.remote(self.lock.taken_by()))
+            return
         self.root.write_status(self._status("running", None, statuses, pending, eta, forecast=f))
         self.lock.heartbeat()
         if log.isEnabledFor(logging.DEBUG):
@@ -310,7 +317,15 @@ class Driver:
                                                            if engine else ""))
         else:
             state, code, message = "failed", EXIT_FAILED, f"{left} rows not done; rerun to continue"
-        self.root.write_status(self._status(state, code, statuses, pending, 0.0 if complete else None, message))
+        if self.lock.lost:  # OUT is the other run's now: its status file is left alone
+            state, code = "failed", EXIT_FAILED
+            message = (f"another run took over {self.root.shown()} ({self.lock.taken_by()}): every worker stopped "
+                       f"and wrote nothing more there; {left} rows not done. Let that run finish, and give each "
+                       f"run its own --out")
+            log.error(message)
+        else:
+            self.root.write_status(self._status(state, code, statuses, pending, 0.0 if complete else None,
+                                                message))
         ok = sum(r["num_ok"] for r in results.values())
         err = sum(r["num_error"] for r in results.values())
         toks = sum(r["num_output_tokens"] for r in results.values())

@@ -77,6 +77,7 @@ class RunLock:
         self.last_beat = 0.0
         self.is_held = False
         self.lost = False  # another run took the lock over while this one held it
+        self.lost_to = ""  # which run, for the message
         self._beat_lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
@@ -114,20 +115,29 @@ class RunLock:
         if other.get("host") == self.info["host"]:
             raise self._in_use(other)  # its process runs here: no need to watch
         start = self.clock()
-        # stale by its own timestamp, or still for STALE_S as this run sees it (the hosts' clocks may differ)
-        until = start + max(0.0, min(STALE_S, STALE_S - (start - float(other.get("heartbeat", 0)))))
+        # stale by its own timestamp, or still for STALE_S as this run sees it (the hosts' clocks may differ);
+        # watched at least a heartbeat's interval and two reads, so that a live run is seen to beat however far
+        # ahead this host's clock is
+        age = start - float(other.get("heartbeat", 0))
+        until = start + min(STALE_S, max(HEARTBEAT_S + 2 * WATCH_S, STALE_S - age))
         log.warning("%s is locked by host %s, pid %s (heartbeat %.0f s ago): watching it for up to %.0f s; a "
                     "live run refreshes it, a run that died does not and its lock is then taken over",
                     self.out.url, other.get("host"), other.get("pid"), start - float(other.get("heartbeat", 0)),
                     until - start)
         while True:
             self.sleep(max(0.1, min(WATCH_S, until - self.clock() + 0.1)))
-            now = self.holder()
+            try:
+                now = self.holder()
+            except OSError as e:  # a storage blip: read it again at the next look
+                log.debug("could not read the lock on %s: %s", self.out.url, e)
+                continue
             if now is None:
                 return None
+            if now.get("corrupt"):
+                return now  # stale, as acquire takes a corrupt lock
             if (now.get("token"), now.get("heartbeat")) != (other.get("token"), other.get("heartbeat")):
                 raise self._in_use(now)
-            if self.clock() > until or self.is_stale(now):
+            if self.clock() > until:
                 return now
 
     def acquire(self) -> None:
@@ -184,21 +194,26 @@ class RunLock:
             self._beat()
             return not self.lost  # (a lock not held at all: a Ray worker's folder, which the driver's lock covers)
 
+    def lose(self, to: str) -> None:
+        """This run's folder is no longer its own (``to``: whose it is now): it writes nothing more there."""
+        self.lost, self.lost_to = True, self.lost_to or to
+
     def taken_by(self) -> str:
         """Who took the lock over, for the message of a run that lost it."""
-        try:
-            mine = self.holder() or {}
-        except OSError:
-            mine = {}
-        return f"host {mine.get('host')}, pid {mine.get('pid')}, started {mine.get('started_at')}"
+        return self.lost_to or "another run"
 
     def _beat(self) -> None:
         if not self.is_held or self.lost or self.clock() - self.last_beat < HEARTBEAT_S:
             return
         try:
             mine = self.holder()
-            if mine is not None and mine.get("token") != self.token:
-                self.lost = True
+            if mine is None:  # removed: by a run that took it over and finished (its parts are numbered too)
+                self.lose("a run that took the lock over and has removed it since")
+                log.error("the lock on %s is gone: another run must have taken it over; this run stops and "
+                          "writes nothing more there", self.out.url)
+                return
+            if mine.get("token") != self.token:
+                self.lose(f"host {mine.get('host')}, pid {mine.get('pid')}, started {mine.get('started_at')}")
                 log.error("another run took over the lock on %s (host %s, pid %s, started %s): this run stops "
                           "and writes nothing more there", self.out.url, mine.get("host"), mine.get("pid"),
                           mine.get("started_at"))
