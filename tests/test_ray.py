@@ -127,11 +127,20 @@ def test_workers_get_the_json_schema_itself_and_an_edited_file_is_refused(tmp_pa
     c = cfg(inp, out, engine={"kind": "echo", "echo_step_ms": 1, "max_num_seqs": 8},
             sampling={"max_tokens": 4, "json_schema": str(f)})
     assert run_on_ray(c, False, 1, is_tty=False).num_done == 20 and len(set(ids_in(out))) == 20
-    worker = json.loads((out / "workers" / "w00000" / "manifest.json").read_text())
+    manifest = out / "workers" / "w00000" / "manifest.json"
+    worker = json.loads(manifest.read_text())
     assert worker["config"]["sampling"]["json_schema"] == '{"type": "object"}'
     f.write_text('{"type": "array"}')
     with pytest.raises(OutputError, match=r"sampling.json_schema.type: 'object' -> 'array'"):
         run_on_ray(c, False, 1, is_tty=False)
+    # a folder written before stop 37 fingerprinted the file's path: its workers get the path, and resume
+    from overnight.pipeline.output import manifest as mf
+    worker["fingerprint_fields"]["sampling"]["json_schema"] = str(f)
+    worker["fingerprint"] = mf.fingerprint(worker["fingerprint_fields"])
+    manifest.write_text(json.dumps(worker))
+    again = run_on_ray(c, False, 1, is_tty=False)
+    assert (again.state, again.num_resumed) == ("completed", 20), again.message
+    assert json.loads(manifest.read_text())["config"]["sampling"]["json_schema"] == str(f)
 
 
 def test_a_driver_whose_lock_another_run_took_stops_every_worker(tmp_path, cfg, local_ray, monkeypatch):

@@ -57,6 +57,7 @@ def run_on_ray(cfg: JobConfig, fresh: bool, workers: int, address: Optional[str]
     root = OutputDir(cfg.output.path)
     lock = RunLock(root)
     lock.acquire()
+    legacy = False  # a worker folder fingerprinted --json-schema by its path (before stop 37)
     try:
         if fresh:
             for d in job_dirs(cfg.output.path):
@@ -70,6 +71,7 @@ def run_on_ray(cfg: JobConfig, fresh: bool, workers: int, address: Optional[str]
                 previous = d.out.read_manifest()
                 if previous is not None:
                     mf.check_resume(previous, fields, d.out.url, also=given)
+                    legacy = legacy or not mf.same_settings(previous, fields)
         units = plan_units(source.files, workers, cfg.input.limit)
         total = sum(u.num_rows for u in units)
         # Every worker gets the same absolute deadline and margin.
@@ -79,7 +81,9 @@ def run_on_ray(cfg: JobConfig, fresh: bool, workers: int, address: Optional[str]
         # queue for whichever worker frees up first.
         sc = dataclasses.replace(sc, lookahead_rows=min(sc.lookahead_rows, 2 * cfg.engine.max_num_seqs))
         wcfg = dataclasses.replace(cfg, scheduler=sc, output=dataclasses.replace(cfg.output, log_every_seconds=1e9))
-        if cfg.sampling.json_schema is not None:  # the schema itself: a worker on another node may not see the file
+        if cfg.sampling.json_schema is not None and not legacy:
+            # the schema itself: a worker on another node may not see the file (a folder fingerprinted by the
+            # file's path before keeps getting the path, which its fingerprint matches)
             from overnight.pipeline.input.checks import job_structured
             wcfg = dataclasses.replace(wcfg, sampling=dataclasses.replace(
                 cfg.sampling, json_schema=json.dumps(job_structured(cfg.sampling)["json"])))
