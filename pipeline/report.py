@@ -227,6 +227,7 @@ class Reporter:
         status = self.status(state, exit_code, message)
         lock = self.job.lock
         if lock is not None and lock.lost:  # the folder is another run's now: its manifest and status are left alone
+            log.error(message)
             return summary(self.tally, self.job.run_id, self.job.out.shown(), state, exit_code, message,
                            {"scheduler": status["scheduler"], "forecast": status["forecast"], "rows": status["rows"],
                             "cost": status["cost"]})

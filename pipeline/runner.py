@@ -355,6 +355,7 @@ class Runner:
         except Exception as e:
             log.error("could not flush the last finished rows: %s", e)
             state, message = RunState.FAILED, message or f"flush failed: {e}"
-        if self._lock_lost() and state != RunState.FAILED:
-            state, message = RunState.FAILED, self._lost_message()  # found out at this last flush
+        lock = self.job.lock
+        if lock is not None and not lock.confirm() and state != RunState.FAILED:
+            state, message = RunState.FAILED, self._lost_message()  # found out now: nothing more is written
         return self.reporter.finish(state, message, self.engine_failed)

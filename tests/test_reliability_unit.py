@@ -225,7 +225,26 @@ def test_watching_a_lock_survives_read_errors_and_takes_a_corrupt_one(tmp_path, 
     lock.release()
 
 
-def test_a_live_run_is_seen_to_beat_however_far_ahead_the_watchers_clock_is(tmp_path):
+def test_a_lock_that_cannot_be_read_again_ends_the_watch_with_an_error(tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    clock = FakeClock()
+    write_lock(out, host="other-host", pid=1, heartbeat=clock.t)
+    real, reads = RunLock.holder, []
+
+    def failing(self):
+        reads.append(clock.t)
+        if len(reads) > 1:
+            raise PermissionError(13, "Forbidden")
+        return real(self)
+
+    monkeypatch.setattr(RunLock, "holder", failing)
+    lock = RunLock(OutputDir(str(out)), clock=clock, sleep=lambda s: setattr(clock, "t", clock.t + s))
+    with pytest.raises(LockError, match="Cannot read the lock .*Forbidden"):
+        lock.acquire()
+    assert 120 < clock.t - reads[0] < 126   # the watch's 2 minutes, then the error
+
+
+def test_a_live_run_is_seen_to_beat_when_the_watchers_clock_is_110_s_ahead(tmp_path):
     # this host's clock 110 s ahead: the holder's heartbeat looks 110 s old, 10 s short of stale
     out = tmp_path / "out"
     clock = FakeClock()

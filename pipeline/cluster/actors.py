@@ -14,7 +14,7 @@ from overnight.pipeline.config import JobConfig
 from overnight.pipeline.output.checkpoint import OutputDir, OutputError
 from overnight.pipeline.output.layout import job_dirs, worker_out
 from overnight.pipeline.output.lock import RunLock
-from overnight.pipeline.report import EXIT_PARTIAL
+from overnight.pipeline.report import EXIT_FAILED, EXIT_PARTIAL
 
 log = logging.getLogger("overnight")
 
@@ -101,6 +101,29 @@ class Coordinator:
     def idle(self) -> tuple[int, int, set]:
         """(units pending, units held by workers, workers placed)."""
         return len(self.pending), sum(len(u) for u in self.held.values()), self.started
+
+
+def _not_run(state: str, exit_code: int, message: str) -> dict:
+    """A worker's summary of a pass it did not start."""
+    return {"state": state, "exit_code": exit_code, "message": message, "num_ok": 0, "num_error": 0,
+            "num_resumed": 0, "num_duplicates": 0, "num_output_tokens": 0, "output_tokens_per_s": 0.0,
+            "elapsed_s": 0.0}
+
+
+class WorkerLock(RunLock):
+    """A worker folder's lock: the driver's lock on OUT covers it. Before each write it asks the coordinator
+    whether the driver lost that lock to another run, whose workers write in these folders now."""
+
+    def __init__(self, out, coordinator):
+        super().__init__(out)
+        self.coordinator = coordinator
+
+    def confirm(self) -> bool:
+        if not self.lost:
+            lost_to = _ray().get(self.coordinator.stop_state.remote())[2]
+            if lost_to:
+                self.lose(lost_to)
+        return not self.lost
 
 
 class RemoteStop:
@@ -192,9 +215,10 @@ class Worker:
         ray = _ray()
         sc = self.cfg.scheduler
         if sc.deadline and jobmod_deadline(sc) <= time.time():  # it started after the job's deadline
-            return {"state": "partial", "exit_code": EXIT_PARTIAL, "message": "deadline reached", "num_ok": 0,
-                    "num_error": 0, "num_resumed": 0, "num_duplicates": 0, "num_output_tokens": 0,
-                    "output_tokens_per_s": 0.0, "elapsed_s": 0.0}
+            return _not_run("partial", EXIT_PARTIAL, "deadline reached")
+        lost_to = ray.get(self.coordinator.stop_state.remote())[2]
+        if lost_to:  # the driver lost OUT to another run: not even this folder's manifest is written
+            return _not_run("failed", EXIT_FAILED, f"another run took over the output folder ({lost_to})")
         job = self._open(lambda: ray.get(self.coordinator.next.remote(self.index)))
         runner = Runner(job, EngineSupervisor(factory_for(self.cfg), job), is_tty=False)
         runner.signals = RemoteStop(self.coordinator, job.lock)
@@ -235,8 +259,8 @@ class Worker:
         deadline_at = jobmod_deadline(sc) if sc.deadline else None
         margin = sc.safety_margin_s or 0.0
         # Never the completed-job shortcut: it skips the scan, and this folder's parts would be written over.
-        job = jobmod._open_locked(cfg, False, source, out, model, fields, RunLock(out), deadline_at, margin,
-                                  shortcut=False)
+        job = jobmod._open_locked(cfg, False, source, out, model, fields, WorkerLock(out, self.coordinator),
+                                  deadline_at, margin, shortcut=False)
         job.lazy_engine = True  # a worker may get no unit, or only rows already done
         own = job.scan
         merged = Scan()

@@ -160,7 +160,7 @@ class Driver:
                         restarts += 1
                         unavailable[i] = unavailable.get(i, 0) + 1
                         log.warning(f"worker w{i} is unavailable ({type(e).__name__}); asking it again")
-                        if unavailable[i] <= MAX_ACTOR_RESTARTS:
+                        if unavailable[i] <= MAX_ACTOR_RESTARTS and not self.lock.lost:
                             calls[actors[i].run.remote()] = i
                         else:  # given up on: stopped, so that none of its rows is answered twice, and its units
                             ray.kill(actors[i])  # go back to the queue for the others
@@ -169,7 +169,8 @@ class Driver:
                                         f"its {n} units go back to the queue and what it wrote is kept")
                     except ray.exceptions.RayActorError as e:
                         restarts += 1
-                        if self._restarted(actors[i]):  # its new incarnation gave back what it held (hello)
+                        # its new incarnation gave back what it held (Coordinator.hello)
+                        if self._restarted(actors[i]) and not self.lock.lost:
                             log.warning(f"worker w{i} was lost ({type(e).__name__}) and restarted; its units go "
                                         f"back to the queue and what it wrote is kept")
                             calls[actors[i].run.remote()] = i
@@ -227,7 +228,7 @@ class Driver:
     def _rerun_idle(self, calls, actors, results, failures) -> None:
         """Units that came back to the queue go to a worker that finished its pass (not one that stopped)."""
         pending, _ = self.ray.get(self.coordinator.snapshot.remote())
-        if not pending or self.signals:
+        if not pending or self.signals or self.lock.lost:
             return
         for i, a in enumerate(actors):
             if i not in calls.values() and i not in failures and results.get(i, {}).get("state") == "completed":
@@ -265,13 +266,13 @@ class Driver:
             log.warning(f"deadline at risk: over {self.num_workers} workers the job needs {fmt_duration(eta)} but "
                         f"{fmt_duration(time_left)} is left; about {expected_left} of {left} remaining rows will be "
                         f"left undone (the job stops in time and exits {EXIT_PARTIAL}; a rerun continues them)")
+        self.lock.heartbeat()
         if self.lock.lost:
             if not self.told_lost:  # every worker stops at once and writes nothing more; nor does the driver
                 self.told_lost = True
                 self.ray.get(self.coordinator.lose.remote(self.lock.taken_by()))
             return
         self.root.write_status(self._status("running", None, statuses, pending, eta, forecast=f))
-        self.lock.heartbeat()
         if log.isEnabledFor(logging.DEBUG):
             for i, st in sorted(statuses.items()):
                 log.debug(f"w{i}: {st.get('state')} {st.get('rows', {}).get('done')} rows done, "
@@ -321,7 +322,7 @@ class Driver:
                                                            if engine else ""))
         else:
             state, code, message = "failed", EXIT_FAILED, f"{left} rows not done; rerun to continue"
-        if self.lock.lost:  # OUT is the other run's now: its status file is left alone
+        if not self.lock.confirm():  # OUT is the other run's now: its status file is left alone
             state, code = "failed", EXIT_FAILED
             message = (f"another run took over {self.root.shown()} ({self.lock.taken_by()}): every worker stopped "
                        f"and wrote nothing more there; {left} rows not done. Let that run finish, and give each "

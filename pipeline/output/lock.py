@@ -128,7 +128,10 @@ class RunLock:
             self.sleep(max(0.1, min(WATCH_S, until - self.clock() + 0.1)))
             try:
                 now = self.holder()
-            except OSError as e:  # a storage blip: read it again at the next look
+            except OSError as e:  # a storage blip: read it again at the next look, while the watch lasts
+                if self.clock() > until:
+                    raise LockError(f"Cannot read the lock {self.out.url}/{LOCK} ({e}); check that the output "
+                                    f"folder is readable, and rerun.") from None
                 log.debug("could not read the lock on %s: %s", self.out.url, e)
                 continue
             if now is None:
