@@ -80,6 +80,7 @@ class Runner:
         self.stopping: Optional[str] = None  # why admission stopped early, once it has
         self.hard_stop_at: Optional[float] = None  # when rows still in flight are aborted
         self.engine_failed = False
+        self.engine_dead = False  # it died after a signal: not stepped again
         self._last_tick = self._last_forecast = -1e18
         self._forecast_every = FORECAST_S
         self._last_step_end: Optional[float] = None  # for the loop's cycle per engine step
@@ -118,9 +119,11 @@ class Runner:
             if self.reader is not None:
                 self.reader.close()
             self.annotator.close()
-            self.signals.restore()
             sys.setswitchinterval(interval)
-            result = self._finish(state, message)
+            try:
+                result = self._finish(state, message)
+            finally:  # a signal during the last flush is counted, not a KeyboardInterrupt that loses it
+                self.signals.restore()
         return result
 
     # -- the loop ------------------------------------------------------------------------------
@@ -167,7 +170,9 @@ class Runner:
         return self.reader is not None and self.reader.is_exhausted and self.scheduler.is_done()
 
     def _is_finished(self) -> bool:
-        """The engine is empty, and a stop began or every row is read and done."""
+        """The engine is empty (or dead), and a stop began or every row is read and done."""
+        if self.engine_dead:
+            return self.stopping is not None
         return not self.engine.has_unfinished() and (self.stopping is not None or self._is_complete())
 
     def _refill(self) -> None:
@@ -202,9 +207,12 @@ class Runner:
                 self._forget(a.request_id)
                 self._record([Result.failed(a.row.id, a.row.passthrough,
                                             f"{a.row.origin}: the engine refused the row: {e}", time.time())])
+            except Exception as e:  # the engine died between steps (vLLM's EngineDeadError): as a failed step
+                self._on_engine_failure(e)
+                return
 
     def _collect(self) -> None:
-        if not self.engine.has_unfinished():
+        if self.engine_dead or not self.engine.has_unfinished():
             self._last_step_end = None
             return
         # the sequences in the engine, running or waiting in its queue (a row of n samples is n of them)
@@ -236,6 +244,16 @@ class Runner:
                 queued = self.queued_at[f.request_id]
                 share = self.share - self.share_at.get(f.request_id, self.share)
                 row = self._forget(f.request_id)
+                if f.finish_reason == "abort":  # the engine ended it (its process stopping on a signal): not
+                    self.tracker.dropped([f.request_id])  # done, and not written; a rerun answers it
+                    self.tally.num_aborted += 1
+                    continue
+                if f.finish_reason == "error":  # vLLM's request-level internal error: an error row, not a text
+                    self._record([Result.failed(row.id, row.passthrough, f"{row.origin}: the engine ended the "
+                                                f"request with an internal error (vLLM's finish_reason "
+                                                f"\"error\", such as a structured output grammar it could not build)",
+                                                time.time())])
+                    continue
                 n = row.sampling.get("n", 1)
                 rows.append(row)
                 results.append(Result.from_engine(row, f, queued, round(share * n, 6)))
@@ -323,8 +341,10 @@ class Runner:
             # Ctrl-C reaches the engine's processes too: it stopped with us. What finished is kept.
             log.warning("the engine stopped after %s (%s); rows in flight are not done", self.signals.first, e)
             self._abort_in_flight(engine_alive=False)
+            self.engine_dead = True  # never stepped again: its queue may never answer
             if self.stopping is None:
                 self._begin_stop(f"interrupted by {self.signals.first}", self.clock())
+            self.hard_stop_at = self.clock()  # a drain already under way has nothing left to drain
             return
         self.engine = self.supervisor.restart(e, self.scheduler.num_running)
         self.tracker.engine_started(self.engine.max_num_seqs)

@@ -379,6 +379,50 @@ def test_a_second_signal_aborts_at_once_and_leaves_a_consistent_checkpoint(data,
     assert done == s.num_done
 
 
+def test_an_engine_that_died_on_the_signal_during_the_drain_is_not_stepped_again(data, tmp_path, cfg):
+    # Ctrl-C reaches the engine's processes too: a dead engine's next step may block forever (vLLM's output
+    # queue), so it is never stepped again, though the 60 s grace period had just begun
+    out = tmp_path / "out"
+
+    class DiesOnTheSignal(FakeEngine):
+        dead_steps = 0
+
+        def _step(self):
+            if sent:
+                self.dead_steps += 1
+                raise RuntimeError("engine core died")
+            return super()._step()
+
+    eng = DiesOnTheSignal(max_num_seqs=2, step_sleep=0.05, length_of=lambda ids: 200)
+    sent = signal_when(eng, 10, signal.SIGINT)
+    t0 = time.monotonic()
+    s = run_job(cfg(data, out, scheduler={"grace_s": 60}), engine_factory=given(eng), is_tty=False)
+    assert (s.state, s.exit_code) == ("interrupted", 75) and eng.dead_steps == 1
+    assert time.monotonic() - t0 < 30
+
+
+def test_rows_the_engine_ends_with_abort_or_error_are_not_written_as_answers(data, tmp_path, cfg):
+    import dataclasses
+
+    out = tmp_path / "out"
+
+    class EndsTwo(FakeEngine):
+        reasons = ["abort", "error"]
+
+        def _step(self):
+            return [dataclasses.replace(f, finish_reason=self.reasons.pop(0), text="partial") if self.reasons else f
+                    for f in super()._step()]
+
+    s = run_job(cfg(data, out), engine_factory=given(EndsTwo()), is_tty=False)
+    assert (s.state, s.exit_code, s.num_done, s.num_error) == ("partial", 75, 23, 1)   # the aborted one is not done
+    t = pq.read_table(out / "parts").to_pylist()
+    assert len(t) == 23 and "partial" not in [r["text"] for r in t]
+    err = [r for r in t if r["status"] == "error"]
+    assert len(err) == 1 and "the engine ended the request with an internal error" in err[0]["error"]
+    again = run_job(cfg(data, out), engine_factory=given(FakeEngine()), is_tty=False)
+    assert (again.state, again.num_resumed) == ("completed", 23) and pq.read_table(out / "parts").num_rows == 24
+
+
 # -- engine death ------------------------------------------------------------------------------
 
 def test_engine_restarts_in_process_and_the_run_completes(data, tmp_path, cfg, caplog):

@@ -43,6 +43,10 @@ class EngineSupervisor:
         where = self.job.out.url
         what = f"{type(error).__name__}: {error}"
         if self.num_restarts >= self.max_restarts:
+            try:  # nor is it handed out again (an engine cached for the next job in this process)
+                self.engine.shutdown()
+            except Exception as e:
+                log.debug("shutting down the failed engine: %s", e)
             hint = (" Pass --max-engine-restarts N to restart it in-process." if not self.max_restarts else
                     f" It was restarted {self.num_restarts} times already (--max-engine-restarts {self.max_restarts}).")
             raise EngineError(f"The vLLM engine failed mid-run ({what}). The rows it finished are saved in "
