@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass
 from typing import Optional
 
-from overnight.pipeline.config import JobConfig
+from overnight.pipeline.config import ConfigError, JobConfig
 from overnight.pipeline.input.shards import parse_shard
 from overnight.pipeline.input.source import ParquetSource, open_source
 from overnight.pipeline.input.stage import OpenModel, open_model
@@ -162,6 +162,9 @@ def _check_other_shards(cfg, source, out, fields, given) -> None:
                               f"input as it was, or run the new input into another --out.")
 
 
+MAX_BUDGET_S = 366 * 86400.0
+
+
 def resolve_deadline(sc, now: float) -> tuple[Optional[float], float]:
     """(deadline as seconds since the epoch, safety margin in seconds), or (None, 0) without one."""
     from overnight.pipeline.scheduling.when import parse_budget, parse_deadline
@@ -169,10 +172,18 @@ def resolve_deadline(sc, now: float) -> tuple[Optional[float], float]:
     if sc.deadline:
         at = parse_deadline(sc.deadline, now)
     elif sc.time_budget:
-        at = now + parse_budget(sc.time_budget)
+        budget = parse_budget(sc.time_budget)
+        if not 0 < budget <= MAX_BUDGET_S:  # 0: a rerun would stop at once, exit 75, every time
+            raise ConfigError(f"--time-budget {sc.time_budget} must be above 0 and at most a year; give e.g. 90m, or "
+                              f"leave it out for no deadline.")
+        at = now + budget
     else:
         return None, 0.0
     margin = sc.safety_margin_s if sc.safety_margin_s is not None else min(300.0, max(2.0, 0.05 * (at - now)))
+    if sc.time_budget and not sc.deadline and at - margin <= now:  # it would stop at once, on every rerun
+        raise ConfigError(f"--time-budget {sc.time_budget} is not longer than the safety margin ({margin:g} s, "
+                          f"scheduler.safety_margin_s): the job would stop as it starts. Give a longer budget or "
+                          f"a smaller margin.")
     return at, margin
 
 

@@ -45,6 +45,12 @@ def test_safety_margin_defaults_to_5_percent_within_bounds():
     assert resolve_deadline(SchedulerConfig(time_budget="10s"), 0.0) == (10.0, 2.0)
     assert resolve_deadline(SchedulerConfig(time_budget="10h"), 0.0) == (36000.0, 300.0)
     assert resolve_deadline(SchedulerConfig(time_budget="100s", safety_margin_s=7), 0.0) == (100.0, 7.0)
+    # budgets a job cannot run in: stopped at once (and a rerun the same, exit 75 every time), or past a year
+    for budget, margin, message in [("0", None, "must be above 0"), ("0h0m", None, "must be above 0"),
+                                    ("99999999h", None, "at most a year"),
+                                    ("10m", 900, r"not longer than the safety margin \(900 s")]:
+        with pytest.raises(ConfigError, match=message):
+            resolve_deadline(SchedulerConfig(time_budget=budget, safety_margin_s=margin), 0.0)
     assert resolve_deadline(SchedulerConfig(), 0.0) == (None, 0.0)
 
 

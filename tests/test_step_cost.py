@@ -78,6 +78,23 @@ def test_step_cost_leaves_out_the_slow_steps_after_the_batch_grows(after_growth,
         assert a > 1.3 * fixed and drain > 1.05 * truth
 
 
+def test_steps_left_out_after_a_jump_are_not_counted_as_measured():
+    # a resume's first batches hold a row or two, then the batch jumps: the slow steps after it are left out,
+    # and the fit has nothing yet (it used to count them, and fit an empty set: IndexError)
+    sc = StepCost()
+    sc.observe(1, 0, 0.01)
+    for _ in range(StepCost.AFTER_GROWTH):
+        sc.observe(17, 0, 0.05)
+    assert sc.num_steps == 1 and sc.fit() is not None
+    fresh = StepCost()
+    fresh.saw(1)
+    for _ in range(StepCost.AFTER_GROWTH):
+        fresh.observe(17, 0, 0.05)
+    assert fresh.num_steps == 0 and fresh.fit() is None
+    fresh.observe(17, 0, 0.05)
+    assert fresh.num_steps == 1 and fresh.fit() == pytest.approx((0.025, 0.025 / 17, 0.0))
+
+
 def test_step_cost_takes_a_prefill_with_the_step_after_it():
     """vLLM's engine core runs a step ahead of the loop: prompts admitted before a step are often prefilled in the
     next one (measured: 1,266 prompt tokens as a 93 ms step, then a 1,055 ms one)."""

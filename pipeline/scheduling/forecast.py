@@ -85,8 +85,7 @@ class StepCost:
             return
         pending = self._pending
         if self._unsettled and pending is None and not prefill_tokens:  # just after a jump: slow, left out
-            self._unsettled -= 1
-            self.num_steps += 1
+            self._unsettled -= 1  # (and not counted: num_steps counts the steps the fit has)
             return
         if pending is not None:  # the step after a prefill: part of it
             pending[0] += num_seqs
@@ -148,6 +147,8 @@ class StepCost:
         if not len(n):  # few steps so far: the mean step, half fixed and half per sequence
             ps = [list(p) for p in self.prefill_steps] + ([self._pending] if self._pending else [])
             ps += [[size, 1, 0, t] for size, q in self.sizes.items() for t in q]
+            if not ps:
+                return None
             ps = np.array(ps, np.float64)
             steps = ps[:, 1].sum()
             mean_n, mean_t = float(ps[:, 0].sum() / steps), float(ps[:, 3].sum() / steps)
