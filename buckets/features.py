@@ -11,6 +11,7 @@ features are stable across processes and machines.
 
 from __future__ import annotations
 
+import json
 import math
 import re
 import zlib
@@ -167,9 +168,16 @@ def featurize(texts: list[str], prompt_tokens: list[int], caps: list[int]) -> Fe
 
 def prompt_text(prompt, messages) -> str:
     """The text a predictor reads: the prompt, or a chat's last user message."""
-    if messages:
-        users = [m["content"] for m in messages if m.get("role") == "user"]
-        return users[-1] if users else messages[-1]["content"]
+    if isinstance(messages, str):  # a chat column of JSON strings, as the input allows
+        try:
+            messages = json.loads(messages)
+        except ValueError:
+            return messages
+    if messages and isinstance(messages, list):
+        chat = [m for m in messages if isinstance(m, dict)]
+        users = [m.get("content") for m in chat if m.get("role") == "user"]
+        text = users[-1] if users else (chat[-1].get("content") if chat else None)
+        return text if isinstance(text, str) else json.dumps(text, default=str) if text is not None else ""
     return prompt or ""
 
 

@@ -87,6 +87,9 @@ def fit_ridge(d: Design, y: np.ndarray, lam_dense: float, lam_sparse: float, ite
     diag = np.concatenate([[d.n], (d.z ** 2).sum(axis=0),
                            np.bincount(d.col, weights=d.val ** 2, minlength=d.m) if use_sparse else []]) + lam
     v = np.zeros(len(rhs))
+    if not rhs.any():  # y is all 0 (every length the same, on a rank target): the zero model, not 0/0
+        b, wd, ws = split(v)
+        return 0.0, wd, (ws if use_sparse else np.zeros(d.m))
     r = rhs - A(v)
     zr = r / diag
     p = zr.copy()

@@ -306,6 +306,10 @@ class TrainedPredictor(Predictor):
                                                  "token_calib": np.array(self.token_calib)}
         np.savez_compressed(buf, meta=np.array(json.dumps(self.meta)), bias=np.array(self.bias), wd=self.wd,
                             ws=self.ws, mean=self.mean, std=self.std, calib=np.array(self.calib), **extra)
+        weights = [np.array(self.bias), self.wd, self.ws, np.array(self.calib)]
+        if not all(np.isfinite(np.asarray(w, np.float64)).all() for w in weights):
+            raise PredictorFileError(f"The predictor's weights are not finite numbers, so {path} is not written; "
+                                     f"train on more rows, with lengths that differ.")
         fs, p = url_to_fs(path)
         write_atomic(fs, p, buf.getvalue())
 
@@ -318,14 +322,20 @@ class TrainedPredictor(Predictor):
         if not fs.exists(p):
             raise PredictorFileError(f"Predictor file {path} does not exist. Use 'heuristic', 'online', or a file "
                                      f"written by `overnight predictor train OUT --save FILE`.")
-        with fs.open(p, "rb") as f:
-            raw = f.read()
+        try:
+            with fs.open(p, "rb") as f:
+                raw = f.read()
+        except OSError as e:  # a folder, say
+            raise PredictorFileError(f"Predictor file {path} cannot be read ({type(e).__name__}: {e}). Give a file "
+                                     f"written by `overnight predictor train OUT --save FILE`.") from None
         try:
             with np.load(io.BytesIO(raw), allow_pickle=False) as z:
                 blob = {k: z[k] for k in z.files} if "meta" in z.files else None
             if blob is None:
                 return _load_format2(path, raw)
             meta = json.loads(str(blob["meta"]))
+            if not isinstance(meta, dict) or not all(k in blob for k in ("bias", "wd", "ws", "mean", "std", "calib")):
+                raise ValueError("its metadata or weights are missing")
         except PredictorFileError:
             raise
         except Exception as e:

@@ -3,6 +3,7 @@ and the annotator's learner thread. Lengths here follow a rule the heuristic can
 so a predictor that learns must beat it and one that does not learn cannot; in noisy_workload the rule is
 weak and buried in sampling noise, as real lengths are, and the heuristic's guesses are 2-3x too short."""
 
+import json
 import time
 
 import numpy as np
@@ -89,6 +90,48 @@ def test_trained_predictor_fits_the_rule_and_round_trips_through_a_file(tmp_path
     p.save(path)
     again = TrainedPredictor.load(path)
     np.testing.assert_allclose(again.predict(test).tokens, p.predict(test).tokens, rtol=1e-5)
+
+
+@pytest.mark.parametrize("objective,target", [("ridge", "log"), ("ridge", "rank"), ("pairwise", "log")])
+def test_a_predictor_trained_on_equal_lengths_predicts_them(tmp_path, objective, target):
+    # every row cut at max_tokens, say: nothing to rank, and the fit must not divide 0 by 0 (NaN weights)
+    from overnight.buckets.trained import TrainedPredictor
+
+    train, _ = workload(60, seed=3)
+    p, report = TrainedPredictor.fit(train, np.full(60, 256.0), np.zeros(60, bool), objective=objective,
+                                     target=target)
+    tokens = p.predict(train).tokens
+    assert np.isfinite(tokens).all() and np.allclose(tokens, 256, rtol=0.1)
+    p.save(str(tmp_path / "equal.npz"))
+    assert np.allclose(TrainedPredictor.load(str(tmp_path / "equal.npz")).predict(train).tokens, tokens)
+
+
+def test_bad_predictor_files_are_named_with_the_fix(tmp_path):
+    import io
+    import json
+
+    from overnight.buckets.trained import PredictorFileError, TrainedPredictor
+
+    (tmp_path / "folder.npz").mkdir()
+    with pytest.raises(PredictorFileError, match="folder.npz cannot be read"):
+        TrainedPredictor.load(str(tmp_path / "folder.npz"))
+    for name, arrays in [("no_weights.npz", {"meta": np.array(json.dumps({"format": 3}))}),
+                         ("list_meta.npz", {"meta": np.array("[1, 2]")})]:
+        buf = io.BytesIO()
+        np.savez(buf, **arrays)
+        (tmp_path / name).write_bytes(buf.getvalue())
+        with pytest.raises(PredictorFileError, match=f"{name} is not a predictor file written by"):
+            TrainedPredictor.load(str(tmp_path / name))
+
+
+def test_the_text_a_predictor_reads_from_a_chat_given_as_json():
+    from overnight.buckets.features import prompt_text
+
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a comet."}]
+    assert prompt_text(None, chat) == prompt_text(None, json.dumps(chat)) == "Name a comet."
+    assert prompt_text(None, "not json") == "not json" and prompt_text("p", None) == "p"
+    assert prompt_text(None, [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]) == \
+        '[{"type": "text", "text": "hi"}]'
 
 
 def _subset(fb, rows):
