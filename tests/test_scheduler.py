@@ -149,6 +149,18 @@ def test_per_row_deadline_at_risk_goes_first_earliest_first():
     assert s.stats.num_deadline_first == 2
 
 
+def test_a_long_row_at_risk_goes_first_though_a_short_one_is_due_sooner():
+    s = Scheduler(max_running=1, queue_factor=0, policy="fifo")
+    s.per_seq_tokens_per_s = 50.0
+    # "short" is due at 100 s and needs 0.2 s: safe. "long" is due at 150 s and needs 80 s (x2, +1): at risk.
+    s.add([row("first", 10), row("short", 10, deadline=100.0), row("long", 4000, deadline=150.0)])
+    got = [(a.row.id, a.reason) for a in s.schedule(0.0)]
+    assert got == [("long", "deadline")] and s.stats.num_deadline_first == 1
+    for rid in list(s.running):
+        s.finish(rid)
+    assert [(a.row.id, a.reason) for a in s.schedule(0.0)] == [("first", "policy")]
+
+
 def test_rows_whose_deadline_passed_are_taken_out():
     s = one_at_a_time("fifo")
     s.add([row("ok"), row("gone", deadline=5.0), row("later", deadline=100.0)])

@@ -84,6 +84,7 @@ class Scheduler:
         self._heap: list[tuple[float, int, _Entry]] = []
         self._arrivals: deque[_Entry] = deque()
         self._deadlines: list[tuple[float, int, _Entry]] = []
+        self._max_predicted = 0  # the longest prediction of a row with a deadline (how far ahead one may be at risk)
         self._num_pending = 0
         # Pending rows by predicted output tokens ({tokens: rows}): the deadline forecast reads it in O(distinct
         # lengths) instead of sorting the pool every time.
@@ -134,6 +135,7 @@ class Scheduler:
                 arrivals.append(e)
             if row.deadline_at is not None:
                 heapq.heappush(self._deadlines, (row.deadline_at, seq, e))
+                self._max_predicted = max(self._max_predicted, row.predicted_tokens or 0)
             t = row.predicted_tokens or 0
             lengths[t] = lengths.get(t, 0) + 1
             seq += 1
@@ -201,17 +203,39 @@ class Scheduler:
         # 2. per-row deadlines at risk, earliest first
         while self._deadlines and self._deadlines[0][2].is_taken:
             heapq.heappop(self._deadlines)
-        if self._deadlines:
-            deadline, _, e = self._deadlines[0]
-            if self._is_at_risk(e.row, deadline, now):
-                heapq.heappop(self._deadlines)
-                self.stats.num_deadline_first += 1
-                return e, "deadline"
+        e = self._first_at_risk(now)
+        if e is not None:
+            self.stats.num_deadline_first += 1
+            return e, "deadline"
         # 3. the policy
         while True:
             _, _, e = heapq.heappop(self._heap)
             if not e.is_taken:
                 return e, "policy"
+
+    def _first_at_risk(self, now: float) -> Optional[_Entry]:
+        """The row of the earliest deadline among those at risk. Not only the heap's head: a long row due later
+        may be at risk while a short one due sooner is not. The heap is walked in deadline order (a heap of its
+        positions) as far as any row could be at risk: twice the longest prediction's time, and a second."""
+        heap = self._deadlines
+        if not heap:
+            return None
+        rate = self.per_seq_tokens_per_s
+        horizon = now + (2.0 * self._max_predicted / rate if rate else 0.0) + 1.0
+        walk = [(heap[0][0], heap[0][1], 0)]
+        while walk:
+            deadline, _, i = heapq.heappop(walk)
+            if deadline > horizon:
+                return None
+            e = heap[i][2]
+            if not e.is_taken and self._is_at_risk(e.row, deadline, now):
+                if i == 0:
+                    heapq.heappop(heap)  # (taken ones deeper in are dropped as they reach the head)
+                return e
+            for c in (2 * i + 1, 2 * i + 2):
+                if c < len(heap):
+                    heapq.heappush(walk, (heap[c][0], heap[c][1], c))
+        return None
 
     def _is_at_risk(self, row: Row, deadline: float, now: float) -> bool:
         rate = self.per_seq_tokens_per_s
@@ -277,6 +301,8 @@ class Scheduler:
                 lengths[t] = lengths.get(t, 0) + 1
                 row.predicted_tokens = t
                 n += 1
+                if row.deadline_at is not None:
+                    self._max_predicted = max(self._max_predicted, t)
             row.bucket = b
         if n:
             self.rekey()
