@@ -153,9 +153,13 @@ class LengthAnnotator:
             self._wake.wait(LEARN_POLL_S)
             self._wake.clear()
             t0 = time.perf_counter()
-            self._learn_inbox()
-            if self._refresh_request is not None:
-                self._repredict()
+            try:
+                self._learn_inbox()
+                if self._refresh_request is not None:
+                    self._repredict()
+            except Exception:  # learning is an aid: the job goes on with the predictions it has
+                log.exception("the length predictor's learner thread failed; predictions stop improving")
+                return
             self.background_seconds += time.perf_counter() - t0
 
     def _learn_inbox(self) -> None:

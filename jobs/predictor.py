@@ -130,7 +130,9 @@ def eval_cmd(out, spec, as_json):
 
     e = evaluate(load_outputs([out]), spec)
     if as_json:
-        click.echo(json.dumps(asdict(e), indent=2))
+        # NaN (tau of fewer than 2 rows, say) is not JSON: null
+        click.echo(json.dumps({k: None if isinstance(v, float) and v != v else v for k, v in asdict(e).items()},
+                              indent=2))
         return
     click.echo(f"predictor: {e.predictor}\nrows: {e.num_rows}\nKendall's tau: {e.kendall_tau:.3f}\n"
                f"MAE: {e.mae:.1f} tokens (mean actual {e.mean_actual:.1f}, mean predicted {e.mean_predicted:.1f})\n"

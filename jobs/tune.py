@@ -57,6 +57,10 @@ def tune(input_path, config_file, batched_tokens, seqs, sample, time_limit, save
     with filtered_stderr(verbose), reserved_stdout() as stdout:
         echo = functools.partial(click.echo, file=stdout)
         report = run_tune(cfg, b, s, sample, parse_budget(time_limit), echo=echo)
+        if not report.num_rows:
+            why = "; ".join(report.errors) or "the input has no rows"
+            raise click.ClickException(f"No usable rows to measure in the first {sample} rows of {cfg.input.path} "
+                                       f"({why}). Fix those rows, or point tune at input that has good ones.")
         for bt, sq in report.skipped:
             echo(f"max_num_batched_tokens={bt} max_num_seqs={sq}: skipped (time limit)")
         best = report.best

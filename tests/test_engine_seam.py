@@ -105,3 +105,16 @@ def test_run_plan_and_tune_prepare_the_same_rows(write_parquet, tmp_path, cfg):
     assert (s.num_ok, s.num_error, s.num_duplicates) == (2, 3, 1) and len(eng.added) == 2
     # engine.max_model_len narrows the context everywhere
     assert open_model(cfg(inp, tmp_path / "o2", engine={"max_model_len": 64})).max_model_len == 64
+
+
+def test_tune_on_input_without_a_usable_row_says_why(write_parquet, tmp_path, tiny_model):
+    from click.testing import CliRunner
+
+    from overnight.jobs.cli import cli
+
+    inp = write_parquet({"id": ["a", "b"], "prompt": ["", None]})
+    res = CliRunner().invoke(cli, ["tune", str(inp), "--model", tiny_model, "--seqs", "4"])
+    assert res.exit_code == 1
+    assert "No usable rows to measure in the first" in res.output and "in.parquet#0: prompt column 'prompt' is empty" in res.output, \
+        res.output
+

@@ -39,6 +39,7 @@ class Point:
 @dataclass
 class TuneReport:
     num_rows: int
+    errors: list[str] = field(default_factory=list)  # why sampled rows were left out (the first few)
     points: list[Point] = field(default_factory=list)
     skipped: list[tuple[int, int]] = field(default_factory=list)
 
@@ -49,10 +50,15 @@ class TuneReport:
 
 
 def sample_rows(cfg: JobConfig, n: int):
-    """The model and the first n input rows, prepared as `overnight run` prepares them (bad rows left out)."""
+    """The model, the first n input rows prepared as `overnight run` prepares them (bad rows left out), and why
+    the first few bad ones were."""
     source = open_source(dataclasses.replace(cfg.input, limit=n))
     model = open_model(cfg)
-    return model, [row for batch in prepare(cfg, source, model) for row in batch.rows]
+    rows, errors = [], []
+    for batch in prepare(cfg, source, model):
+        rows.extend(batch.rows)
+        errors.extend(r.error for r in batch.errors[:max(0, 3 - len(errors))])
+    return model, rows, errors
 
 
 def measure(engine: VllmEngine, rows) -> tuple[float, int, float]:
@@ -68,8 +74,8 @@ def measure(engine: VllmEngine, rows) -> tuple[float, int, float]:
 
 def tune(cfg: JobConfig, batched_tokens: list[int], seqs: list[int], sample: int, time_limit_s: float,
          echo: Callable[[str], None] = log.info) -> TuneReport:
-    model, rows = sample_rows(cfg, sample)
-    report = TuneReport(num_rows=len(rows))
+    model, rows, errors = sample_rows(cfg, sample)
+    report = TuneReport(num_rows=len(rows), errors=errors)
     if not rows:
         return report
     started = time.monotonic()
@@ -101,8 +107,8 @@ def tune(cfg: JobConfig, batched_tokens: list[int], seqs: list[int], sample: int
                  f"(KV cache {point.kv_cache_tokens} tokens, {point.num_preemptions} preemptions)")
             if point.num_preemptions:
                 echo(f"  warning: {point.num_preemptions} preemptions: the KV cache is too small for {s} sequences "
-                     f"of these lengths; give it more room (--kv-cache-space / --gpu-memory-utilization) or use "
-                     f"fewer sequences")
+                     f"of these lengths; give it more room (engine: kv_cache_space_gib on a CPU, "
+                     f"gpu_memory_utilization on a GPU, in a --config file) or use fewer sequences")
     return report
 
 
