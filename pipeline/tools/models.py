@@ -84,6 +84,19 @@ def prepare(name: str, force: bool = False, echo: Callable[[str], None] = log.in
     target = alias_folder(alias)
     if is_prepared(alias) and not force:
         return target
+    # One conversion at a time on this machine (shards of an array starting together): the others wait for it,
+    # then find the folder prepared, rather than remove a folder another process is loading.
+    import fcntl
+
+    os.makedirs(os.path.dirname(target), exist_ok=True)
+    with open(f"{target}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if is_prepared(alias) and not force:
+            return target
+        return _convert(name, alias, target, echo)
+
+
+def _convert(name: str, alias, target: str, echo) -> str:
     spec = importlib.util.find_spec(alias.module)
     if spec is None or not spec.submodule_search_locations:
         raise ModelError(
