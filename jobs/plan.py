@@ -8,6 +8,7 @@ from dataclasses import asdict
 import click
 
 from overnight.jobs.options import build_config, given, input_options, sampling_options, schedule_options, user_errors
+from overnight.pipeline.config import Policy
 from overnight.pipeline.progress import fmt_duration
 
 
@@ -60,7 +61,10 @@ def plan(input_path, out, config_file, as_json, **options):
         elif p.is_feasible:
             click.echo(f"{when}: feasible")
         else:
+            how = {"auto": "running the shortest first once at risk", "shortest-first": "running the shortest "
+                   "first", "longest-first": "running the longest first", "priority": "running the highest "
+                   "priority first", "fifo": "running in input order"}[Policy(cfg.scheduler.policy).value]
             click.echo(f"{when}: NOT feasible; about {p.rows_left} rows ({p.tokens_left} predicted tokens) would be "
-                       f"left, running the shortest first once at risk")
+                       f"left, {how}")
     for e in p.errors:
         click.echo(f"error row: {e}")

@@ -118,3 +118,26 @@ def test_tune_on_input_without_a_usable_row_says_why(write_parquet, tmp_path, ti
     assert "No usable rows to measure in the first" in res.output and "in.parquet#0: prompt column 'prompt' is empty" in res.output, \
         res.output
 
+
+def test_plan_leaves_what_the_chosen_policy_would_leave(write_parquet, tmp_path, cfg):
+    import numpy as np
+
+    from overnight.pipeline.scheduling.plan import run_order
+
+    work = np.array([30.0, 10.0, 20.0])
+    assert run_order("auto", work, [0, 0, 0]).tolist() == [1, 2, 0]
+    assert run_order("longest-first", work, [0, 0, 0]).tolist() == [0, 2, 1]
+    assert run_order("fifo", work, [0, 0, 0]).tolist() == [0, 1, 2]
+    assert run_order("priority", work, [1, 5, 1]).tolist() == [1, 0, 2]
+    # short and long prompts (the heuristic predicts longer answers to longer instructions), a long one first
+    prompts = ["Write a detailed essay about the history of the Roman empire, its rise and its fall."] + \
+        ["Say yes."] * 9
+    inp = write_parquet({"id": [f"r{i}" for i in range(10)], "prompt": prompts})
+    left = {}
+    for policy in ("auto", "fifo", "longest-first"):
+        c = cfg(inp, tmp_path / "out", buckets={"predictor": "heuristic"}, sampling={"max_tokens": 2000},
+                scheduler={"policy": policy, "time_budget": "800s", "safety_margin_s": 0})
+        p = make_plan(c, throughput=1.0)   # 800 predicted tokens fit: the essay ~480, a "Say yes." ~250
+        left[policy] = p.rows_left
+    assert left["auto"] < left["fifo"] <= left["longest-first"], left
+

@@ -13,7 +13,7 @@ from overnight.buckets.bucketing import assign, describe, quantile_bounds
 from overnight.buckets.predictors import make_predictor
 from overnight.pipeline.output.checkpoint import Scan
 from overnight.pipeline.output.layout import job_dirs
-from overnight.pipeline.config import JobConfig
+from overnight.pipeline.config import JobConfig, Policy
 from overnight.pipeline.input.resume import ResumeFilter
 from overnight.pipeline.input.source import open_source
 from overnight.pipeline.input.stage import open_model, prepare
@@ -57,6 +57,20 @@ def measured_throughput(out_url: str) -> Optional[float]:
     return sum(rates) or None
 
 
+def run_order(policy, work: np.ndarray, priorities: list) -> np.ndarray:
+    """The rows in the order the policy runs them at a deadline it cannot meet, for what it would leave undone:
+    auto and shortest-first run the shortest predicted first (auto once at risk), longest-first the longest,
+    priority the highest priority first (then input order), fifo input order."""
+    policy = Policy(policy)
+    if policy in (Policy.AUTO, Policy.SHORTEST_FIRST):
+        return np.argsort(work, kind="stable")
+    if policy == Policy.LONGEST_FIRST:
+        return np.argsort(-work, kind="stable")
+    if policy == Policy.PRIORITY:
+        return np.argsort(-np.asarray(priorities, dtype=np.float64), kind="stable")
+    return np.arange(len(work))
+
+
 def make_plan(cfg: JobConfig, out: Optional[str] = None, throughput: Optional[float] = None,
               now: Optional[float] = None) -> Plan:
     now = time.time() if now is None else now
@@ -70,7 +84,7 @@ def make_plan(cfg: JobConfig, out: Optional[str] = None, throughput: Optional[fl
             d.out.scan(cfg.input.id_column, into=done)
     tally = Tally(source.num_rows)
     resume = ResumeFilter(done, tally, out or "")
-    predicted, prompt_tokens, samples = [], [], []
+    predicted, prompt_tokens, samples, priorities = [], [], [], []
     num_errors = 0
     errors = []
     for batch in prepare(cfg, source, open_model(cfg), annotator, resume):
@@ -79,6 +93,7 @@ def make_plan(cfg: JobConfig, out: Optional[str] = None, throughput: Optional[fl
         predicted.extend(r.predicted_tokens for r in batch.rows)
         samples.extend(r.sampling.get("n", 1) for r in batch.rows)
         prompt_tokens.extend(r.num_prompt_tokens for r in batch.rows)
+        priorities.extend(r.priority for r in batch.rows)
     num_done = tally.num_resumed
     num_duplicates = tally.num_duplicates
     pred = np.asarray(predicted, dtype=np.float64)  # a completion's; the buckets go by it
@@ -109,8 +124,7 @@ def make_plan(cfg: JobConfig, out: Optional[str] = None, throughput: Optional[fl
         plan.time_left_s = max(0.0, deadline_at - margin - now)
         if tps:
             plan.is_feasible = plan.eta_s <= plan.time_left_s
-            # What the auto policy would leave: it runs the shortest predicted rows first once at risk.
-            cum = np.cumsum(np.sort(work))
+            cum = np.cumsum(work[run_order(cfg.scheduler.policy, work, priorities)])
             fits = int(np.searchsorted(cum, tps * plan.time_left_s, side="right"))
             plan.rows_left = len(pred) - fits
             plan.tokens_left = int(total - (cum[fits - 1] if fits else 0.0))
