@@ -70,6 +70,7 @@ def train(outs, save_to, epochs, holdout, seed, model, no_embeddings):
     p, report = TrainedPredictor.fit(fb_train, data.actual[train_idx], data.hit_cap[train_idx], seed=seed,
                                      holdout=fb_val, holdout_actual=data.actual[val_idx] if len(val_idx) else None,
                                      sources=list(outs), tokens=tokens)
+    p.meta["served_models"] = list(data.models)  # whose lengths it learned: a job of another model is warned
     p.save(save_to)
     cv = f"cross-validated Kendall's tau {report.cv_tau:.3f}, " if report.cv_tau is not None else ""
     val = (f"; validation tau {report.val_tau:.3f}, MAE {report.val_mae:.0f} tokens, mean predicted / actual "

@@ -68,7 +68,13 @@ def open_job(cfg: JobConfig, fresh: bool = False, now: Optional[float] = None) -
     check_adapters(cfg.engine)  # and so does a --lora folder that is not an adapter
     if cfg.buckets.predictor not in ("heuristic", "online"):
         from overnight.buckets.trained import TrainedPredictor
-        TrainedPredictor.load(cfg.buckets.predictor)  # fail now, not after the engine started
+        trained = TrainedPredictor.load(cfg.buckets.predictor)  # fail now, not after the engine started
+        served = getattr(trained, "meta", {}).get("served_models")
+        if served and cfg.engine.model not in served:
+            log.warning(f"the predictor {cfg.buckets.predictor} learned the output lengths of "
+                        f"{', '.join(served)}, not of {cfg.engine.model}: another model's answers may be longer or "
+                        f"shorter. Train one on runs of this model (`overnight predictor train OUT --save FILE`), "
+                        f"or use --predictor online")
     shard = parse_shard(cfg.cluster.shard, cfg.cluster.shards)
     source = open_source(cfg.input, shard)
     check_layout(cfg.output.path, shard)

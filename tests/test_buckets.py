@@ -4,6 +4,7 @@ so a predictor that learns must beat it and one that does not learn cannot; in n
 weak and buried in sampling noise, as real lengths are, and the heuristic's guesses are 2-3x too short."""
 
 import json
+import logging
 import time
 
 import numpy as np
@@ -301,7 +302,7 @@ def _wait_for(fn, timeout=10.0):
     raise AssertionError(f"{fn} not true within {timeout} s")
 
 
-def test_predictor_train_and_eval_commands(tmp_path, cfg):
+def test_predictor_train_and_eval_commands(tmp_path, cfg, caplog):
     """`overnight predictor train` on a finished run (lengths grow with the prompt), then `eval` with the file:
     the report's figures, and predictions that rank and are right on average."""
     import json
@@ -334,3 +335,19 @@ def test_predictor_train_and_eval_commands(tmp_path, cfg):
     e = json.loads(ev.output)
     assert e["num_rows"] == 120 and e["kendall_tau"] > 0.8
     assert abs(e["mean_predicted"] / e["mean_actual"] - 1) < 0.1
+    # the file knows whose lengths it learned; a job of another model is told
+    from overnight.buckets.trained import TrainedPredictor
+
+    p = TrainedPredictor.load(str(model))
+    assert p.meta["served_models"] == [cfg(tmp_path / "in.parquet", out).engine.model]
+    p.meta["served_models"] = ["some-70b-model"]
+    p.save(str(tmp_path / "other.npz"))
+    logger = logging.getLogger("overnight")   # (the CLI above stopped it propagating to the root logger)
+    logger.addHandler(caplog.handler)
+    try:
+        run_job(cfg(tmp_path / "in.parquet", tmp_path / "out2", input={"limit": 4},
+                    buckets={"predictor": str(tmp_path / "other.npz")}), engine_factory=given(FakeEngine()),
+                is_tty=False)
+    finally:
+        logger.removeHandler(caplog.handler)
+    assert "learned the output lengths of some-70b-model, not of" in caplog.text
