@@ -36,6 +36,12 @@ def write_lock(out, **info):
     (out / ".overnight.lock").write_text(json.dumps(base))
 
 
+def fake_time():
+    """A fake clock, and a sleep that moves it."""
+    clock = FakeClock()
+    return clock, lambda s: setattr(clock, "t", clock.t + s)
+
+
 def test_a_second_run_on_the_same_out_is_refused_naming_the_first(tmp_path, caplog):
     # on another host: its heartbeat is watched, and moves (a live run): refused as soon as it does
     out = tmp_path / "out"
@@ -62,12 +68,8 @@ def test_a_second_run_on_the_same_out_is_refused_naming_the_first(tmp_path, capl
 def test_a_lock_of_a_run_killed_on_another_host_is_taken_over_once_its_heartbeat_stays_still(tmp_path, caplog):
     # a Kubernetes pod killed (OOM, a lost node) and retried on another node: its lock is fresh, and never beats
     out = tmp_path / "out"
-    clock = FakeClock()
+    clock, sleep = fake_time()
     write_lock(out, host="pod-0-abcde", pid=1, heartbeat=clock.t - 5)
-
-    def sleep(s):
-        clock.t += s
-
     lock = RunLock(OutputDir(str(out)), clock=clock, sleep=sleep)
     lock.acquire()
     waited = clock.t - 1_900_000_000.0
@@ -205,7 +207,7 @@ def test_a_lock_removed_while_held_is_lost(tmp_path):
 
 def test_watching_a_lock_survives_read_errors_and_takes_a_corrupt_one(tmp_path, monkeypatch):
     out = tmp_path / "out"
-    clock = FakeClock()
+    clock, sleep = fake_time()
     write_lock(out, host="other-host", pid=1, heartbeat=clock.t)
     reads = []
     real = RunLock.holder
@@ -219,7 +221,7 @@ def test_watching_a_lock_survives_read_errors_and_takes_a_corrupt_one(tmp_path, 
         return real(self)
 
     monkeypatch.setattr(RunLock, "holder", flaky)
-    lock = RunLock(OutputDir(str(out)), clock=clock, sleep=lambda s: setattr(clock, "t", clock.t + s))
+    lock = RunLock(OutputDir(str(out)), clock=clock, sleep=sleep)
     lock.acquire()
     assert len(reads) >= 4 and json.loads((out / ".overnight.lock").read_text())["token"] == lock.token
     lock.release()
@@ -227,7 +229,7 @@ def test_watching_a_lock_survives_read_errors_and_takes_a_corrupt_one(tmp_path, 
 
 def test_a_lock_that_cannot_be_read_again_ends_the_watch_with_an_error(tmp_path, monkeypatch):
     out = tmp_path / "out"
-    clock = FakeClock()
+    clock, sleep = fake_time()
     write_lock(out, host="other-host", pid=1, heartbeat=clock.t)
     real, reads = RunLock.holder, []
 
@@ -238,7 +240,7 @@ def test_a_lock_that_cannot_be_read_again_ends_the_watch_with_an_error(tmp_path,
         return real(self)
 
     monkeypatch.setattr(RunLock, "holder", failing)
-    lock = RunLock(OutputDir(str(out)), clock=clock, sleep=lambda s: setattr(clock, "t", clock.t + s))
+    lock = RunLock(OutputDir(str(out)), clock=clock, sleep=sleep)
     with pytest.raises(LockError, match="Cannot read the lock .*Forbidden"):
         lock.acquire()
     assert 120 < clock.t - reads[0] < 126   # the watch's 2 minutes, then the error
