@@ -46,6 +46,7 @@ class LengthAnnotator:
         self._observed_since_refresh = 0
         # Finished rows wait here and are learned from in batches of LEARN_BATCH.
         self._inbox: collections.deque = collections.deque()
+        self._learner_failed = False  # the learner thread died: nothing more is collected for it
         self._pending: list = []
         self._pending_actual: list[int] = []
         self._pending_capped: list[bool] = []
@@ -92,7 +93,7 @@ class LengthAnnotator:
     # -- the engine loop -----------------------------------------------------------------------
     def observe(self, rows: list, actual: list[int], finish_reasons: list) -> None:
         """Finished rows: the online predictor learns from their actual lengths."""
-        if not self.predictor.learns or not rows:
+        if not self.predictor.learns or not rows or self._learner_failed:
             return
         self._inbox.append(([r.features for r in rows], actual, [fr == "length" for fr in finish_reasons]))
         if self._thread is None and self._background and not self._closed:
@@ -107,7 +108,8 @@ class LengthAnnotator:
     def wants_refresh(self) -> bool:
         """After the first refresh_every rows, then whenever what it learned from has doubled:
         the model changes most early on, and each refresh re-predicts the whole pool."""
-        if not self.predictor.learns or self._refresh_request is not None or self._refresh_result is not None:
+        if (not self.predictor.learns or self._learner_failed or self._refresh_request is not None
+                or self._refresh_result is not None):
             return False
         return self._observed_since_refresh >= max(self.refresh_every, self.predictor.num_observed // 2)
 
@@ -159,6 +161,8 @@ class LengthAnnotator:
                     self._repredict()
             except Exception:  # learning is an aid: the job goes on with the predictions it has
                 log.exception("the length predictor's learner thread failed; predictions stop improving")
+                self._learner_failed = True
+                self._inbox.clear()
                 return
             self.background_seconds += time.perf_counter() - t0
 

@@ -62,8 +62,8 @@ def plan(input_path, out, config_file, as_json, **options):
             click.echo(f"{when}: feasible")
         else:
             how = {"auto": "running the shortest first once at risk", "shortest-first": "running the shortest "
-                   "first", "longest-first": "running the longest first", "priority": "running the highest "
-                   "priority first", "fifo": "running in input order"}[Policy(cfg.scheduler.policy).value]
+                   "first", "longest-first": "running the longest first", "priority": "running the lowest "
+                   "priority value first", "fifo": "running in input order"}[Policy(cfg.scheduler.policy).value]
             click.echo(f"{when}: NOT feasible; about {p.rows_left} rows ({p.tokens_left} predicted tokens) would be "
                        f"left, {how}")
     for e in p.errors:

@@ -199,17 +199,18 @@ class Runner:
             try:
                 self.engine.add(a.request_id, a.row.prompt_token_ids, a.row.sampling,
                                 a.priority if self.engine.supports_priority else 0)
-                self.tracker.admitted(a.request_id, a.row.predicted_tokens, a.row.num_prompt_tokens,
-                                      a.row.sampling.get("n", 1))
-                if self.tally.first_admitted_at is None:
-                    self.tally.first_admitted_at = time.time()
             except ValueError as e:  # vLLM's own validation of a request
                 self._forget(a.request_id)
                 self._record([Result.failed(a.row.id, a.row.passthrough,
                                             f"{a.row.origin}: the engine refused the row: {e}", time.time())])
+                continue
             except Exception as e:  # the engine died between steps (vLLM's EngineDeadError): as a failed step
                 self._on_engine_failure(e)
                 return
+            self.tracker.admitted(a.request_id, a.row.predicted_tokens, a.row.num_prompt_tokens,
+                                  a.row.sampling.get("n", 1))
+            if self.tally.first_admitted_at is None:
+                self.tally.first_admitted_at = time.time()
 
     def _collect(self) -> None:
         if self.engine_dead or not self.engine.has_unfinished():
@@ -247,6 +248,9 @@ class Runner:
                 if f.finish_reason == "abort":  # the engine ended it (its process stopping on a signal): not
                     self.tracker.dropped([f.request_id])  # done, and not written; a rerun answers it
                     self.tally.num_aborted += 1
+                    if not self.signals.first:
+                        log.warning(f"{row.origin}: the engine aborted the row itself (vLLM's finish_reason "
+                                    f"\"abort\"); it is not done, and a rerun answers it")
                     continue
                 if f.finish_reason == "error":  # vLLM's request-level internal error: an error row, not a text
                     self._record([Result.failed(row.id, row.passthrough, f"{row.origin}: the engine ended the "
@@ -364,6 +368,11 @@ class Runner:
 
     def _finish(self, state: RunState, message: Optional[str]) -> Summary:
         self.progress.close()
+        if self.engine_dead:  # nor handed to a later job in this process
+            try:
+                self.engine.shutdown(0.5)
+            except Exception as e:
+                log.debug("shutting down the engine that stopped with us: %s", e)
         # Rows still in the engine are not done: abort them so a cached engine starts clean.
         try:
             if self.engine is not None:

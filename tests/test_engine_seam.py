@@ -128,7 +128,7 @@ def test_plan_leaves_what_the_chosen_policy_would_leave(write_parquet, tmp_path,
     assert run_order("auto", work, [0, 0, 0]).tolist() == [1, 2, 0]
     assert run_order("longest-first", work, [0, 0, 0]).tolist() == [0, 2, 1]
     assert run_order("fifo", work, [0, 0, 0]).tolist() == [0, 1, 2]
-    assert run_order("priority", work, [1, 5, 1]).tolist() == [1, 0, 2]
+    assert run_order("priority", work, [5, 1, 5]).tolist() == [1, 0, 2]   # lower first, as the scheduler
     # short and long prompts (the heuristic predicts longer answers to longer instructions), a long one first
     prompts = ["Write a detailed essay about the history of the Roman empire, its rise and its fall."] + \
         ["Say yes."] * 9

@@ -161,6 +161,19 @@ def test_a_long_row_at_risk_goes_first_though_a_short_one_is_due_sooner():
     assert [(a.row.id, a.reason) for a in s.schedule(0.0)] == [("first", "policy")]
 
 
+def test_the_deadline_heap_is_walked_once_per_schedule_call():
+    # 500 rows due at once and not at risk, one long row at risk: a refill of 64 walks the heap once, not 64 times
+    # (and at most Scheduler.WALK rows of it)
+    s = Scheduler(max_running=64, queue_factor=0, policy="fifo")
+    s.per_seq_tokens_per_s = 50.0
+    s.add([row(f"r{i}", 10, deadline=100.0) for i in range(500)] + [row("long", 4000, deadline=150.0)])
+    walks = []
+    walk = s._walk_at_risk
+    s._walk_at_risk = lambda now: walks.append(now) or walk(now)
+    got = s.schedule(0.0)
+    assert len(got) == 64 and (got[0].row.id, got[0].reason) == ("long", "deadline") and len(walks) == 1
+
+
 def test_rows_whose_deadline_passed_are_taken_out():
     s = one_at_a_time("fifo")
     s.add([row("ok"), row("gone", deadline=5.0), row("later", deadline=100.0)])

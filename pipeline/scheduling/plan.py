@@ -60,14 +60,14 @@ def measured_throughput(out_url: str) -> Optional[float]:
 def run_order(policy, work: np.ndarray, priorities: list) -> np.ndarray:
     """The rows in the order the policy runs them at a deadline it cannot meet, for what it would leave undone:
     auto and shortest-first run the shortest predicted first (auto once at risk), longest-first the longest,
-    priority the highest priority first (then input order), fifo input order."""
+    priority the lowest `priority` value first (as the scheduler runs it; then input order), fifo input order."""
     policy = Policy(policy)
     if policy in (Policy.AUTO, Policy.SHORTEST_FIRST):
         return np.argsort(work, kind="stable")
     if policy == Policy.LONGEST_FIRST:
         return np.argsort(-work, kind="stable")
     if policy == Policy.PRIORITY:
-        return np.argsort(-np.asarray(priorities, dtype=np.float64), kind="stable")
+        return np.argsort(np.asarray(priorities, dtype=np.float64), kind="stable")
     return np.arange(len(work))
 
 

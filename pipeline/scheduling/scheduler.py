@@ -85,6 +85,7 @@ class Scheduler:
         self._arrivals: deque[_Entry] = deque()
         self._deadlines: list[tuple[float, int, _Entry]] = []
         self._max_predicted = 0  # the longest prediction of a row with a deadline (how far ahead one may be at risk)
+        self._at_risk: Optional[deque] = None  # rows at risk found by this schedule() call
         self._num_pending = 0
         # Pending rows by predicted output tokens ({tokens: rows}): the deadline forecast reads it in O(distinct
         # lengths) instead of sorting the pool every time.
@@ -179,6 +180,7 @@ class Scheduler:
     def schedule(self, now: float) -> list[Admission]:
         """Rows to admit now, each with its engine request id."""
         out: list[Admission] = []
+        self._at_risk = None  # found at the first pick that asks, for every pick of this call (the same now)
         limit = self.capacity if self.cap is None else min(self.capacity, self.cap)
         while self.is_admitting and self._num_pending and len(self.running) < limit:
             entry, reason = self._pick(now)
@@ -216,26 +218,38 @@ class Scheduler:
     def _first_at_risk(self, now: float) -> Optional[_Entry]:
         """The row of the earliest deadline among those at risk. Not only the heap's head: a long row due later
         may be at risk while a short one due sooner is not. The heap is walked in deadline order (a heap of its
-        positions) as far as any row could be at risk: twice the longest prediction's time, and a second."""
-        heap = self._deadlines
-        if not heap:
+        positions) as far as any row could be at risk (twice the longest prediction's time, and a second), at
+        most WALK rows, once per schedule() call; its picks take the rows at risk it found in turn. (Taken rows
+        leave the heap as they reach its head.)"""
+        if not self._deadlines:
             return None
+        if self._at_risk is None:
+            self._at_risk = deque(self._walk_at_risk(now))
+        while self._at_risk:
+            e = self._at_risk.popleft()
+            if not e.is_taken:
+                return e
+        return None
+
+    WALK = 1024
+
+    def _walk_at_risk(self, now: float) -> list[_Entry]:
+        heap = self._deadlines
         rate = self.per_seq_tokens_per_s
         horizon = now + (2.0 * self._max_predicted / rate if rate else 0.0) + 1.0
-        walk = [(heap[0][0], heap[0][1], 0)]
-        while walk:
+        walk, found, seen = [(heap[0][0], heap[0][1], 0)], [], 0
+        while walk and seen < self.WALK:
             deadline, _, i = heapq.heappop(walk)
             if deadline > horizon:
-                return None
+                break
+            seen += 1
             e = heap[i][2]
             if not e.is_taken and self._is_at_risk(e.row, deadline, now):
-                if i == 0:
-                    heapq.heappop(heap)  # (taken ones deeper in are dropped as they reach the head)
-                return e
+                found.append(e)
             for c in (2 * i + 1, 2 * i + 2):
                 if c < len(heap):
                     heapq.heappush(walk, (heap[c][0], heap[c][1], c))
-        return None
+        return found
 
     def _is_at_risk(self, row: Row, deadline: float, now: float) -> bool:
         rate = self.per_seq_tokens_per_s

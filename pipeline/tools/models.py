@@ -90,7 +90,10 @@ def prepare(name: str, force: bool = False, echo: Callable[[str], None] = log.in
 
     os.makedirs(os.path.dirname(target), exist_ok=True)
     with open(f"{target}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        except OSError as e:  # a file system without locks (Lustre without flock, some NFS): convert unlocked
+            log.debug("cannot lock %s.lock (%s); converting without the lock", target, e)
         if is_prepared(alias) and not force:
             return target
         return _convert(name, alias, target, echo)
