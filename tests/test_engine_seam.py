@@ -115,8 +115,8 @@ def test_tune_on_input_without_a_usable_row_says_why(write_parquet, tmp_path, ti
     inp = write_parquet({"id": ["a", "b"], "prompt": ["", None]})
     res = CliRunner().invoke(cli, ["tune", str(inp), "--model", tiny_model, "--seqs", "4"])
     assert res.exit_code == 1
-    assert "No usable rows to measure in the first" in res.output and "in.parquet#0: prompt column 'prompt' is empty" in res.output, \
-        res.output
+    assert "No usable rows to measure in the first" in res.output, res.output
+    assert "in.parquet#0: prompt column 'prompt' is empty" in res.output, res.output
 
 
 def test_plan_leaves_what_the_chosen_policy_would_leave(write_parquet, tmp_path, cfg):
