@@ -1,0 +1,272 @@
+"""One run at a time per output folder (pipeline/output/lock.py): a second run refused naming the first; a dead
+run's lock taken over (on this host at once, elsewhere once its heartbeat stays still); the heartbeat thread; a
+run that lost its lock to another stops and writes nothing more. With fake clocks, and the fake engine."""
+
+import datetime as dt
+import json
+import os
+import socket
+import time
+
+import pytest
+
+from fakes import FakeClock, FakeEngine, given
+from overnight.pipeline.api import run_job
+from overnight.pipeline.output.checkpoint import OutputDir
+from overnight.pipeline.output.lock import LockError, RunLock
+
+
+@pytest.fixture
+def data(write_parquet):
+    return write_parquet({"id": [f"q{i:02d}" for i in range(24)], "prompt": [f"question {i}?" for i in range(24)]})
+
+
+# -- locks -------------------------------------------------------------------------------------
+
+def write_lock(out, **info):
+    os.makedirs(out, exist_ok=True)
+    base = {"host": socket.gethostname(), "pid": os.getpid(), "started_at": "2026-11-22T01:00:00+00:00",
+            "run_id": "run-x", "token": "t", "heartbeat": time.time()}
+    base.update(info)
+    (out / ".overnight.lock").write_text(json.dumps(base))
+
+
+def fake_time():
+    """A fake clock, and a sleep that moves it."""
+    clock = FakeClock()
+    return clock, lambda s: setattr(clock, "t", clock.t + s)
+
+
+def test_a_second_run_on_the_same_out_is_refused_naming_the_first(tmp_path, caplog):
+    # on another host: its heartbeat is watched, and moves (a live run): refused as soon as it does
+    out = tmp_path / "out"
+    clock = FakeClock()
+    write_lock(out, host="other-host", pid=4242, heartbeat=clock.t - 10)
+
+    def sleep(s):
+        clock.t += s
+        if clock.t >= 1_900_000_000.0 + 20:   # the holder's thread beats 30 s after its last heartbeat
+            write_lock(out, host="other-host", pid=4242, heartbeat=clock.t)
+
+    with pytest.raises(LockError) as e:
+        RunLock(OutputDir(str(out)), clock=clock, sleep=sleep).acquire()
+    assert str(e.value).startswith(f"{out} is in use by another overnight run: host other-host, pid 4242, started "
+                                   f"2026-11-22T01:00:00+00:00 (run-x).")
+    assert clock.t - 1_900_000_000.0 == 20   # watched 20 s, in WATCH_S steps
+    assert "heartbeat 10 s ago): watching it for up to 110 s" in caplog.text
+    # on this host, with its process alive: refused at once
+    write_lock(out, pid=os.getppid(), started_at=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"))
+    with pytest.raises(LockError, match=f"host {socket.gethostname()}, pid {os.getppid()}"):
+        RunLock(OutputDir(str(out)), sleep=lambda s: pytest.fail("no need to watch a process on this host")).acquire()
+
+
+def test_a_lock_of_a_run_killed_on_another_host_is_taken_over_once_its_heartbeat_stays_still(tmp_path, caplog):
+    # a Kubernetes pod killed (OOM, a lost node) and retried on another node: its lock is fresh, and never beats
+    out = tmp_path / "out"
+    clock, sleep = fake_time()
+    write_lock(out, host="pod-0-abcde", pid=1, heartbeat=clock.t - 5)
+    lock = RunLock(OutputDir(str(out)), clock=clock, sleep=sleep)
+    lock.acquire()
+    waited = clock.t - 1_900_000_000.0
+    assert 115 < waited < 116 + 1, waited   # until the heartbeat was STALE_S old, not a retry's failure at once
+    assert json.loads((out / ".overnight.lock").read_text())["token"] == lock.token
+    assert "taking over a stale lock" in caplog.text
+    lock.release()
+
+
+def test_a_lock_of_a_dead_process_on_this_host_is_taken_over(tmp_path, caplog):
+    out = tmp_path / "out"
+    dead = 2 ** 22 + 12345  # above the usual pid_max: no such process
+    write_lock(out, pid=dead)
+    lock = RunLock(OutputDir(str(out)))
+    lock.acquire()
+    assert json.loads((out / ".overnight.lock").read_text())["token"] == lock.token
+    assert "taking over a stale lock" in caplog.text
+    lock.release()
+    assert not (out / ".overnight.lock").exists()
+
+
+def test_a_lock_without_heartbeat_is_stale_anywhere(tmp_path):
+    out = tmp_path / "out"
+    write_lock(out, host="other-host", pid=1, heartbeat=time.time() - 3600)
+    RunLock(OutputDir(str(out))).acquire()
+
+
+def test_a_lock_whose_pid_was_reused_after_it_is_taken_over(tmp_path):
+    import subprocess
+    import datetime as dt
+
+    out = tmp_path / "out"
+    holder = subprocess.Popen(["sleep", "30"])
+    try:
+        started = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+        write_lock(out, pid=holder.pid, started_at=started, heartbeat=time.time())
+        with pytest.raises(LockError, match=f"in use by another overnight run: host .*, pid {holder.pid}"):
+            RunLock(OutputDir(str(out))).acquire()
+        # the same pid, for a lock older than the process: the pid was reused, the holder is gone
+        write_lock(out, pid=holder.pid, started_at="2020-01-01T00:00:00+00:00", heartbeat=time.time())
+        lock = RunLock(OutputDir(str(out)))
+        lock.acquire()
+        lock.release()
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_a_thread_keeps_the_heartbeat_while_the_lock_is_held(tmp_path, monkeypatch):
+    from overnight.pipeline.output import lock as lock_module
+
+    monkeypatch.setattr(lock_module, "HEARTBEAT_S", 0.05)
+    out = tmp_path / "out"
+    lock = RunLock(OutputDir(str(out)))
+    lock.acquire()
+    first = json.loads((out / ".overnight.lock").read_text())["heartbeat"]
+    deadline = time.time() + 10
+    while json.loads((out / ".overnight.lock").read_text())["heartbeat"] == first and time.time() < deadline:
+        time.sleep(0.05)
+    assert json.loads((out / ".overnight.lock").read_text())["heartbeat"] > first   # nobody called heartbeat()
+    lock.release()
+    assert not (out / ".overnight.lock").exists() and not lock._thread.is_alive()
+
+
+def test_a_heartbeat_does_not_write_over_a_lock_another_run_took(tmp_path, caplog):
+    out = tmp_path / "out"
+    lock = RunLock(OutputDir(str(out)))
+    lock.acquire()
+    write_lock(out, host="other-host", pid=99, token="theirs")
+    lock.last_beat = 0.0
+    lock.heartbeat()
+    assert lock.lost and "another run took over the lock" in caplog.text
+    assert json.loads((out / ".overnight.lock").read_text())["token"] == "theirs"
+    lock.release()
+    assert json.loads((out / ".overnight.lock").read_text())["token"] == "theirs"   # theirs is left in place
+
+
+def test_a_run_whose_lock_another_took_over_stops_and_writes_nothing_more(data, tmp_path, cfg, monkeypatch):
+    # This run was held up past the stale heartbeat, and another took OUT over: part numbers would collide.
+    from overnight.pipeline.output import lock as lock_module
+
+    monkeypatch.setattr(lock_module, "HEARTBEAT_S", 0.01)  # every write asks again
+    out = tmp_path / "out"
+    at_takeover = {}
+
+    class TakenOver(FakeEngine):
+        def _step(self):
+            if self.num_steps == 8:
+                write_lock(out, host="other-host", pid=99, token="theirs")
+                at_takeover["parts"] = sorted(os.listdir(out / "parts"))
+                at_takeover["manifest"] = (out / "manifest.json").read_text()
+            return super()._step()
+
+    s = run_job(cfg(data, out), engine_factory=given(TakenOver(step_sleep=0.02)), is_tty=False)
+    assert at_takeover["parts"], "the run had written parts before the takeover"
+    assert s.state == "failed" and s.exit_code == 1
+    assert "another run took over" in s.message and "host other-host, pid 99" in s.message
+    assert sorted(os.listdir(out / "parts")) == at_takeover["parts"]            # no part after it
+    assert (out / "manifest.json").read_text() == at_takeover["manifest"]     # nor its manifest
+    assert json.loads((out / ".overnight.lock").read_text())["token"] == "theirs"   # and theirs stays
+
+
+def test_a_takeover_found_only_at_the_last_flush_fails_the_run(data, tmp_path, cfg, monkeypatch):
+    from overnight.pipeline.output import lock as lock_module
+
+    monkeypatch.setattr(lock_module, "HEARTBEAT_S", 0.01)
+    monkeypatch.setattr(RunLock, "_beat_until_released", lambda self: None)   # only the loop and the writes ask
+    out = tmp_path / "out"
+
+    class TakenAtTheEnd(FakeEngine):
+        def _step(self):
+            done = super()._step()
+            if len(self.added) == 24 and not self.has_unfinished():   # the last rows finish: the loop ends
+                write_lock(out, host="other-host", pid=99, token="theirs")
+            return done
+
+    s = run_job(cfg(data, out, output={"flush_rows": 1000}), engine_factory=given(TakenAtTheEnd(step_sleep=0.02)),
+                is_tty=False)
+    assert (s.state, s.exit_code) == ("failed", 1) and "(24 finished rows not saved" in s.message
+    assert not list(out.glob("parts/*.parquet"))
+    assert json.loads((out / "manifest.json").read_text())["state"] == "running"   # as the other run left it
+
+
+def test_a_lock_removed_while_held_is_lost(tmp_path):
+    # the run that took it over finished and removed it: its part numbers may collide with ours
+    out = tmp_path / "out"
+    lock = RunLock(OutputDir(str(out)))
+    lock.acquire()
+    (out / ".overnight.lock").unlink()
+    lock.last_beat = 0.0
+    assert not lock.confirm() and lock.lost and "removed it since" in lock.taken_by()
+    lock.release()
+    assert not (out / ".overnight.lock").exists()   # not written again
+
+
+def test_watching_a_lock_survives_read_errors_and_takes_a_corrupt_one(tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    clock, sleep = fake_time()
+    write_lock(out, host="other-host", pid=1, heartbeat=clock.t)
+    reads = []
+    real = RunLock.holder
+
+    def flaky(self):
+        reads.append(clock.t)
+        if len(reads) == 2:
+            raise OSError("a storage blip")
+        if len(reads) == 4:
+            (out / ".overnight.lock").write_text("{not json")
+        return real(self)
+
+    monkeypatch.setattr(RunLock, "holder", flaky)
+    lock = RunLock(OutputDir(str(out)), clock=clock, sleep=sleep)
+    lock.acquire()
+    assert len(reads) >= 4 and json.loads((out / ".overnight.lock").read_text())["token"] == lock.token
+    lock.release()
+
+
+def test_a_lock_that_cannot_be_read_again_ends_the_watch_with_an_error(tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    clock, sleep = fake_time()
+    write_lock(out, host="other-host", pid=1, heartbeat=clock.t)
+    real, reads = RunLock.holder, []
+
+    def failing(self):
+        reads.append(clock.t)
+        if len(reads) > 1:
+            raise PermissionError(13, "Forbidden")
+        return real(self)
+
+    monkeypatch.setattr(RunLock, "holder", failing)
+    lock = RunLock(OutputDir(str(out)), clock=clock, sleep=sleep)
+    with pytest.raises(LockError, match="Cannot read the lock .*Forbidden"):
+        lock.acquire()
+    assert 120 < clock.t - reads[0] < 126   # the watch's 2 minutes, then the error
+
+
+def test_a_live_run_is_seen_to_beat_when_the_watchers_clock_is_110_s_ahead(tmp_path):
+    # this host's clock 110 s ahead: the holder's heartbeat looks 110 s old, 10 s short of stale
+    out = tmp_path / "out"
+    clock = FakeClock()
+    write_lock(out, host="other-host", pid=4242, heartbeat=clock.t - 110)
+    start = clock.t
+
+    def sleep(s):
+        clock.t += s
+        if clock.t - start >= 30:   # its thread beats 30 s after its last heartbeat
+            write_lock(out, host="other-host", pid=4242, heartbeat=clock.t - 110)
+
+    with pytest.raises(LockError, match="host other-host, pid 4242"):
+        RunLock(OutputDir(str(out)), clock=clock, sleep=sleep).acquire()
+
+
+def test_two_runs_at_once_through_the_job(data, tmp_path, cfg):
+    out = tmp_path / "out"
+    write_lock(out, pid=os.getppid(), started_at=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"))
+    with pytest.raises(LockError, match=f"in use by another overnight run: host {socket.gethostname()}, "
+                                        f"pid {os.getppid()}"):
+        run_job(cfg(data, out), engine_factory=given(FakeEngine()), is_tty=False)
+    assert not (out / "manifest.json").exists()  # refused before touching anything
+
+
+def test_the_lock_is_released_after_a_run(data, tmp_path, cfg):
+    out = tmp_path / "out"
+    run_job(cfg(data, out), engine_factory=given(FakeEngine()), is_tty=False)
+    assert not (out / ".overnight.lock").exists()
