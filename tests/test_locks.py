@@ -147,6 +147,10 @@ def test_a_run_whose_lock_another_took_over_stops_and_writes_nothing_more(data, 
     from overnight.pipeline.output import lock as lock_module
 
     monkeypatch.setattr(lock_module, "HEARTBEAT_S", 0.01)  # every write asks again
+    # The loop and the writes beat, on the thread that takes the lock over here. A heartbeat thread beating every
+    # 10 ms could read the lock just before the takeover and write its own just after, over the other run's (a
+    # window of microseconds at the real 30 s heartbeat, after 120 s held up).
+    monkeypatch.setattr(RunLock, "_beat_until_released", lambda self: None)
     out = tmp_path / "out"
     at_takeover = {}
 

@@ -151,15 +151,20 @@ def test_a_driver_whose_lock_another_run_took_stops_every_worker(tmp_path, cfg, 
     out = tmp_path / "out"
     c = cfg(inp, out, engine={"kind": "echo", "echo_step_ms": 20, "max_num_seqs": 8}, sampling={"max_tokens": 6})
 
+    done = threading.Event()
+
     def take_over():
         while not list(out.glob("workers/*/parts/*.parquet")):
             time.sleep(0.1)
         lock = json.loads((out / ".overnight.lock").read_text())
-        (out / ".overnight.lock").write_text(json.dumps(dict(lock, host="other-host", pid=99, token="theirs")))
+        theirs = json.dumps(dict(lock, host="other-host", pid=99, token="theirs"))
+        while not done.wait(0.05):  # as the other run's heartbeat would (a beat of the driver's thread may read
+            (out / ".overnight.lock").write_text(theirs)  # the lock just before a write of ours, and write after)
 
     t = threading.Thread(target=take_over, daemon=True)
     t.start()
     s = run_on_ray(c, False, 2, is_tty=False)
+    done.set()
     t.join(timeout=5)
     assert (s.state, s.exit_code) == ("failed", 1) and s.num_done < 800
     assert "another run took over" in s.message and "host other-host, pid 99" in s.message
