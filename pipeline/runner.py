@@ -14,6 +14,7 @@ Elsewhere: the input stage (input.stage), the forecast and auto's order (schedul
 
 from __future__ import annotations
 
+import inspect
 import logging
 import sys
 import time
@@ -133,7 +134,8 @@ class Runner:
             if self.stopping is None:
                 self._refill()
                 self._admit()
-            elif self.signals.is_urgent or self.clock() >= self.hard_stop_at:
+            elif self.signals.is_urgent or self._lock_lost() or self.clock() >= self.hard_stop_at:
+                # (a lock lost during a drain: the folder is another run's now, nothing more is written there)
                 self._abort_in_flight()
                 return
             self._collect()
@@ -370,7 +372,10 @@ class Runner:
         self.progress.close()
         if self.engine_dead:  # nor handed to a later job in this process
             try:
-                self.engine.shutdown(0.5)
+                if "timeout" in inspect.signature(self.engine.shutdown).parameters:
+                    self.engine.shutdown(timeout=0.5)  # vLLM's: not its 5 s wait for a core that is gone
+                else:
+                    self.engine.shutdown()  # the engine interface's (engine/__init__.py)
             except Exception as e:
                 log.debug("shutting down the engine that stopped with us: %s", e)
         # Rows still in the engine are not done: abort them so a cached engine starts clean.

@@ -5,6 +5,7 @@ run that lost its lock to another stops and writes nothing more. With fake clock
 import datetime as dt
 import json
 import os
+import signal
 import socket
 import time
 
@@ -13,7 +14,7 @@ import pytest
 from fakes import FakeClock, FakeEngine, given
 from overnight.pipeline.api import run_job
 from overnight.pipeline.output.checkpoint import OutputDir
-from overnight.pipeline.output.lock import LockError, RunLock
+from overnight.pipeline.output.lock import SETTLE_S, LockError, RunLock
 
 
 @pytest.fixture
@@ -68,10 +69,68 @@ def test_a_lock_of_a_run_killed_on_another_host_is_taken_over_once_its_heartbeat
     lock = RunLock(OutputDir(str(out)), clock=clock, sleep=sleep)
     lock.acquire()
     waited = clock.t - 1_900_000_000.0
-    assert 115 < waited < 116 + 1, waited   # until the heartbeat was STALE_S old, not a retry's failure at once
+    # until the heartbeat was STALE_S old, not a retry's failure at once; then SETTLE_S before it is read back
+    assert 115 + SETTLE_S < waited < 117 + SETTLE_S, waited
     assert json.loads((out / ".overnight.lock").read_text())["token"] == lock.token
     assert "taking over a stale lock" in caplog.text
     lock.release()
+
+
+def test_of_two_runs_taking_over_one_stale_lock_together_the_last_writer_wins_and_the_other_refuses(tmp_path):
+    # Two retried pods watching the same dead run's lock: their watches end together. Y read the stale lock just
+    # before X wrote its own, and writes while X waits to read it back.
+    out = tmp_path / "out"
+    write_lock(out, host="pod-0-abcde", pid=1, token="dead", heartbeat=time.time() - 3600)
+    stale = json.loads((out / ".overnight.lock").read_text())
+    y = RunLock(OutputDir(str(out)), sleep=lambda s: None)
+    y.holder = _first_then_real(y, stale)
+    settles = []
+
+    def x_sleep(s):
+        settles.append(s)
+        y.acquire()   # Y's write lands between X's write and X's read back
+
+    x = RunLock(OutputDir(str(out)), sleep=x_sleep)
+    with pytest.raises(LockError, match="was just locked by another run"):
+        x.acquire()
+    assert settles == [SETTLE_S]
+    assert y.is_held and not x.is_held
+    assert json.loads((out / ".overnight.lock").read_text())["token"] == y.token
+    y.release()
+
+
+def _first_then_real(lock, first):
+    """lock.holder that answers `first` once (a read made before another run wrote), then reads the file."""
+    answers = [dict(first)]
+    real = lock.holder
+    return lambda: answers.pop() if answers else real()
+
+
+def test_a_takeover_during_a_drain_stops_the_run_at_once(data, tmp_path, cfg, monkeypatch):
+    # Ctrl-C began a 60 s drain; then another run took OUT over: the drain ends there, nothing more is written
+    from test_reliability_unit import signal_when
+
+    from overnight.pipeline.output import lock as lock_module
+
+    monkeypatch.setattr(lock_module, "HEARTBEAT_S", 0.01)
+    monkeypatch.setattr(RunLock, "_beat_until_released", lambda self: None)
+    out = tmp_path / "out"
+
+    class TakenOver(FakeEngine):
+        taken = None
+
+        def _step(self):
+            if sent and self.taken is None:
+                self.taken = self.num_steps
+                write_lock(out, host="other-host", pid=99, token="theirs")
+            return super()._step()
+
+    eng = TakenOver(max_num_seqs=4, step_sleep=0.02, length_of=lambda ids: 1000)  # a drain of 20 s
+    sent = signal_when(eng, 5, signal.SIGINT)
+    s = run_job(cfg(data, out, scheduler={"grace_s": 60}), engine_factory=given(eng), is_tty=False)
+    assert (s.state, s.exit_code) == ("failed", 1)
+    # the loop's next heartbeat (once a second) finds the loss
+    assert eng.num_steps - eng.taken < 100, f"stepped {eng.num_steps - eng.taken} more times after the loss"
 
 
 def test_a_lock_of_a_dead_process_on_this_host_is_taken_over(tmp_path, caplog):

@@ -10,6 +10,7 @@ import subprocess
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import duckdb
 import pyarrow as pa
@@ -79,6 +80,27 @@ def test_a_lost_worker_leaves_the_jobs_rate_and_eta():
     assert c.release(1, "/out/workers/w00001") == 1
     _, statuses = c.snapshot()
     assert statuses[1]["state"] == "lost" and statuses[0]["state"] == "running"
+
+
+def test_a_worker_the_driver_gave_up_on_writes_nothing_more_and_its_units_go_to_the_others(monkeypatch):
+    # unavailable too long (a node cut off): killed, but if its process still runs it must not write the rows
+    # that another worker now answers
+    from overnight.pipeline.cluster import actors
+    from overnight.pipeline.output.checkpoint import OutputDir
+
+    files = [InputFile("/f", "f", 100, pa.schema([]), (100,))]
+    c = actors.Coordinator(plan_units(files, 2))
+    c.next(0), c.next(1)
+    left = len(c.pending)
+    assert c.retire(1, "/out/workers/w00001") == 1 and len(c.pending) == left + 1
+    reason, count, lost_to = c.stop_state(1)
+    assert count >= 2 and "gave this worker up" in lost_to   # an urgent stop, and the folder not its own
+    assert c.stop_state(0) == (None, 0, None) == c.stop_state()   # the others go on
+    # the worker's lock asks the coordinator (an actor handle, answered here) before each write
+    monkeypatch.setattr(actors, "_ray", lambda: SimpleNamespace(get=lambda x: x))
+    handle = SimpleNamespace(stop_state=SimpleNamespace(remote=c.stop_state))
+    assert not actors.WorkerLock(OutputDir("memory://gave-up/w1"), handle, 1).confirm()
+    assert actors.WorkerLock(OutputDir("memory://gave-up/w0"), handle, 0).confirm()
 
 
 def test_a_worker_whose_folder_completed_resumes_from_its_parts(tmp_path, cfg, local_ray):

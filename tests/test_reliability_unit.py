@@ -129,11 +129,13 @@ def test_a_second_signal_aborts_at_once_and_leaves_a_consistent_checkpoint(data,
 
 def test_an_engine_that_died_on_the_signal_during_the_drain_is_not_stepped_again(data, tmp_path, cfg):
     # Ctrl-C reaches the engine's processes too: a dead engine's next step may block forever (vLLM's output
-    # queue), so it is never stepped again, though the 60 s grace period had just begun
+    # queue), so it is never stepped again, though the 60 s grace period had just begun; and it is shut down,
+    # through the engine interface's shutdown() (which takes no timeout)
     out = tmp_path / "out"
 
     class DiesOnTheSignal(FakeEngine):
         dead_steps = 0
+        shut_down = 0
 
         def _step(self):
             if sent:
@@ -141,11 +143,14 @@ def test_an_engine_that_died_on_the_signal_during_the_drain_is_not_stepped_again
                 raise RuntimeError("engine core died")
             return super()._step()
 
+        def shutdown(self):
+            self.shut_down += 1
+
     eng = DiesOnTheSignal(max_num_seqs=2, step_sleep=0.05, length_of=lambda ids: 200)
     sent = signal_when(eng, 10, signal.SIGINT)
     t0 = time.monotonic()
     s = run_job(cfg(data, out, scheduler={"grace_s": 60}), engine_factory=given(eng), is_tty=False)
-    assert (s.state, s.exit_code) == ("interrupted", 75) and eng.dead_steps == 1
+    assert (s.state, s.exit_code) == ("interrupted", 75) and eng.dead_steps == 1 and eng.shut_down == 1
     assert time.monotonic() - t0 < 30
 
 

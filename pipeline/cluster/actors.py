@@ -43,6 +43,9 @@ class Coordinator:
         self.deaths = 0
         self.started: set[int] = set()  # worker actors the cluster found room for
         self.incarnations: dict[int, str] = {}
+        # workers the driver gave up on (unavailable too long) and killed: if one still runs (a node cut off
+        # while its process lives on), it writes nothing more, for its units are another worker's now
+        self.retired: set[int] = set()
 
     def hello(self, worker: int, incarnation: str, folder: str) -> None:
         """A worker actor was placed and constructed. A new incarnation of a worker (Ray restarted it) means the
@@ -84,7 +87,17 @@ class Coordinator:
         self.stop("another run took over the output folder")
         self.stop_count = max(self.stop_count, 2)  # urgent: rows in flight are aborted, not drained
 
-    def stop_state(self) -> tuple[Optional[str], int, Optional[str]]:
+    def retire(self, worker: int, folder: str) -> int:
+        """The driver gave this worker up: its units go back to the queue, and it may write nothing more."""
+        self.retired.add(worker)
+        return self.release(worker, folder)
+
+    def stop_state(self, worker: Optional[int] = None) -> tuple[Optional[str], int, Optional[str]]:
+        """(the stop's reason, how many stops were asked, whose the folders are now if not this job's); for a
+        worker the driver gave up on, an urgent stop and its folder no longer its own."""
+        if worker is not None and worker in self.retired and not self.lost_to:
+            return (self.stop_reason or "given up on by the driver", 2,
+                    "the job's driver, which gave this worker up and handed its units to the others")
         return self.stop_reason, self.stop_count, self.lost_to
 
     def report(self, worker: int, status: dict) -> None:
@@ -112,15 +125,16 @@ def _not_run(state: str, exit_code: int, message: str) -> dict:
 
 class WorkerLock(RunLock):
     """A worker folder's lock: the driver's lock on OUT covers it. Before each write it asks the coordinator
-    whether the driver lost that lock to another run, whose workers write in these folders now."""
+    whether the driver lost that lock to another run, whose workers write in these folders now, or gave this
+    worker up."""
 
-    def __init__(self, out, coordinator):
+    def __init__(self, out, coordinator, worker: int):
         super().__init__(out)
-        self.coordinator = coordinator
+        self.coordinator, self.worker = coordinator, worker
 
     def confirm(self) -> bool:
         if not self.lost:
-            lost_to = _ray().get(self.coordinator.stop_state.remote())[2]
+            lost_to = _ray().get(self.coordinator.stop_state.remote(self.worker))[2]
             if lost_to:
                 self.lose(lost_to)
         return not self.lost
@@ -130,8 +144,8 @@ class RemoteStop:
     """A worker's stop requests: the driver's (through the coordinator), polled at most once a second. It stands
     in for the runner's signal handlers, which only the main thread of a process may install."""
 
-    def __init__(self, coordinator, lock=None):
-        self.coordinator = coordinator
+    def __init__(self, coordinator, lock=None, worker: Optional[int] = None):
+        self.coordinator, self.worker = coordinator, worker
         self.lock = lock  # the worker folder's: lost when the driver lost OUT's
         self._first: Optional[str] = None
         self._count = 0
@@ -141,7 +155,7 @@ class RemoteStop:
         now = time.monotonic()
         if now - self._last >= 1.0:
             self._last = now
-            reason, self._count, lost_to = _ray().get(self.coordinator.stop_state.remote())
+            reason, self._count, lost_to = _ray().get(self.coordinator.stop_state.remote(self.worker))
             if lost_to and self.lock is not None:
                 self.lock.lose(lost_to)
             self._first = self._first or reason
@@ -216,12 +230,12 @@ class Worker:
         sc = self.cfg.scheduler
         if sc.deadline and jobmod_deadline(sc) <= time.time():  # it started after the job's deadline
             return _not_run("partial", EXIT_PARTIAL, "deadline reached")
-        lost_to = ray.get(self.coordinator.stop_state.remote())[2]
-        if lost_to:  # the driver lost OUT to another run: not even this folder's manifest is written
+        lost_to = ray.get(self.coordinator.stop_state.remote(self.index))[2]
+        if lost_to:  # the driver lost OUT to another run, or gave this worker up: not even its manifest is written
             return _not_run("failed", EXIT_FAILED, f"another run took over the output folder ({lost_to})")
         job = self._open(lambda: ray.get(self.coordinator.next.remote(self.index)))
         runner = Runner(job, EngineSupervisor(factory_for(self.cfg), job), is_tty=False)
-        runner.signals = RemoteStop(self.coordinator, job.lock)
+        runner.signals = RemoteStop(self.coordinator, job.lock, self.index)
 
         def taken(n: int) -> None:
             runner.tally.num_rows += n
@@ -259,7 +273,7 @@ class Worker:
         deadline_at = jobmod_deadline(sc) if sc.deadline else None
         margin = sc.safety_margin_s or 0.0
         # Never the completed-job shortcut: it skips the scan, and this folder's parts would be written over.
-        job = jobmod._open_locked(cfg, False, source, out, model, fields, WorkerLock(out, self.coordinator),
+        job = jobmod._open_locked(cfg, False, source, out, model, fields, WorkerLock(out, self.coordinator, self.index),
                                   deadline_at, margin, shortcut=False)
         job.lazy_engine = True  # a worker may get no unit, or only rows already done
         own = job.scan

@@ -162,15 +162,15 @@ class Driver:
                         log.warning(f"worker w{i} is unavailable ({type(e).__name__}); asking it again")
                         if unavailable[i] <= MAX_ACTOR_RESTARTS and not self.lock.lost:
                             calls[actors[i].run.remote()] = i
-                        else:  # given up on: stopped, so that none of its rows is answered twice, and its units
-                            ray.kill(actors[i])  # go back to the queue for the others
-                            n = ray.get(self.coordinator.release.remote(i, worker_out(self.cfg.output.path, i).url))
+                        else:  # given up on: killed, and retired, so that if it still runs (a node cut off) it
+                            ray.kill(actors[i])  # writes nothing more; its units go back to the queue for the others
+                            n = ray.get(self.coordinator.retire.remote(i, worker_out(self.cfg.output.path, i).url))
                             log.warning(f"worker w{i} stayed unavailable after {unavailable[i]} tries; it is stopped, "
                                         f"its {n} units go back to the queue and what it wrote is kept")
                     except ray.exceptions.RayActorError as e:
                         restarts += 1
                         # its new incarnation gave back what it held (Coordinator.hello)
-                        if self._restarted(actors[i]) and not self.lock.lost:
+                        if not self.lock.lost and self._restarted(actors[i]):
                             log.warning(f"worker w{i} was lost ({type(e).__name__}) and restarted; its units go "
                                         f"back to the queue and what it wrote is kept")
                             calls[actors[i].run.remote()] = i

@@ -8,8 +8,11 @@ STALE_S. A lock from another host whose heartbeat is recent is watched: a
 heartbeat that moves is a live run (refused within HEARTBEAT_S or so), one
 that stays still until it is STALE_S old is a run that died a moment ago (a
 Kubernetes pod killed, retried on another node), and is taken over. Taking
-over writes our own lock and reads it back, so of two runs racing for a stale
-lock exactly one wins.
+over writes our own lock, waits SETTLE_S, and reads it back: of two runs
+racing for a stale lock (two retried pods whose watches end together), the one
+that wrote last wins and the other refuses. A racer reads the lock a moment
+before it writes, so the wait is far longer than the window in which the other
+can still write over it. A new lock on a local disk is created exclusively.
 
 A thread refreshes the heartbeat every HEARTBEAT_S while the lock is held, so
 an engine that takes minutes to start, or to restart, keeps it. A heartbeat
@@ -42,6 +45,7 @@ LOCK = ".overnight.lock"
 STALE_S = 120.0
 HEARTBEAT_S = 30.0
 WATCH_S = 5.0  # how often a lock from another host is read again while it is watched
+SETTLE_S = 2.0  # after a write that another run may race (a takeover; object storage), before it is read back
 
 
 class LockError(OutputError):
@@ -150,7 +154,10 @@ class RunLock:
         if other is not None:
             log.warning("taking over a stale lock on %s (host %s, pid %s, started %s)", self.out.url,
                         other.get("host"), other.get("pid"), other.get("started_at"))
-        self._write(exclusive=other is None)
+        exclusive = other is None and is_local(self.out.fs)
+        self._write(exclusive=exclusive)
+        if not exclusive:  # another run may be writing its own lock over ours just now: the last writer wins
+            self.sleep(SETTLE_S)
         mine = self.holder()
         if not mine or mine.get("token") != self.token:
             raise LockError(f"{self.out.url} was just locked by another run (host {mine and mine.get('host')}, pid "
