@@ -41,12 +41,51 @@ import argparse
 import json
 import os
 import sys
+from types import SimpleNamespace
 
 import numpy as np
 
 SHARES = (0.10, 0.25, 0.50)
 CAP = 512
 SLOTS = 64
+
+
+DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "lengths.parquet")
+# forecast.py's workloads over the labelled rows: open, 150 of the 160 MT-bench and Vicuna questions; mixed, 3:1:1
+MIXED = (("gsm8k", 180), ("mt_bench", 60), ("vicuna", 60))
+
+
+def labelled(path: str = DATA) -> SimpleNamespace:
+    """The labelled rows: src (their source), out and capped ([row, sampling]), the heuristic's predictions, and
+    trained[:, k], out-of-fold predictions of the product's trained predictor fitted on sampling k's lengths."""
+    import pyarrow.parquet as pq
+
+    from overnight.buckets.features import featurize, prompt_text, subset
+    from overnight.buckets.trained import TrainedPredictor
+
+    rows = pq.read_table(path).to_pylist()
+    fb = featurize([prompt_text(r["prompt"], json.loads(r["messages"]) if r["messages"] else None) for r in rows],
+                   [r["prompt_tokens"] for r in rows], [CAP] * len(rows))
+    out = np.array([[r["out_1"], r["out_2"]] for r in rows], np.float64)
+    trained = np.zeros_like(out)
+    for k in (0, 1):
+        folds = np.random.default_rng(k).permutation(len(rows)) % 5
+        for f in range(5):
+            tr, te = np.flatnonzero(folds != f), np.flatnonzero(folds == f)
+            model, _ = TrainedPredictor.fit(subset(fb, tr), out[tr, k])
+            trained[te, k] = model.predict(subset(fb, te)).tokens
+    return SimpleNamespace(src=np.array([r["source"] for r in rows]), out=out,
+                           capped=np.array([[r["capped_1"], r["capped_2"]] for r in rows], bool),
+                           heuristic=np.clip(fb.heuristic.astype(np.float64), 1, CAP), trained=trained)
+
+
+def draw_rows(src: np.ndarray, workload: str, rng, scale: int = 1) -> np.ndarray:
+    """The indices of one workload drawn from the labelled rows. scale > 1: that many times the rows, drawn with
+    replacement in the same mix (a larger job of the same prompts)."""
+    if workload == "open":
+        pool = np.flatnonzero((src == "mt_bench") | (src == "vicuna"))
+        return rng.choice(pool, 150 * scale, replace=scale > 1)
+    return np.concatenate([rng.choice(np.flatnonzero(src == s), n * scale, replace=scale > 1) for s, n in MIXED])
 
 
 def own_r(p, g, ratios, cap):
@@ -58,45 +97,26 @@ def own_r(p, g, ratios, cap):
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--data", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "data",
-                                                   "lengths.parquet"))
+    ap.add_argument("--data", default=DATA)
     ap.add_argument("--draws", type=int, default=40)
     ap.add_argument("--every", type=int, default=8)
     ap.add_argument("--fifo", action="store_true", help="the rows in a random order (fifo's) instead: the product's "
                                                          "mixture weighed as there, against the sqrt ratio")
     args = ap.parse_args()
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    import pyarrow.parquet as pq
     from length_early import lay_out
     from length_replay import Hindsight
     from length_sampling import sampled_order
 
-    from overnight.buckets.features import featurize, prompt_text, subset
-    from overnight.buckets.trained import TrainedPredictor
     from overnight.pipeline.scheduling.lengths import LengthMixture, LengthModel
 
-    rows = pq.read_table(args.data).to_pylist()
-    fb = featurize([prompt_text(r["prompt"], json.loads(r["messages"]) if r["messages"] else None) for r in rows],
-                   [r["prompt_tokens"] for r in rows], [CAP] * len(rows))
-    src = np.array([r["source"] for r in rows])
-    out = np.array([[r["out_1"], r["out_2"]] for r in rows], np.float64)
-    capped = np.array([[r["capped_1"], r["capped_2"]] for r in rows], bool)
-    heuristic = np.clip(fb.heuristic.astype(np.float64), 1, CAP)
-    trained = np.zeros_like(out)  # [:, k]: out-of-fold predictions of a predictor fitted on sampling k's lengths
-    for k in (0, 1):
-        folds = np.random.default_rng(k).permutation(len(rows)) % 5
-        for f in range(5):
-            tr, te = np.flatnonzero(folds != f), np.flatnonzero(folds == f)
-            model, _ = TrainedPredictor.fit(subset(fb, tr), out[tr, k])
-            trained[te, k] = model.predict(subset(fb, te)).tokens
-    print(f"{len(rows)} labelled rows; trained predictor out of fold, mean predicted / mean actual: "
+    lab = labelled(args.data)
+    src, out, capped, heuristic, trained = lab.src, lab.out, lab.capped, lab.heuristic, lab.trained
+    print(f"{len(src)} labelled rows; trained predictor out of fold, mean predicted / mean actual: "
           + ", ".join(f"{trained[:, k].mean() / out[:, k].mean():.3f}" for k in (0, 1)))
 
     def draw(workload, rng):
-        if workload == "open":
-            return rng.choice(np.flatnonzero((src == "mt_bench") | (src == "vicuna")), 150, replace=False)
-        return np.concatenate([rng.choice(np.flatnonzero(src == s), n, replace=False)
-                               for s, n in (("gsm8k", 180), ("mt_bench", 60), ("vicuna", 60))])
+        return draw_rows(src, workload, rng)
 
     def tokens(m, p, g, run, pool):
         return float(m.expected(p[run], g[run]).sum()), float(m.expected(p[pool]).sum())

@@ -330,8 +330,9 @@ def test_the_sqrt_ratio_fits_the_slope_of_predictions_spread_wider_than_they_kno
 
 
 def test_calibrated_predictions_under_longest_first_take_the_sqrt_ratio_alone():
-    """A trained predictor's predictions (calibrated) run longest predicted first: every answer of the mixture is
-    the sqrt ratio's; in any other order, or with predictions not calibrated, the mixture is as before."""
+    """A trained predictor's predictions (calibrated) run longest predicted first: every expected length and moment
+    of the mixture is the sqrt ratio's, and the drain's tail (quantile_cdf) the log ratio's, fitted on the same
+    rows; in any other order, or with predictions not calibrated, the mixture is as before."""
     rng = np.random.default_rng(8)
     p = np.round(np.exp(rng.normal(np.log(180), 0.5, 3000)))
     lengths = np.clip(np.round(p * np.maximum(rng.normal(0.94, 0.35, 3000), 0.0) ** 2), 1, CAP)
@@ -353,14 +354,18 @@ def test_calibrated_predictions_under_longest_first_take_the_sqrt_ratio_alone():
     ours = float(told.expected(p[running], g).sum() + told.expected(p[left]).sum())
     np.testing.assert_allclose(told.moments(p[left])[0], told.sqrt_ratio.moments(p[left])[0])
     xs = np.linspace(0.0, 300.0, 16)[:, None]
-    np.testing.assert_allclose(told.quantile_cdf(xs, p[running[:5]], g[:5]),
-                               told.sqrt_ratio.quantile_cdf(xs, p[running[:5]], g[:5]))
+    assert told.spread is told.ratio
+    for gen in (g[:5], np.zeros(5)):   # rows running, and rows still to start
+        np.testing.assert_allclose(told.quantile_cdf(xs, p[running[:5]], gen),
+                                   told.ratio.quantile_cdf(xs, p[running[:5]], gen))
     untold = fitted(False, True)
     assert untold.sqrt_ratio is None and untold.best is untold.ratio
+    # the tail's log ratio is fitted on the rows running too, as the untold mixture's is
+    np.testing.assert_allclose((told.ratio.mu, told.ratio.sigma), (untold.ratio.mu, untold.ratio.sigma))
     theirs = float(untold.expected(p[running], g).sum() + untold.expected(p[left]).sum())
     assert abs(ours / truth - 1) < 0.05 and theirs / truth > 1.10, (ours / truth, theirs / truth)
     fifo = fitted(True, False)
-    assert fifo.only is None and fifo.best in (fifo.ratio, fifo.normal, fifo.sqrt)
+    assert fifo.only is None and fifo.spread is None and fifo.best in (fifo.ratio, fifo.normal, fifo.sqrt)
 
 
 def test_a_trained_predictor_says_its_predictions_are_calibrated():

@@ -169,16 +169,26 @@ class LengthMixture:
     fake clock) the likelihood keeps the log ratio for the tail too, once 5% of the rows are done.
 
     Where the rows run longest predicted first and the predictions are a trained predictor's (``calibrated``: its
-    mean is fitted to actual lengths), SqrtRatioModel alone: every answer, tail included. A calibrated prediction
-    says how long the rows left run, and the log ratio's one spread then over-counts the rows running and those not
-    started alike. Replayed on 8 real runs of the mixed workload under longest-first and auto with a predictor
-    trained on rows they do not hold (benchmarks/length_replay.py), the tokens to come at 10-50% of rows were off by
-    0.052 in mean |log| (75% of points within 10%), the log ratio's by 0.090 (58%); on 14 more, not used to choose
-    the prior on its slope, 0.070 (69%) against 0.113 (45%). On 4 runs of 80 open rows, 0.168 against 0.360
-    (docs/BENCHMARKS.md, "The sqrt ratio for a trained predictor's rows, longest first" and "The sqrt ratio's
+    mean is fitted to actual lengths), SqrtRatioModel alone for every expected length and moment. A calibrated
+    prediction says how long the rows left run, and the log ratio's one spread then over-counts the rows running and
+    those not started alike. Replayed on 8 real runs of the mixed workload under longest-first and auto with a
+    predictor trained on rows they do not hold (benchmarks/length_replay.py), the tokens to come at 10-50% of rows
+    were off by 0.052 in mean |log| (75% of points within 10%), the log ratio's by 0.090 (58%); on 14 more, not used
+    to choose the prior on its slope, 0.070 (69%) against 0.113 (45%). On 4 runs of 80 open rows, 0.168 against
+    0.360 (docs/BENCHMARKS.md, "The sqrt ratio for a trained predictor's rows, longest first" and "The sqrt ratio's
     slope on the prediction"). With the heuristic's predictions it did worse than the log ratio
     (benchmarks/length_labelled.py), so it is used for trained ones only. In any other order the weighing stands
-    (there it is about even with the sqrt ratio, ibid., --fifo)."""
+    (there it is about even with the sqrt ratio, ibid., --fifo).
+
+    The drain's tail there (``quantile_cdf``, of every row) is the log ratio's (``spread``): the few answers that
+    loop to max_tokens make a run's end later than the sqrt ratio's light tail says, and its likelihood on the rows
+    seen does not show it. On a simulated engine over the embedded model's labelled lengths
+    (benchmarks/tail_spread.py), with a GPU's step cost, where the end is the latest row's, the sqrt ratio's own tail
+    put the ETA at 50% of rows at x0.78-0.87 (medians, four workloads), within ±10% in 0-33% of draws; the log
+    ratio's at x0.94-0.97, 92-100%. With this CPU's, where the tokens rule, the median |error| went from 3.1-11.2% to
+    3.7-8.0% (docs/BENCHMARKS.md, "The floor under the ETA's error"). Where lengths are exactly sqrt-normal around
+    the predictions and none loops, the log ratio's tail is too long instead (+19-21% at 50% on
+    tests/test_forecast.py's GPU story)."""
 
     SQRT_PRICE = 1.0  # nats: the square root's third parameter (the slope on the prediction)
 
@@ -193,6 +203,7 @@ class LengthMixture:
         self.sqrt_weight = 0.0  # the square root's (the log ratio's is what is left)
         self.best = self.ratio
         self.tail = None  # the model whose quantile_cdf the drain's tail uses for the rows running, if not the mixture
+        self.spread = None  # the model whose quantile_cdf the drain's tail uses for every row, if not the above
 
     def observe(self, predicted, actual, hit_cap) -> None:
         self.ratio.observe(predicted, actual, hit_cap)
@@ -207,12 +218,14 @@ class LengthMixture:
         or (left_shortest) choose the tail's model; rest: the sum and the count of the predictions of the
         rows still to start (the priors of the normal and the square root)."""
         running_p, running_g = np.asarray(running_p, np.float64), np.asarray(running_g, np.float64)
-        self.only = None
+        self.only = self.spread = None
         if left_shortest and self.sqrt_ratio is not None:
             self.sqrt_ratio.fit(running_p, running_g, rest=rest)
+            self.ratio.fit(running_p, running_g)  # the drain's tail: its spread (below)
             self.weight = self.sqrt_weight = 0.0
             self.tail = None
             self.best = self.only = self.sqrt_ratio
+            self.spread = self.ratio
             return self.best.mu, self.best.sigma
         self.ratio.fit(running_p, running_g)
         self.sqrt.fit(running_p, running_g, rest=rest)
@@ -254,6 +267,8 @@ class LengthMixture:
         return self._mix(lambda m: m.moments(predicted, shift))
 
     def quantile_cdf(self, x, predicted, generated, shift: float = 0.0) -> np.ndarray:
+        if self.spread is not None:
+            return self.spread.quantile_cdf(x, predicted, generated, shift)
         mixed = self._mix(lambda m: m.quantile_cdf(x, predicted, generated, shift))
         if self.tail is None:
             return mixed
