@@ -35,12 +35,14 @@ Prints, per world, workload, order and size, for each step cost: the share of dr
 ±10% at 10% / 25% / 50% of rows, the median and 90th percentile of |error| over the three points, and how often
 the oracle's own 80% range (its replicas' 10th to 90th percentile) held the actual time. Then the tokens to come
 within 10% (over the three points): the oracle's, and the product's length model's at that point (LengthMixture
-told the predictions are a trained predictor's, fitted on the rows done and running, as the forecast fits it).
+fitted on the rows done and running, as the forecast fits it; told the predictions are calibrated with the trained
+predictor's).
 On the line below, for the first --product-draws draws at scale 1: the product's own ETA on the same rows (the
 real Scheduler and DeadlineTracker on tests/test_forecast.py's simulated engine, with this step cost), within
 ±10%, its |error|, and how often its range (eta_low_s to eta_high_s, what status.json shows) held the actual time.
 
     python benchmarks/forecast_floor.py [--draws 100] [--replicas 200] [--scales 1 4 16] [--product-draws 30]
+    python benchmarks/forecast_floor.py --predictor heuristic ...   # the default predictor's rows, not calibrated
 """
 
 from __future__ import annotations
@@ -197,7 +199,12 @@ def main() -> None:
     ap.add_argument("--product-draws", type=int, default=30, help="of the draws at scale 1, how many also run the "
                     "product's own forecast (tests/test_forecast.py's simulate: the real Scheduler and "
                     "DeadlineTracker on the same rows, a trained predictor's); 0: none")
+    ap.add_argument("--predictor", choices=("trained", "heuristic"), default="trained",
+                    help="the predictions the rows are ordered by and the product forecasts from: the trained "
+                         "predictor's (calibrated), or the heuristic's (the default predictor's before 256 rows have "
+                         "finished)")
     args = ap.parse_args()
+    calibrated = args.predictor == "trained"
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
     import test_forecast
@@ -226,8 +233,8 @@ def main() -> None:
     from overnight.pipeline.scheduling.lengths import LengthMixture
 
     def product_tokens(p, a, st, left_shortest):
-        """The tokens to come that the product's length model (a trained predictor's rows) expects at this point."""
-        m = LengthMixture(CAP, calibrated=True)
+        """The tokens to come that the product's length model expects at this point."""
+        m = LengthMixture(CAP, calibrated=calibrated)
         m.observe(p[st.done], a[st.done], a[st.done] >= CAP)
         m.fit(p[st.run], st.g, left_shortest=left_shortest, rest=(float(p[st.pend].sum()), float(len(st.pend))))
         return float(m.expected(p[st.run], st.g).sum() + m.expected(p[st.pend]).sum())
@@ -235,7 +242,7 @@ def main() -> None:
     print(f"\nThe oracle's ETA (the mean over {args.replicas} redraws of the lengths to come), 64 slots: within ±10% "
           "at 10% / 25% / 50% of rows, the median and p90 |error| over the three points, how often its 80% range held "
           "the actual time; then the tokens to come within 10% over the three points, the oracle's and the "
-          "product's length model's (LengthMixture, calibrated, as with a trained predictor)")
+          f"product's length model's (LengthMixture, on the {args.predictor} predictor's rows)")
     product_cache: dict = {}
 
     def product_eta(world, workload, policy, d, p, a, order):
@@ -244,7 +251,7 @@ def main() -> None:
         if key not in product_cache:
             product_cache[key] = {}
             for c, cost in COSTS.items():
-                story = test_forecast.simulate(policy, cost, rows=(p[order], a[order]), calibrated=True)
+                story = test_forecast.simulate(policy, cost, rows=(p[order], a[order]), calibrated=calibrated)
                 at = [test_forecast.eta_error(story, share) for share in SHARES]  # (error, forecast, actual)
                 product_cache[key][c] = ([e for e, _, _ in at], [f.eta_low_s is not None and
                                                                f.eta_low_s <= actual <= f.eta_high_s
@@ -265,6 +272,8 @@ def main() -> None:
             for d in range(draws):
                 rng = np.random.default_rng(1000 * scale + d)
                 idx, p, a = draw_run(lab, out, prompt, world, workload, rng, scale)
+                if not calibrated:
+                    p = lab.heuristic[idx]
                 order = rng.permutation(len(idx)) if policy == "fifo" else np.argsort(-p, kind="stable")
                 row_e = {c: [] for c in COSTS}
                 for st in points(a, order, oracles(world, idx), rng, args.replicas):

@@ -258,7 +258,7 @@ def test_calibrated_predictions_with_rows_that_loop_drain_on_a_gpu_as_long_as_th
     """Calibrated predictions run longest predicted first, 4% of the rows running to max_tokens whatever their
     prediction (the model loops), on a GPU's step cost, where the drain's end is the latest row's: the drain's tail
     from the log ratio's spread keeps the ETA within 10% from a tenth of the rows on. The sqrt ratio's own tail,
-    light, put it 9-21% short at 25-50% of rows (benchmarks/forecast_floor.py's labelled rows: x0.78-0.87 at 50%)."""
+    light, put it 8-21% short at 25-50% of rows (benchmarks/tail_spread.py, the labelled rows: x0.78-0.87 at 50%)."""
     for seed in (3, 4, 5):
         story = simulate("longest-first", GPU, sqrt=True, calibrated=True, loops=0.04, seed=seed)
         errors = [eta_error(story, share)[0] for share in (0.10, 0.25, 0.50)]
