@@ -291,22 +291,24 @@ def main() -> None:
                     for c, (e, h) in product_eta(world, workload, policy, d, p, a, order).items():
                         prod[c].append(e)
                         prod_held[c] += h
-            line = f"{world:25s} {workload:5s} {policy:13s} {len(idx):5d} rows x{draws:3d}"
-            for c in COSTS:
-                e = np.abs(np.array(errs[c]))
-                within = " / ".join(f"{v:4.0%}" for v in (e <= 0.10).mean(0))
-                line += (f" | {c} {within}; |err| {np.median(e):.1%}, p90 {np.percentile(e, 90):.1%}; "
-                         f"range {np.mean(held[c]):.0%}")
-            line += " | tokens " + ", ".join(f"{n} {np.mean(np.abs(v) <= 0.10):.0%}" for n, v in tok.items())
-            print(line, flush=True)
+            print(f"{world:25s} {workload:5s} {policy:13s} {len(idx):5d} rows x{draws:3d}" + summary(errs, held)
+                  + " | tokens " + ", ".join(f"{n} {np.mean(np.abs(v) <= 0.10):.0%}" for n, v in tok.items()),
+                  flush=True)
             if prod["CPU"]:
-                line = f"{'':25s} {'':5s} {'the product':13s} {'':5s}      x{len(prod['CPU']):3d}"
-                for c in COSTS:
-                    e = np.abs(np.array(prod[c]))
-                    within = " / ".join(f"{v:4.0%}" for v in (e <= 0.10).mean(0))
-                    line += (f" | {c} {within}; |err| {np.median(e):.1%}, p90 {np.percentile(e, 90):.1%}; "
-                             f"range {np.mean(prod_held[c]):.0%}")
-                print(line, flush=True)
+                print(f"{'':25s} {'':5s} {'the product':13s} {'':5s}      x{len(prod['CPU']):3d}"
+                      + summary(prod, prod_held), flush=True)
+
+
+def summary(errs: dict, held: dict) -> str:
+    """Per step cost: within ±10% at each share, the median and p90 |error|, the range's hits."""
+    line = ""
+    for c in COSTS:
+        e = np.abs(np.array(errs[c]))
+        within = " / ".join(f"{v:4.0%}" for v in (e <= 0.10).mean(0))
+        line += (f" | {c} {within}; |err| {np.median(e):.1%}, p90 {np.percentile(e, 90):.1%}; "
+                 f"range {np.mean(held[c]):.0%}")
+    return line
+
 
 if __name__ == "__main__":
     main()
