@@ -61,7 +61,8 @@ def main() -> None:
                             story = tf.simulate("longest-first", getattr(tf, cost), rows=(p, a), calibrated=True)
                             for share in SHARES:
                                 e, f, actual = tf.eta_error(story, share)
-                                res.setdefault((cost, tail), []).append((e, f.eta_low_s <= actual <= f.eta_high_s))
+                                held = f.eta_low_s is not None and f.eta_low_s <= actual <= f.eta_high_s
+                                res.setdefault((cost, tail), []).append((e, held))
                     finally:
                         LengthMixture.fit = fit
             for (cost, tail), v in sorted(res.items()):

@@ -99,6 +99,29 @@ def test_of_two_runs_taking_over_one_stale_lock_together_the_last_writer_wins_an
     y.release()
 
 
+def test_a_new_lock_is_created_whole_and_only_once(tmp_path, monkeypatch):
+    # linked in place once written: a run reading it never finds it empty (taken for corrupt, and taken over)
+    out = tmp_path / "out"
+    a = RunLock(OutputDir(str(out)))
+    a.acquire()
+    assert json.loads((out / ".overnight.lock").read_text())["token"] == a.token
+    assert os.listdir(out) == [".overnight.lock"]   # no file of its own left beside it
+    with pytest.raises(LockError, match="was just locked by another run"):
+        RunLock(OutputDir(str(out)))._write(exclusive=True)
+    a.release()
+
+    def no_links(*_):
+        raise OSError(95, "Operation not supported")
+
+    monkeypatch.setattr(os, "link", no_links)   # a file system without hard links: O_EXCL, as before
+    c = RunLock(OutputDir(str(out)))
+    c.acquire()
+    assert json.loads((out / ".overnight.lock").read_text())["token"] == c.token and len(os.listdir(out)) == 1
+    with pytest.raises(LockError, match="was just locked by another run"):
+        RunLock(OutputDir(str(out)))._write(exclusive=True)
+    c.release()
+
+
 def _first_then_real(lock, first):
     """lock.holder that answers `first` once (a read made before another run wrote), then reads the file."""
     answers = [dict(first)]

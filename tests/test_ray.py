@@ -96,6 +96,10 @@ def test_a_worker_the_driver_gave_up_on_writes_nothing_more_and_its_units_go_to_
     reason, count, lost_to = c.stop_state(1)
     assert count >= 2 and "gave this worker up" in lost_to   # an urgent stop, and the folder not its own
     assert c.stop_state(0) == (None, 0, None) == c.stop_state()   # the others go on
+    assert c.next(1) is None and c.next(0) is not None   # it takes no unit more, whatever it asks
+    c.report(1, {"state": "running", "output_tokens_per_s": 100.0})
+    c.progress(1, {"done": 3}, {"eta_s": 10.0}, 0.0)
+    assert 1 not in c.snapshot()[1]   # nor counts in the job's rate or ETA
     # the worker's lock asks the coordinator (an actor handle, answered here) before each write
     monkeypatch.setattr(actors, "_ray", lambda: SimpleNamespace(get=lambda x: x))
     handle = SimpleNamespace(stop_state=SimpleNamespace(remote=c.stop_state))

@@ -56,7 +56,7 @@ class Coordinator:
         self.incarnations[worker] = incarnation
 
     def next(self, worker: int) -> Optional[Unit]:
-        if self.stop_reason or not self.pending:
+        if self.stop_reason or worker in self.retired or not self.pending:
             return None
         unit = self.pending.pop(0)
         self.held.setdefault(worker, []).append(unit)
@@ -101,10 +101,13 @@ class Coordinator:
         return self.stop_reason, self.stop_count, self.lost_to
 
     def report(self, worker: int, status: dict) -> None:
-        self.statuses[worker] = status
+        if worker not in self.retired:  # (a retired worker still running is not in the job's rate or ETA)
+            self.statuses[worker] = status
 
     def progress(self, worker: int, rows: dict, forecast: dict, at: float) -> None:
         """A worker's latest forecast (every few seconds, between its status files): the driver's ETA needs it."""
+        if worker in self.retired:
+            return
         st = self.statuses.setdefault(worker, {})
         st.update(state="running", rows=rows, forecast=forecast, forecast_at=at)
 

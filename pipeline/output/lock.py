@@ -12,7 +12,9 @@ over writes our own lock, waits SETTLE_S, and reads it back: of two runs
 racing for a stale lock (two retried pods whose watches end together), the one
 that wrote last wins and the other refuses. A racer reads the lock a moment
 before it writes, so the wait is far longer than the window in which the other
-can still write over it. A new lock on a local disk is created exclusively.
+can still write over it. A new lock on a local disk is created exclusively and
+whole (a hard link to a file already written), so no run reads it half-written;
+on object storage every write is followed by the wait.
 
 A thread refreshes the heartbeat every HEARTBEAT_S while the lock is held, so
 an engine that takes minutes to start, or to restart, keeps it. A heartbeat
@@ -177,13 +179,25 @@ class RunLock:
         fs = self.out.fs
         fs.makedirs(self.out.root, exist_ok=True)
         if exclusive and is_local(fs):
+            # written whole under a name of its own, then linked in place: a run that reads the lock never finds
+            # it empty (which it would take for a corrupt lock, and over), and only one link can succeed
+            tmp = f"{self.path}.{self.token}"
+            with open(tmp, "wb") as f:
+                f.write(data)
             try:
-                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+                try:
+                    os.link(tmp, self.path)
+                except FileExistsError:
+                    raise
+                except OSError:  # a file system without hard links: created exclusively, then written
+                    fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+                    with os.fdopen(fd, "wb") as f:
+                        f.write(data)
             except FileExistsError:
                 raise LockError(f"{self.out.url} was just locked by another run. Only one run may write to an "
                                 f"output folder.") from None
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
+            finally:
+                os.unlink(tmp)
         else:
             write_atomic(fs, self.path, data)
         self.last_beat = self.clock()

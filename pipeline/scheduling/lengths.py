@@ -187,8 +187,10 @@ class LengthMixture:
     put the ETA at 50% of rows at x0.78-0.87 (medians, four workloads), within ±10% in 0-33% of draws; the log
     ratio's at x0.94-0.97, 92-100%. With this CPU's, where the tokens rule, the median |error| went from 3.1-11.2% to
     3.7-8.0% (docs/BENCHMARKS.md, "The floor under the ETA's error"). Where lengths are exactly sqrt-normal around
-    the predictions and none loops, the log ratio's tail is too long instead (+19-21% at 50% on
-    tests/test_forecast.py's GPU story)."""
+    the predictions and none loops, the log ratio's tail is too long instead: on tests/test_forecast.py's GPU story
+    the ETA came out +8-13% at 10% of rows, +6-15% at 25% and +19-21% at 50% (-7% to +4% with the sqrt ratio's
+    tail). Its mean, higher than the sqrt ratio's on calibrated rows, comes with it; a tail of the log ratio's
+    shape moved to the sqrt ratio's mean is the next thing to try."""
 
     SQRT_PRICE = 1.0  # nats: the square root's third parameter (the slope on the prediction)
 
