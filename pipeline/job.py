@@ -20,7 +20,7 @@ from overnight.pipeline.input.stage import OpenModel, open_model
 from overnight.pipeline.output import manifest as mf
 from overnight.pipeline.output.checkpoint import OutputDir, OutputError, Scan
 from overnight.pipeline.output.layout import check_layout, job_out, read_manifests
-from overnight.pipeline.output.lock import RunLock
+from overnight.pipeline.output.lock import LockError, RunLock
 from overnight.pipeline.output.schema import OutputSchema
 from overnight.pipeline.output.storage import redact
 
@@ -106,6 +106,7 @@ def _open_locked(cfg, fresh, source, out, model, fields, lock, deadline_at, marg
     _check_other_shards(cfg, source, out, fields, given)
     previous = out.read_manifest()
     if fresh:
+        _still_ours(lock, out)
         if previous or out.part_paths():
             log.info("--fresh: discarding the results in %s", out.url)
         out.clear()
@@ -142,9 +143,19 @@ def _open_locked(cfg, fresh, source, out, model, fields, lock, deadline_at, marg
     lock.info["run_id"] = manifest["run_id"]
     if not unchanged:
         manifest["counts"] = counts_from_scan(scan, source.num_rows)
+    _still_ours(lock, out)
     out.write_manifest(manifest)
     return OpenJob(cfg, source, out, model, scan, schema, manifest, deadline_at, margin_s, lock,
                    unchanged=unchanged, lazy_engine=scan.num_done > 0)
+
+
+def _still_ours(lock, out) -> None:
+    """Asked just before the first writes (the manifest; --fresh's clearing): whether this run still holds OUT.
+    The scan before them may take long, and a Ray worker's folder is the driver's until the driver loses OUT or
+    gives the worker up."""
+    if not lock.confirm():
+        raise LockError(f"another run took over {out.shown()} ({lock.taken_by()}) while this run opened it: "
+                        f"nothing was written. Let that run finish, or stop it before you run again.")
 
 
 def _check_other_shards(cfg, source, out, fields, given) -> None:

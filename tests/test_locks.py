@@ -274,6 +274,31 @@ def test_a_takeover_found_only_at_the_last_flush_fails_the_run(data, tmp_path, c
     assert json.loads((out / "manifest.json").read_text())["state"] == "running"   # as the other run left it
 
 
+def test_a_takeover_while_a_resume_scans_writes_no_manifest(data, tmp_path, cfg, monkeypatch):
+    # A resume scans OUT's parts before it writes its manifest; at millions of rows that takes a while, and a run
+    # held up in it may be taken over as stale. It writes nothing then: a Ray worker whose driver gave it up, too.
+    from overnight.pipeline.output import lock as lock_module
+
+    out = tmp_path / "out"
+    s = run_job(cfg(data, out, input={"limit": 10}), engine_factory=given(FakeEngine()), is_tty=False)
+    assert s.state == "completed"
+    before = (out / "manifest.json").read_text()
+    monkeypatch.setattr(lock_module, "HEARTBEAT_S", 0.01)
+    monkeypatch.setattr(RunLock, "_beat_until_released", lambda self: None)
+    scan = OutputDir.scan
+
+    def slow_scan(self, *a, **k):
+        result = scan(self, *a, **k)
+        time.sleep(0.02)
+        write_lock(out, host="other-host", pid=99, token="theirs")
+        return result
+    monkeypatch.setattr(OutputDir, "scan", slow_scan)
+    with pytest.raises(LockError, match=r"another run took over .*\(host other-host, pid 99, .* nothing was written"):
+        run_job(cfg(data, out), engine_factory=given(FakeEngine()), is_tty=False)
+    assert (out / "manifest.json").read_text() == before
+    assert json.loads((out / ".overnight.lock").read_text())["token"] == "theirs"
+
+
 def test_a_lock_removed_while_held_is_lost(tmp_path):
     # the run that took it over finished and removed it: its part numbers may collide with ours
     out = tmp_path / "out"

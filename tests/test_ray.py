@@ -26,6 +26,7 @@ ray = pytest.importorskip("ray")
 from overnight.pipeline.cluster.ray_job import run_on_ray  # noqa: E402
 from overnight.pipeline.cluster.units import UNITS_PER_WORKER, plan_units  # noqa: E402
 from overnight.pipeline.input.source import InputFile  # noqa: E402
+from overnight.pipeline.output.lock import LockError  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -104,6 +105,9 @@ def test_a_worker_the_driver_gave_up_on_writes_nothing_more_and_its_units_go_to_
     monkeypatch.setattr(actors, "_ray", lambda: SimpleNamespace(get=lambda x: x))
     handle = SimpleNamespace(stop_state=SimpleNamespace(remote=c.stop_state))
     assert not actors.WorkerLock(OutputDir("memory://gave-up/w1"), handle, 1).confirm()
+    from overnight.pipeline.job import _still_ours   # asked again just before its folder's first manifest
+    with pytest.raises(LockError, match="gave this worker up"):
+        _still_ours(actors.WorkerLock(OutputDir("memory://gave-up/w1"), handle, 1), OutputDir("memory://gave-up/w1"))
     assert actors.WorkerLock(OutputDir("memory://gave-up/w0"), handle, 0).confirm()
 
 

@@ -236,7 +236,11 @@ class Worker:
         lost_to = ray.get(self.coordinator.stop_state.remote(self.index))[2]
         if lost_to:  # the driver lost OUT to another run, or gave this worker up: not even its manifest is written
             return _not_run("failed", EXIT_FAILED, f"another run took over the output folder ({lost_to})")
-        job = self._open(lambda: ray.get(self.coordinator.next.remote(self.index)))
+        from overnight.pipeline.output.lock import LockError
+        try:
+            job = self._open(lambda: ray.get(self.coordinator.next.remote(self.index)))
+        except LockError as e:  # lost while it scanned the folders, before its manifest: nothing written
+            return _not_run("failed", EXIT_FAILED, str(e))
         runner = Runner(job, EngineSupervisor(factory_for(self.cfg), job), is_tty=False)
         runner.signals = RemoteStop(self.coordinator, job.lock, self.index)
 
