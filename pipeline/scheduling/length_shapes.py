@@ -266,7 +266,7 @@ class SqrtLengthModel:
             new_b = (total * SXY - SX * SY) / det
             var = (SYY - 2 * new_a * SY - 2 * new_b * SXY + new_a * new_a * total + 2 * new_a * new_b * SX
                    + new_b * new_b * SXX) / total
-            new_s = math.sqrt(max(var, self.S_FLOOR ** 2))
+            new_s = math.sqrt(max(self._variance(var, total), self.S_FLOOR ** 2))
             done = abs(new_a - a) < self.TOL and abs(new_b - b) < self.TOL and abs(new_s - s) < self.TOL
             a, b, s = new_a, new_b, new_s
             if done:
@@ -274,6 +274,11 @@ class SqrtLengthModel:
         self.a, self.b, self.s, self._fitted = a, b, s, True
         self.num_events = n + (float(wc @ norm_cdf((tc - (a + b * xc)) / s)) if len(tc) else 0.0)
         return self.mu, self.sigma
+
+    def _variance(self, var: float, total: float) -> float:
+        """The EM step's variance of y from its fitted one over ``total`` rows (prior's included): as it is. A
+        variant with a prior of its own on the spread (benchmarks/forecast_variants.py, tried) pulls it here."""
+        return var
 
     def loglik(self, running_p: np.ndarray, running_g: np.ndarray) -> float:
         """Log-likelihood of the lengths seen (densities of the length itself) and of the censored rows."""
