@@ -168,6 +168,61 @@ def test_a_lock_of_a_dead_process_on_this_host_is_taken_over(tmp_path, caplog):
     assert not (out / ".overnight.lock").exists()
 
 
+def test_a_lock_of_another_container_on_a_host_of_the_same_name_is_watched_not_taken(tmp_path):
+    # host networking: the same host name, another pid namespace; its pid means nothing here, its heartbeat does
+    out = tmp_path / "out"
+    clock = FakeClock(time.time())
+    write_lock(out, pid=2 ** 22 + 12345, ns="another-boot:4026531836", heartbeat=clock.t - 1)
+
+    def sleep(s):   # the other container's run is alive: it beats
+        clock.t += s
+        write_lock(out, pid=2 ** 22 + 12345, ns="another-boot:4026531836", heartbeat=clock.t)
+
+    with pytest.raises(LockError, match=f"in use by another overnight run: host {socket.gethostname()}"):
+        RunLock(OutputDir(str(out)), clock=clock, sleep=sleep).acquire()
+    # the same pid namespace: a dead pid is a dead run, taken over at once
+    mine = RunLock(OutputDir(str(out)))
+    write_lock(out, pid=2 ** 22 + 12345, ns=mine.info["ns"], heartbeat=time.time())
+    mine.acquire()
+    mine.release()
+
+
+def test_two_jobs_in_one_process_do_not_take_each_others_lock(tmp_path):
+    # a notebook, or an Airflow worker running two tasks on threads: the first job's lock is live
+    out = OutputDir(str(tmp_path / "out"))
+    first = RunLock(out)
+    first.acquire()
+    with pytest.raises(LockError, match=f"pid {os.getpid()}"):
+        RunLock(out).acquire()
+    assert first.confirm()
+    first.release()
+    # an earlier job of this process that ended without releasing its lock (killed thread): stale
+    left = RunLock(out)
+    left.acquire()
+    left._stop.set()
+    from overnight.pipeline.output import lock as lock_module
+    lock_module._HELD.discard(left.token)
+    again = RunLock(out)
+    again.acquire()
+    again.release()
+
+
+def test_a_lock_that_cannot_be_read_back_is_removed_and_named(tmp_path, monkeypatch):
+    out = OutputDir("memory://read-back/out")
+    lock = RunLock(out, sleep=lambda s: None)
+    holder, reads = RunLock.holder, []
+
+    def flaky(self):
+        reads.append(1)
+        if len(reads) == 2:   # the read-back, after our write
+            raise ConnectionResetError(104, "Connection reset by peer")
+        return holder(self)
+    monkeypatch.setattr(RunLock, "holder", flaky)
+    with pytest.raises(LockError, match="Cannot read back the lock memory://read-back/out/.overnight.lock"):
+        lock.acquire()
+    assert not out.fs.exists(out.path(".overnight.lock"))   # not left to be watched as a live run's
+
+
 def test_a_lock_without_heartbeat_is_stale_anywhere(tmp_path):
     out = tmp_path / "out"
     write_lock(out, host="other-host", pid=1, heartbeat=time.time() - 3600)

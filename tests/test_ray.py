@@ -111,6 +111,64 @@ def test_a_worker_the_driver_gave_up_on_writes_nothing_more_and_its_units_go_to_
     assert actors.WorkerLock(OutputDir("memory://gave-up/w0"), handle, 0).confirm()
 
 
+def test_a_worker_unavailable_now_and_then_over_a_long_job_is_not_given_up_on():
+    # Only unavailability in a row counts: a worker that answered in between (a network blip each hour) keeps its
+    # units. The driver's loop, with a Ray of plain calls.
+    from overnight.pipeline.cluster import ray_job
+    from overnight.pipeline.cluster.actors import Coordinator
+
+    passes = iter(["blip", "ok"] * (ray_job.MAX_ACTOR_RESTARTS + 2) + ["last"])
+    coordinator = Coordinator([])
+    killed, retired = [], []
+
+    class Call:
+        def __init__(self, fn):
+            self.fn = fn
+
+    class Handle:   # an actor handle over a plain object: x.method.remote(...) is a call made when it is got
+        def __init__(self, obj):
+            self.obj = obj
+
+        def __getattr__(self, name):
+            return SimpleNamespace(remote=lambda *a: Call(lambda: getattr(self.obj, name)(*a)))
+
+    class Worker:
+        def run(self):
+            what = next(passes)
+            if what == "blip":
+                raise ray.exceptions.ActorUnavailableError.__new__(ray.exceptions.ActorUnavailableError)
+            return {"state": "completed", "more": what == "ok"}
+
+    def snapshot():   # a unit came back to the queue after each pass but the last: the worker is run again
+        return (1 if last_result.get("more") else 0), {}
+    last_result: dict = {}
+
+    def get(x, timeout=None):
+        if not isinstance(x, Call):
+            return x
+        r = x.fn()
+        if isinstance(r, dict) and "state" in r:
+            last_result.clear()
+            last_result.update(r)
+        return r
+    coordinator.snapshot = snapshot
+    coordinator.retire = lambda i, url: retired.append(i) or 0
+    fake = SimpleNamespace(wait=lambda refs, num_returns, timeout: (refs[:1], refs[1:]), get=get,
+                           kill=killed.append, exceptions=ray.exceptions)
+    d = ray_job.Driver.__new__(ray_job.Driver)
+    d.ray, d.coordinator, d.signals = fake, Handle(coordinator), []
+    d.cfg = SimpleNamespace(output=SimpleNamespace(path="/tmp/never-written"))
+    d.lock, d.progress = SimpleNamespace(lost=False), SimpleNamespace(close=lambda: None)
+    d.num_workers, d._actor = 1, lambda i: Handle(Worker())
+    d._drop_unplaced = d._tick = lambda *a: None
+    d._install_signals, d._restore_signals = (lambda: {}), (lambda previous: None)
+    d._finish = lambda results, failures, restarts: (results, restarts, list(killed))
+    results, restarts, killed_in_the_loop = d.run()
+    assert restarts == ray_job.MAX_ACTOR_RESTARTS + 2   # more blips than tries, never that many in a row
+    assert not retired and not killed_in_the_loop
+    assert results[0]["state"] == "completed" and next(passes, None) is None
+
+
 def test_a_worker_whose_folder_completed_resumes_from_its_parts(tmp_path, cfg, local_ray):
     # one worker: no other folder's ids to resume against, so the worker's own scan is all there is
     inp = write_input(tmp_path / "in", 1, 100, 50)

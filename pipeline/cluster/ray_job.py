@@ -144,7 +144,7 @@ class Driver:
         results: dict[int, dict] = {}
         failures: dict[int, str] = {}
         restarts = 0
-        unavailable: dict[int, int] = {}  # times each worker was found unavailable
+        unavailable: dict[int, int] = {}  # times in a row each worker was found unavailable
         previous = self._install_signals()
         try:
             while calls:
@@ -154,6 +154,7 @@ class Driver:
                     try:
                         results[i] = ray.get(ref)
                         failures.pop(i, None)
+                        unavailable.pop(i, None)  # it answered: only tries in a row count towards giving it up
                     except ray.exceptions.ActorUnavailableError as e:
                         # Restarting, or unreachable for now and maybe still working: ask again. A restarted
                         # worker's new incarnation gives back what the dead one held (Coordinator.hello).

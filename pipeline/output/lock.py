@@ -4,7 +4,11 @@ A second run on the same OUT refuses, naming the first (host, pid, start
 time). A lock left by a run that died is stale, and taken over: on the same
 host at once when its process is gone (its pid not running, or reused by a
 process started after the lock), anywhere when its heartbeat is older than
-STALE_S. A lock from another host whose heartbeat is recent is watched: a
+STALE_S. "The same host" is the same host name, boot and pid namespace:
+containers that share a host name (host networking) each have pids of their
+own, so another container's lock is watched as another host's is. A lock of
+this very process is a live one while a job here holds it (two jobs in one
+process, on threads), and stale otherwise. A lock from another host whose heartbeat is recent is watched: a
 heartbeat that moves is a live run (refused within HEARTBEAT_S or so), one
 that stays still until it is STALE_S old is a run that died a moment ago (a
 Kubernetes pod killed, retried on another node), and is taken over. Taking
@@ -54,6 +58,21 @@ class LockError(OutputError):
     "Another run holds the output folder."
 
 
+_HELD: set[str] = set()  # the tokens of the locks this process holds now
+
+
+def _namespace() -> Optional[str]:
+    """What makes a pid on "this host" mean this process table: the boot and the pid namespace (Linux). Containers
+    may share a host name (host networking) while each has its own pids; a pid from another is not ours to ask
+    about. None where there is no /proc (another OS: one process table per host)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+        return f"{boot}:{os.stat('/proc/self/ns/pid').st_ino}"
+    except OSError:
+        return None
+
+
 def _holder_alive(pid: int, started_at: Optional[str]) -> bool:
     """Whether the process that wrote a lock on this host still runs: its pid is alive and was not reused by a
     process started after the lock was."""
@@ -77,7 +96,7 @@ class RunLock:
         self.clock = clock
         self.sleep = sleep
         self.token = uuid.uuid4().hex
-        self.info = {"host": socket.gethostname(), "pid": os.getpid(), "run_id": run_id,
+        self.info = {"host": socket.gethostname(), "ns": _namespace(), "pid": os.getpid(), "run_id": run_id,
                      "started_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
                      "token": self.token}
         self.last_beat = 0.0
@@ -97,15 +116,22 @@ class RunLock:
         except ValueError:
             return {"corrupt": True, "heartbeat": 0}
 
+    def _same_processes(self, other: dict) -> bool:
+        """Whether the lock's pid is one of this process table's: the same host, and (where the lock says) the
+        same boot and pid namespace. A lock written before the namespace was recorded goes by the host alone."""
+        return other.get("host") == self.info["host"] and other.get("ns", self.info["ns"]) == self.info["ns"]
+
     def is_stale(self, other: dict) -> bool:
         if other.get("corrupt"):
             return True
-        if other.get("host") == self.info["host"]:
+        if self._same_processes(other):
             if other.get("pid") == os.getpid():
-                return True  # left by this very process (an earlier job in a notebook, a test)
+                # this very process: a job that holds it now (another thread's), or one that ended without
+                # releasing it (an earlier job in a notebook, a test)
+                return other.get("token") not in _HELD
             if not _holder_alive(int(other.get("pid", -1)), other.get("started_at")):
                 return True
-        # (a live pid on a host of the same name may be another container's: its heartbeat decides)
+        # (another container's pid, on a host of the same name, is not ours to ask about: its heartbeat decides)
         return self.clock() - float(other.get("heartbeat", 0)) > STALE_S
 
     def _in_use(self, other: dict) -> LockError:
@@ -118,7 +144,7 @@ class RunLock:
     def _watch(self, other: dict) -> Optional[dict]:
         """A recent lock from another host: a live run's heartbeat moves (refused), a dead one's stays still
         until it is stale (returned, to be taken over). None: it was released meanwhile."""
-        if other.get("host") == self.info["host"]:
+        if self._same_processes(other):
             raise self._in_use(other)  # its process runs here: no need to watch
         start = self.clock()
         # stale by its own timestamp, or still for STALE_S as this run sees it (the hosts' clocks may differ);
@@ -158,12 +184,20 @@ class RunLock:
                         other.get("host"), other.get("pid"), other.get("started_at"))
         exclusive = other is None and is_local(self.out.fs)
         self._write(exclusive=exclusive)
-        if not exclusive:  # another run may be writing its own lock over ours just now: the last writer wins
-            self.sleep(SETTLE_S)
-        mine = self.holder()
+        try:
+            if not exclusive:  # another run may be writing its own lock over ours just now: the last writer wins
+                self.sleep(SETTLE_S)
+            mine = self.holder()
+        except (OSError, KeyboardInterrupt) as e:  # ours is left there, and would be watched as a live run's
+            self._remove_if_ours()
+            if isinstance(e, KeyboardInterrupt):
+                raise
+            raise LockError(f"Cannot read back the lock {self.out.url}/{LOCK} just written ({e}); check that the "
+                            f"output folder is readable, and rerun.") from None
         if not mine or mine.get("token") != self.token:
             raise LockError(f"{self.out.url} was just locked by another run (host {mine and mine.get('host')}, pid "
                             f"{mine and mine.get('pid')}). Only one run may write to an output folder.")
+        _HELD.add(self.token)
         self.is_held = True
         self._stop.clear()
         self._thread = threading.Thread(target=self._beat_until_released, name="overnight-lock", daemon=True)
@@ -254,9 +288,13 @@ class RunLock:
             if not self.is_held:
                 return
             self.is_held = False
-            try:
-                mine = self.holder()
-                if mine and mine.get("token") == self.token:
-                    self.out.fs.rm(self.path)
-            except OSError as e:
-                log.warning("could not remove the lock on %s: %s", self.out.url, e)
+            _HELD.discard(self.token)
+            self._remove_if_ours()
+
+    def _remove_if_ours(self) -> None:
+        try:
+            mine = self.holder()
+            if mine and mine.get("token") == self.token:
+                self.out.fs.rm(self.path)
+        except OSError as e:
+            log.warning("could not remove the lock on %s: %s", self.out.url, e)
