@@ -383,3 +383,24 @@ def test_norm_cdf():
     assert norm_cdf(0.0) == pytest.approx(0.5)
     assert norm_cdf(1.2816) == pytest.approx(0.9, abs=1e-4)
     assert norm_cdf(-1.96) == pytest.approx(0.025, abs=1e-4)
+
+
+@pytest.mark.parametrize("make", [LengthModel, NormalLengthModel, SqrtLengthModel, SqrtRatioModel])
+def test_a_row_run_past_its_whole_tail_ends_in_the_drain_as_its_expected_length_says(make):
+    # max_tokens 4096, a row predicted 183 that has run 4061 tokens (it loops): its model gives it no chance to be
+    # there, so 1 - F(g) underflows. Its CDF reached 0.71 at most, never 1, even past max_tokens, and the drain's
+    # tail added 1,218 steps for a row with at most 35 tokens left (a whole max_tokens where 1 - F(g) was 0).
+    from overnight.pipeline.scheduling.forecast import drain
+
+    model = make(4096)
+    model.observe(np.full(50, 183.0), np.full(50, 180.0) + np.arange(50) % 7, np.zeros(50, bool))
+    model.fit(np.zeros(0), np.zeros(0))   # fitted on the rows that finished near their prediction
+    p, g = np.array([183.0]), np.array([4061.0])
+    cdf = model.quantile_cdf(np.array([0.0, 1.0, 35.0, 5000.0]), p, g)
+    assert cdf[0] == 0.0 and cdf[1:].tolist() == [1.0, 1.0, 1.0]
+    assert float(model.expected(p, g)[0]) == 1.0
+    d = drain(64, model.expected(p, g), np.zeros(0), np.zeros(0), tail=(model, p, g, np.zeros(0), 0.0))
+    assert d.tail_steps <= 35   # the grid's resolution (4096 / 64 steps) bounds what is left
+    # a row the model still expects: unchanged, and certain once g + x reaches max_tokens
+    near = model.quantile_cdf(np.array([10.0, 4096.0 - 150.0]), np.array([183.0]), np.array([150.0]))
+    assert 0.0 < near[0] < 1.0 and near[1] == 1.0

@@ -36,6 +36,17 @@ def finished_rows(predicted, actual, hit_cap, cap: float):
     return p[keep], a[keep], np.asarray(hit_cap, dtype=bool)[keep] | (a[keep] >= cap)
 
 
+def remaining_cdf(f_x, f_g, x, total, cap: float) -> np.ndarray:
+    """P(remaining <= x | L > g) of the length models' quantile_cdf, from F(g + x) and F(g): 1 once g + x reaches
+    max_tokens (the row stops there whatever the model says), and for a row run past the whole of its model's
+    tail (1 - F(g) underflows), 1 from the next token on, as its expected remaining length says, rather than a
+    CDF that never reaches 1 (the drain's tail then added up to a whole max_tokens of steps)."""
+    survive = 1.0 - f_g
+    cdf = np.where(survive > 1e-12, np.clip((f_x - f_g) / np.maximum(survive, 1e-300), 0.0, 1.0),
+                   np.asarray(x, dtype=np.float64) >= 1.0)
+    return np.where(total >= cap, 1.0, cdf)
+
+
 def log_tail(z) -> np.ndarray:
     return np.log(np.clip(1.0 - norm_cdf(z), 1e-300, None))
 

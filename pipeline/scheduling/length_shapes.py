@@ -16,6 +16,7 @@ import math
 import numpy as np
 
 from overnight.pipeline.scheduling.censored import (finished_rows, log_tail, mills, norm_cdf, norm_pdf, prior_mean,
+                                                   remaining_cdf,
                                                    z_moments)
 
 
@@ -144,7 +145,7 @@ class NormalLengthModel:
         f_g = np.where(g > 0, norm_cdf((g - mm) / ss), 0.0)
         total = g + np.maximum(x, 0.0)
         f_x = np.where(total >= self.cap, 1.0, norm_cdf((total - mm) / ss))
-        return np.clip((f_x - f_g) / np.clip(1.0 - f_g, 1e-12, None), 0.0, 1.0)
+        return remaining_cdf(f_x, f_g, x, total, self.cap)
 
 
 class SqrtLengthModel:
@@ -356,5 +357,5 @@ class SqrtLengthModel:
         f_g = np.where(g > 0, norm_cdf((np.sqrt(np.maximum(g, 0.0)) - m) / s), 0.0)
         total = g + np.maximum(x, 0.0)
         f_x = np.where(total >= self.cap, 1.0, norm_cdf((np.sqrt(np.maximum(total, 0.0)) - m) / s))
-        return np.clip((f_x - f_g) / np.clip(1.0 - f_g, 1e-12, None), 0.0, 1.0)
+        return remaining_cdf(f_x, f_g, x, total, self.cap)
 

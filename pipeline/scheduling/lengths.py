@@ -27,7 +27,8 @@ import math
 import numpy as np
 
 from overnight.pipeline.scheduling.censored import (censored_normal_fit, censored_normal_loglik, censored_points,
-                                                   count_into, finished_rows, norm_cdf, norm_pdf)  # noqa: F401
+                                                   count_into, finished_rows, norm_cdf, norm_pdf,  # noqa: F401
+                                                   remaining_cdf)
 from overnight.pipeline.scheduling.length_shapes import NormalLengthModel, SqrtLengthModel
 from overnight.pipeline.scheduling.sqrt_ratio import SqrtRatioModel
 
@@ -124,7 +125,7 @@ class LengthModel:
         f_g = np.where(g > 0, norm_cdf((np.log(np.maximum(g, 1e-9)) - m) / s), 0.0)
         total = g + np.maximum(x, 0.0)
         f_x = np.where(total >= self.cap, 1.0, norm_cdf((np.log(np.maximum(total, 1e-9)) - m) / s))
-        return np.clip((f_x - f_g) / np.clip(1.0 - f_g, 1e-12, None), 0.0, 1.0)
+        return remaining_cdf(f_x, f_g, x, total, self.cap)
 
 
 class LengthMixture:
