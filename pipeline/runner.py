@@ -210,7 +210,7 @@ class Runner:
                 self._on_engine_failure(e)
                 return
             self.tracker.admitted(a.request_id, a.row.predicted_tokens, a.row.num_prompt_tokens,
-                                  a.row.sampling.get("n", 1))
+                                  a.row.sampling.get("n", 1), a.row.sampling.get("max_tokens"))
             if self.tally.first_admitted_at is None:
                 self.tally.first_admitted_at = time.time()
 

@@ -93,8 +93,12 @@ class DeadlineTracker:
         self._first_step_at = None  # a new engine settles again
         self._engine_steps = 0
 
-    def admitted(self, request_id: str, predicted: Optional[int], prompt_tokens: int, n: int = 1) -> None:
+    def admitted(self, request_id: str, predicted: Optional[int], prompt_tokens: int, n: int = 1,
+                 max_tokens: Optional[int] = None) -> None:
+        """A row went into the engine; max_tokens: its own limit, where it asks for more than the job's."""
         self.inflight.admit(request_id, predicted, prompt_tokens, n)
+        if max_tokens and max_tokens > self.lengths.cap:
+            self.lengths.grow_cap(max_tokens)
 
     def before_step(self) -> None:
         self._step_n, self._step_prefill = self.inflight.before_step()

@@ -39,7 +39,7 @@ class NormalLengthModel:
         self.cap = float(max_tokens)
         self.prior_cv, self.prior_weight = prior_cv, prior_weight
         self.n, self.s1, self.s2 = 0, 0.0, 0.0  # rows finished below the cap: count, sum and sum of squares of L
-        self.n_cap = 0  # rows that hit it
+        self.cut_at: dict[int, int] = {}  # rows cut short (at max_tokens, or their own lower limit), by length
         self.p_sum, self.p_n = 0.0, 0  # predictions of the finished rows, for the prior
         self.m, self.s = self.cap / 2, self.prior_cv * self.cap / 2
         self.p_mean = self.cap / 2
@@ -52,7 +52,8 @@ class NormalLengthModel:
         self.n += len(free)
         self.s1 += float(free.sum())
         self.s2 += float(free @ free)
-        self.n_cap += int(cut.sum())
+        for length in np.minimum(a[cut], self.cap).astype(int).tolist():  # cut at max_tokens, or a row's own limit
+            self.cut_at[length] = self.cut_at.get(length, 0) + 1
         self.p_sum += float(p.sum())
         self.p_n += len(p)
 
@@ -64,8 +65,9 @@ class NormalLengthModel:
         m0, s0 = self.p_mean, self.prior_cv * self.p_mean
         keep = (running_p > 0) & (running_g > 0)
         c, w = running_g[keep], np.ones(int(keep.sum()))
-        if self.n_cap:
-            c, w = np.append(c, self.cap), np.append(w, float(self.n_cap))
+        if self.cut_at:
+            c = np.append(c, np.fromiter(self.cut_at.keys(), np.float64))
+            w = np.append(w, np.fromiter(self.cut_at.values(), np.float64))
         w0 = self.prior_weight
         total = self.n + float(w.sum()) + w0
         m, s = (self.m, self.s) if self._fitted else (m0, s0)
@@ -91,8 +93,9 @@ class NormalLengthModel:
     def loglik(self, running_p: np.ndarray, running_g: np.ndarray) -> float:
         m, s = self.m, self.s
         ll = -self.n * math.log(s * math.sqrt(2 * math.pi)) - (self.s2 - 2 * m * self.s1 + self.n * m * m) / (2 * s * s)
-        if self.n_cap:
-            ll += self.n_cap * float(log_tail((self.cap - m) / s))
+        if self.cut_at:
+            at = np.fromiter(self.cut_at.keys(), np.float64)
+            ll += float(np.fromiter(self.cut_at.values(), np.float64) @ log_tail((at - m) / s))
         keep = (running_p > 0) & (running_g > 0)
         return ll + float(log_tail((running_g[keep] - m) / s).sum())
 

@@ -208,6 +208,15 @@ class LengthMixture:
         self.tail = None  # the model whose quantile_cdf the drain's tail uses for the rows running, if not the mixture
         self.spread = None  # the model whose quantile_cdf the drain's tail uses for every row, if not the above
 
+    def grow_cap(self, max_tokens: int) -> None:
+        """A row may ask for more than the job's max_tokens (its own max_tokens column, an OpenAI body's): the
+        lengths the models allow grow to the largest any admitted row asks for. (One cap for every row: where
+        rows' limits differ, the ones with a lower limit are then allowed too much, and the forecast errs long,
+        not short.)"""
+        for m in (self.ratio, self.normal, self.sqrt, self.sqrt_ratio):
+            if m is not None and max_tokens > m.cap:
+                m.cap = float(max_tokens)
+
     def observe(self, predicted, actual, hit_cap) -> None:
         self.ratio.observe(predicted, actual, hit_cap)
         self.normal.observe(predicted, actual, hit_cap)
