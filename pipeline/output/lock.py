@@ -8,10 +8,11 @@ STALE_S. "The same host" is the same host name, boot and pid namespace:
 containers that share a host name (host networking) each have pids of their
 own, so another container's lock is watched as another host's is. A lock of
 this very process is a live one while a job here holds it (two jobs in one
-process, on threads), and stale otherwise. A lock from another host whose heartbeat is recent is watched: a
-heartbeat that moves is a live run (refused within HEARTBEAT_S or so), one
-that stays still until it is STALE_S old is a run that died a moment ago (a
-Kubernetes pod killed, retried on another node), and is taken over. Taking
+process, on threads), and stale otherwise. A lock from another host whose
+heartbeat is recent is watched: a heartbeat that moves is a live run (refused
+within HEARTBEAT_S or so), one that stays still until it is STALE_S old is a
+run that died a moment ago (a Kubernetes pod killed, retried on another
+node), and is taken over. Taking
 over writes our own lock, waits SETTLE_S, and reads it back: of two runs
 racing for a stale lock (two retried pods whose watches end together), the one
 that wrote last wins and the other refuses. A racer reads the lock a moment
