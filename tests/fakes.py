@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import socket
+import time
 
 from overnight.pipeline.engine.echo import EchoEngine
 
@@ -93,3 +95,12 @@ def write_tiny_model(folder) -> str:
     with open(os.path.join(folder, "config.json"), "w") as f:
         json.dump(config, f, indent=2)
     return folder
+
+
+def write_lock(out, **info):
+    """OUT/.overnight.lock as a run on this host (unless told otherwise) would write it."""
+    os.makedirs(out, exist_ok=True)
+    base = {"host": socket.gethostname(), "pid": os.getpid(), "started_at": "2026-11-22T01:00:00+00:00",
+            "run_id": "run-x", "token": "t", "heartbeat": time.time()}
+    base.update(info)
+    (out / ".overnight.lock").write_text(json.dumps(base))

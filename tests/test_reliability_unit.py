@@ -1,5 +1,5 @@
 """Reliability pieces without the engine: retries, failpoints, redaction, signals, engine restarts, input changes.
-Locks: test_locks.py."""
+Locks: test_locks.py and test_lock_runs.py."""
 
 import errno
 import json
