@@ -79,16 +79,16 @@ def test_per_row_overrides_are_honoured(tmp_path, model_path):
     capital = "What is the capital of France?"
     inp = tmp_path / "over.parquet"
     pq.write_table(pa.table({
-        "id": ["greedy", "short", "stopped", "seed-a", "seed-b", "chat"],
+        "id": ["greedy", "short", "stopped", "seed-a", "seed-b", "chat", "long"],
         "prompt": [capital, "Write a long story about a dragon.", capital,
-                   "Name a colour.", "Name a colour.", None],
-        "temperature": [0.0, None, 0.0, 1.0, 1.0, 0.0],
-        "max_tokens": [None, 5, None, 20, 20, None],
-        "seed": [None, None, None, 7, 7, None],
-        "stop": [None, None, ["Paris"], None, None, None],
+                   "Name a colour.", "Name a colour.", None, "Write a long story about a dragon."],
+        "temperature": [0.0, None, 0.0, 1.0, 1.0, 0.0, None],
+        "max_tokens": [None, 5, None, 20, 20, None, 96],   # "long" asks for more than the job's 48
+        "seed": [None, None, None, 7, 7, None, None],
+        "stop": [None, None, ["Paris"], None, None, None, None],
         "messages": [None, None, None, None, None,
                      [{"role": "system", "content": "You answer in one word."},
-                      {"role": "user", "content": capital}]],
+                      {"role": "user", "content": capital}], None],
     }), inp)
     out = tmp_path / "out"
     invoke("run", inp, "--out", out, *FAST)
@@ -100,6 +100,8 @@ def test_per_row_overrides_are_honoured(tmp_path, model_path):
     assert rows["stopped"]["output_tokens"] < rows["greedy"]["output_tokens"]
     assert rows["seed-a"]["text"] == rows["seed-b"]["text"]
     assert "Paris" in rows["chat"]["text"]
+    # a row may ask for more than the job's max_tokens (and the forecast's length models allow it that long)
+    assert rows["long"]["output_tokens"] > 48
 
 
 def test_bad_rows_become_error_rows_and_the_job_goes_on(tmp_path, model_path):
