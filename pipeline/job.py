@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from overnight.pipeline.config import ConfigError, JobConfig
+from overnight.pipeline.input.openai_batch import is_jsonl_input
 from overnight.pipeline.input.shards import parse_shard
 from overnight.pipeline.input.source import ParquetSource, open_source
 from overnight.pipeline.input.stage import OpenModel, open_model
@@ -130,7 +131,8 @@ def _open_locked(cfg, fresh, source, out, model, fields, lock, deadline_at, marg
     schema = OutputSchema(id_name, source.id_type, passthrough, samples=cfg.sampling.n > 1 or "n" in names,
                           logprobs=cfg.sampling.logprobs is not None or "logprobs" in names)
     input_info = {"url": redact(source.url), "num_files": len(source.files), "num_rows": source.num_rows,
-                  "stamp": stamp, "cwd": os.getcwd()}  # where a relative input path is (export reads it again)
+                  "stamp": stamp, "cwd": os.getcwd(),  # where a relative input path is (export reads it again)
+                  "jsonl": is_jsonl_input(cfg.input.path)}  # request lines: export's word when they moved
     if source.shard is not None:
         input_info["shard"] = str(source.shard)
         input_info["split"] = source.selection.how

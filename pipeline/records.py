@@ -7,6 +7,13 @@ import time
 from dataclasses import dataclass
 from typing import Any, Optional
 
+# Phrases of error rows that `overnight export --format openai` tells apart (pipeline/tools/export.py): a row
+# whose own deadline passed (written as OpenAI's batch_expired), the engine's own internal error (an HTTP 500), a
+# prompt too long for the context (OpenAI's context_length_exceeded); every other error row is a bad request (400).
+DEADLINE_PASSED = "passed before the row could start"
+ENGINE_INTERNAL_ERROR = "the engine ended the request with an internal error"
+NO_ROOM_FOR_OUTPUT = "which leaves no room for output within max_model_len"
+
 
 @dataclass(slots=True)
 class Row:
@@ -108,8 +115,8 @@ class Result:
     def expired(cls, row: Row) -> "Result":
         """A row whose own deadline passed before it could start: it is not run."""
         when = dt.datetime.fromtimestamp(row.deadline_at, dt.timezone.utc).isoformat(timespec="seconds")
-        return cls.failed(row.id, row.passthrough, f"{row.origin}: its deadline {when} passed before the row could "
-                                                   f"start", time.time())
+        return cls.failed(row.id, row.passthrough, f"{row.origin}: its deadline {when} {DEADLINE_PASSED}",
+                          time.time())
 
     @classmethod
     def from_engine(cls, row: Row, fin: Finished, queued_at: float,

@@ -29,7 +29,7 @@ from overnight.pipeline.input.stage import prepare
 from overnight.pipeline.output.checkpoint import CheckpointWriter
 from overnight.pipeline.output.manifest import RunState
 from overnight.pipeline.progress import Progress
-from overnight.pipeline.records import Result, Row
+from overnight.pipeline.records import ENGINE_INTERNAL_ERROR, Result, Row
 from overnight.pipeline.report import Reporter, Summary, iso
 from overnight.pipeline.scheduling.deadline import DeadlineTracker
 from overnight.pipeline.scheduling.scheduler import Scheduler
@@ -255,8 +255,8 @@ class Runner:
                                     f"\"abort\"); it is not done, and a rerun answers it")
                     continue
                 if f.finish_reason == "error":  # vLLM's request-level internal error: an error row, not a text
-                    self._record([Result.failed(row.id, row.passthrough, f"{row.origin}: the engine ended the "
-                                                f"request with an internal error (vLLM's finish_reason "
+                    self._record([Result.failed(row.id, row.passthrough, f"{row.origin}: {ENGINE_INTERNAL_ERROR} "
+                                                f"(vLLM's finish_reason "
                                                 f"\"error\", such as a structured output grammar it could not build)",
                                                 time.time())])
                     continue

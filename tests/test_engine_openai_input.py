@@ -34,7 +34,7 @@ LINES = [
 
 
 def test_openai_batch_file_in_and_out(tmp_path, model_path):
-    from openai.types import BatchError, Completion
+    from openai.types import Completion
     from openai.types.chat import ChatCompletion
 
     requests = tmp_path / "requests.jsonl"
@@ -72,6 +72,8 @@ def test_openai_batch_file_in_and_out(tmp_path, model_path):
     assert prompt_tokens["chat-1"] == len(tok(chat, add_special_tokens=False)["input_ids"])         # templated
     failed = [json.loads(x) for x in errors.read_text().splitlines()]
     assert [e["custom_id"] for e in failed] == ["embedding"]
-    error = BatchError.model_validate(failed[0]["error"])
-    assert error.message == ('requests.jsonl#4: line 4: url "/v1/embeddings" is not supported; use '
-                             '/v1/chat/completions (body.messages) or /v1/completions (body.prompt)')
+    assert failed[0]["error"] is None and failed[0]["response"]["status_code"] == 400   # as OpenAI writes a bad request
+    error = failed[0]["response"]["body"]["error"]
+    assert error["type"] == "invalid_request_error"
+    assert error["message"] == ('requests.jsonl#4: line 4: url "/v1/embeddings" is not supported; use '
+                                '/v1/chat/completions (body.messages) or /v1/completions (body.prompt)')

@@ -59,12 +59,14 @@ def test_openai_batch_output_parses_with_openai_types(job, tmp_path):
         completion = ChatCompletion.model_validate(x["response"]["body"])   # a user's parser works unchanged
         assert completion.choices[0].message.role == "assistant" and completion.usage.total_tokens > 0
     errors = [json.loads(x) for x in err_path.read_text().splitlines()]
-    kinds = [e["error"]["code"] for e in errors]
-    assert kinds == ["invalid_request"] + ["batch_expired"] * len(left)
+    bad = errors[0]                                            # a bad request, as OpenAI writes one: HTTP 400
+    assert bad["custom_id"] == ids[7] and bad["error"] is None and bad["response"]["status_code"] == 400
+    assert bad["response"]["body"]["error"] == {
+        "message": "in.parquet#7: prompt column 'prompt' is null; give the row a prompt or a 'messages' chat",
+        "type": "invalid_request_error", "param": None, "code": None}
     assert [e["custom_id"] for e in errors[1:]] == left        # the rows past --limit were never the job's
-    for e in errors:
-        BatchError.model_validate(e["error"])
-        assert e["response"] is None
+    for e in errors[1:]:                                       # never reached: OpenAI's batch_expired
+        assert BatchError.model_validate(e["error"]).code == "batch_expired" and e["response"] is None
 
 
 # -- OpenAI Batch input ----------------------------------------------------------------------------
@@ -93,11 +95,11 @@ def test_a_jsonl_jobs_rows_come_in_line_order(tmp_path, cfg):
     assert [json.loads(x)["custom_id"] for x in ok_path.read_text().splitlines()] == \
         [i for n, i in enumerate(ids[:30]) if n not in (7, 11)]
     errors = [json.loads(x) for x in err_path.read_text().splitlines()]
-    assert [(e["custom_id"], e["error"]["code"]) for e in errors] == \
-        [(ids[11], "invalid_request"), (None, "invalid_request")]  # the lines past --limit were never the job's
+    assert [(e["custom_id"], e["response"]["status_code"]) for e in errors] == \
+        [(None, 400), (ids[11], 400)]  # in line order, the line without a custom_id too; none past --limit
     info = export(str(out), "jsonl", str(tmp_path / "all.jsonl"))
     got = [json.loads(x)["id"] for x in (tmp_path / "all.jsonl").read_text().splitlines()]
-    assert got == [i for n, i in enumerate(ids[:30]) if n != 7] + [None] and info["in_input_order"]
+    assert got == [None if n == 7 else i for n, i in enumerate(ids[:30])] and info["in_input_order"]
     # an input that moved: finish order, and said so
     path.rename(tmp_path / "moved.jsonl")
     assert export(str(out), "openai", str(ok_path), str(err_path))["in_input_order"] is False
@@ -117,3 +119,95 @@ def test_a_jsonl_folders_files_come_in_the_sources_order(tmp_path, cfg):
     assert info["in_input_order"] and info["ok"] == 11
     got = [json.loads(x)["custom_id"] for x in (tmp_path / "results.jsonl").read_text().splitlines()]
     assert got == [f"a{i}" for i in range(6)] + [f"c{i}" for i in range(5)]
+
+
+def test_lines_without_a_custom_id_are_in_order_and_never_lost(tmp_path, cfg):
+    """A line without a custom_id is tied to its error row by its origin: in line order when read, and
+    batch_expired (custom_id null) when the job stopped before it; the rows a job never did are all accounted for."""
+    lines = [request(f"r{i}", 2) for i in range(30)]
+    lines[3] = lines[25] = '{"method": "POST", "url": "/v1/chat/completions", "body": {}}'   # no custom_id
+    path = tmp_path / "requests.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    out = tmp_path / "out"
+    run_job(cfg(path, out, input={"limit": 20}), engine_factory=given(FakeEngine()), is_tty=False)
+    run_job(cfg(path, out, input={"limit": 20}), engine_factory=given(FakeEngine()), is_tty=False)  # resumed
+    ok_path, err_path = tmp_path / "results.jsonl", tmp_path / "errors.jsonl"
+    info = export(str(out), "openai", str(ok_path), str(err_path))   # the job's rows: the first 20 lines
+    assert (info["ok"], info["errors"], info["expired"]) == (19, 1, 0)   # line 4's error row once, not expired
+    assert [json.loads(x)["custom_id"] for x in err_path.read_text().splitlines()] == [None]
+    # the whole file as the job, stopped when its first 20 lines were done (its manifest without the limit):
+    # line 26, without a custom_id, was never read
+    manifest = json.loads((out / "manifest.json").read_text())
+    manifest["config"]["input"]["limit"] = None
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    info = export(str(out), "openai", str(ok_path), str(err_path))
+    errors = [json.loads(x) for x in err_path.read_text().splitlines()]
+    assert (info["ok"], info["errors"], info["expired"], info["rows"]) == (19, 1, 10, len(lines))
+    assert [(e["custom_id"], (e["error"] or {}).get("code")) for e in errors] == \
+        [(None, None)] + [(f"r{i}", "batch_expired") for i in range(20, 25)] + \
+        [(None, "batch_expired")] + [(f"r{i}", "batch_expired") for i in range(26, 30)]
+
+
+def test_export_files_and_values(job, tmp_path):
+    """--errors may be --output itself; a path that cannot be written is named, and leaves the files as they
+    were; a float JSON cannot hold (NaN) is null in jsonl."""
+    from overnight.pipeline.output.checkpoint import OutputError
+
+    ids, out = job
+    both = tmp_path / "both.jsonl"
+    info = export(str(out), "openai", str(both), str(both))
+    lines = [json.loads(x) for x in both.read_text().splitlines()]
+    assert len(lines) == info["rows"] == 30 and sum(x["response"]["status_code"] == 400 for x in lines) == 1
+    before = both.read_bytes()
+    for fmt, output, errors, named in (("openai", str(both), str(tmp_path / "no" / "e.jsonl"), "--errors"),
+                                       ("openai", str(tmp_path / "no" / "o.jsonl"), None, "--output"),
+                                       ("jsonl", str(tmp_path / "no" / "o.jsonl"), None, "--output"),
+                                       ("csv", str(tmp_path / "no" / "o.csv"), None, "--output")):
+        with pytest.raises(OutputError, match=f"{named} .*no/.*cannot be written"):
+            export(str(out), fmt, output, errors)
+    assert both.read_bytes() == before
+
+
+def test_jsonl_export_writes_json(tmp_path, cfg, write_parquet):
+    inp = write_parquet({"id": ["a", "b", "c"], "prompt": ["x", "y", "z"],
+                         "score": [float("nan"), float("inf"), 0.5]})
+    out = tmp_path / "out"
+    run_job(cfg(inp, out), engine_factory=given(FakeEngine()), is_tty=False)
+    export(str(out), "jsonl", str(tmp_path / "all.jsonl"))
+    rows = [json.loads(x, parse_constant=lambda c: pytest.fail(f"{c} is not JSON"))
+            for x in (tmp_path / "all.jsonl").read_text().splitlines()]
+    assert [r["score"] for r in rows] == [None, None, 0.5]
+
+
+def test_a_moved_folder_of_request_lines_still_tells_completions(tmp_path, cfg):
+    folder = tmp_path / "reqs"
+    folder.mkdir()
+    (folder / "a.jsonl").write_text(request("chat", 2) + "\n" + json.dumps(
+        {"custom_id": "text", "method": "POST", "url": "/v1/completions", "body": {"prompt": "Once"}}) + "\n")
+    out = tmp_path / "out"
+    run_job(cfg(folder, out), engine_factory=given(FakeEngine()), is_tty=False)
+    folder.rename(tmp_path / "moved")
+    info = export(str(out), "openai", str(tmp_path / "results.jsonl"))
+    assert not info["in_input_order"]
+    got = {x["custom_id"]: x["response"]["body"]["object"]
+           for x in map(json.loads, (tmp_path / "results.jsonl").read_text().splitlines())}
+    assert got == {"chat": "chat.completion", "text": "text_completion"}
+
+
+def test_error_lines_say_what_kind_of_failure(tmp_path):
+    """An error row's message tells export which of OpenAI's lines it is (pipeline/records.py's phrases)."""
+    from overnight.pipeline.records import DEADLINE_PASSED, ENGINE_INTERNAL_ERROR, NO_ROOM_FOR_OUTPUT
+    from overnight.pipeline.tools.export import _error_line
+
+    def kind(message):
+        x = _error_line("q", message)
+        if x["response"] is None:
+            return x["error"]["code"]
+        e = x["response"]["body"]["error"]
+        return x["response"]["status_code"], e["type"], e["code"]
+
+    assert kind(f"a.parquet#1: its deadline 2026-01-01T00:00:00+00:00 {DEADLINE_PASSED}") == "batch_expired"
+    assert kind(f"a.parquet#1: {ENGINE_INTERNAL_ERROR} (vLLM's ...)") == (500, "server_error", None)
+    assert kind(f"a.parquet#1: prompt is 9 tokens, {NO_ROOM_FOR_OUTPUT}=8; shorten") == \
+        (400, "invalid_request_error", "context_length_exceeded")
+    assert kind("a.parquet#1: temperature is -1.0; it must be 0 (greedy) to 2") == (400, "invalid_request_error", None)

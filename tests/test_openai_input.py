@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+import sys
 
 from click.testing import CliRunner
 
@@ -165,6 +166,10 @@ BAD = [
      "requests.jsonl#21: messages[0].role is 'wizard'; use one of system, user, assistant, tool"),
     ({**chat("empty"), "body": {"messages": []}},
      "requests.jsonl#22: messages must be a non-empty list of {role, content}, got []"),
+    # json's decoder recurses once per level: a line nested deeper than Python's limit raised RecursionError
+    ('{"custom_id": "deep", "metadata": ' + "[" * 5000 + "]" * 5000 + "}",
+     f"requests.jsonl#23: line 23 is nested too deeply to read (over about {sys.getrecursionlimit()} levels of "
+     f"arrays and objects); flatten its values"),
 ]
 
 

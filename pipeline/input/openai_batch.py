@@ -36,6 +36,7 @@ from __future__ import annotations
 import json
 import logging
 import posixpath
+import sys
 from dataclasses import dataclass
 from typing import ClassVar, Collection, Iterator, Optional
 
@@ -232,6 +233,10 @@ class OpenAIBatchSource(ParquetSource):
             except json.JSONDecodeError as e:
                 raise LineError(f"line {line_no} is not valid JSON ({e.msg} at column {e.colno}); write each "
                                 f"request as one JSON object on one line") from None
+            except RecursionError:  # json's decoder recurses once per level of nesting
+                raise LineError(f"line {line_no} is nested too deeply to read (over about "
+                                f"{sys.getrecursionlimit()} levels of arrays and objects); flatten its values")\
+                    from None
             if not isinstance(req, dict):
                 raise LineError(f"line {line_no} is a JSON {type(req).__name__}, not an object; write each "
                                 f"request as {{\"custom_id\", \"method\", \"url\", \"body\"}}")
@@ -326,30 +331,29 @@ class _Lines(OpenAIBatchSource):
     def __init__(self, url: str):
         self.url = url
         self.fs, root = url_to_fs(url)
-        self.paths, _ = self._listing(root)
+        self.paths, self.base = self._listing(root)
 
 
-def request_lines(url: str) -> Iterator[tuple[Optional[str], bool]]:
-    """Each request line's custom_id in input order (None for a line without one; blank lines skipped), and
-    whether it asks /v1/completions, as the source reads them: the files in the source's order, each streamed
-    line by line."""
+def request_lines(url: str) -> Iterator[tuple[Optional[str], bool, Optional[str]]]:
+    """Each request line's custom_id in input order (None for a line without one; blank lines skipped), whether it
+    asks /v1/completions, and for a line without a custom_id its origin ("<file>#<line>", which its error row's
+    message starts with), as the source reads them: the files in the source's order, each streamed line by line."""
     lines = _Lines(url)
     for path in lines.paths:
+        name = posixpath.relpath(path, lines.base) if lines.base else path
         with lines._open(path) as f:
-            for line in f:
+            for line_no, line in enumerate(f, 1):
                 if line.isspace():
                     continue
                 try:
                     req = json.loads(line)
-                except ValueError:  # not JSON, not UTF-8
-                    yield None, False
-                    continue
-                if not isinstance(req, dict):
-                    yield None, False
-                    continue
-                cid = req.get("custom_id")
-                yield (cid if isinstance(cid, str) and cid and _is_text(cid) else None,
-                       req.get("url") == "/v1/completions")
+                except (ValueError, RecursionError):  # not JSON, not UTF-8, nested too deeply (an error row)
+                    req = None
+                cid = req.get("custom_id") if isinstance(req, dict) else None
+                if isinstance(cid, str) and cid and _is_text(cid):
+                    yield cid, req.get("url") == "/v1/completions", None
+                else:
+                    yield None, isinstance(req, dict) and req.get("url") == "/v1/completions", f"{name}#{line_no}"
 
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Optional
 
 from overnight.buckets.features import prompt_text
-from overnight.pipeline.records import Result, Row
+from overnight.pipeline.records import NO_ROOM_FOR_OUTPUT, Result, Row
 from overnight.pipeline.input.validate import Parsed
 
 
@@ -68,12 +68,11 @@ class PromptBuilder:
         for p, ids, t in zip(kept, encoded, templated):
             n = len(ids)
             if n + 1 > limit:
-                where = "after the chat template" if t else ""
+                where = " after the chat template" if t else ""
                 err = Result.failed(
                     p.id, p.passthrough,
-                    f"{p.origin}: prompt is {n} tokens {where}, which leaves no room for output within "
-                    f"max_model_len={limit}; shorten the prompt or raise --max-model-len (up to the model's context)."
-                    .replace("  ", " "))
+                    f"{p.origin}: prompt is {n} tokens{where}, {NO_ROOM_FOR_OUTPUT}={limit}; shorten the prompt or "
+                    f"raise --max-model-len (up to the model's context).")
                 err.prompt_hash = p.prompt_hash
                 errors.append(err)
                 continue

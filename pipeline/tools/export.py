@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
+import math
 import os
 import posixpath
 import uuid
@@ -38,9 +39,25 @@ def _q(text: str) -> str:
     return "'" + text.replace("'", "''") + "'"
 
 
-# The table ``_input``: each input row's id, its position in input order and whether its request line asked
-# /v1/completions (its prompt went to the model raw; false for every Parquet row).
-INPUT_SCHEMA = pa.schema([("_id", pa.string()), ("_pos", pa.int64()), ("_raw", pa.bool_())])
+# The table ``_input``: each input row's id, its position in input order, whether its request line asked
+# /v1/completions (its prompt went to the model raw; false for every Parquet row), and for a row without an id its
+# origin ("<file>#<row>"), which its error row's message starts with.
+INPUT_SCHEMA = pa.schema([("_id", pa.string()), ("_pos", pa.int64()), ("_raw", pa.bool_()), ("_origin", pa.string())])
+
+
+def _key(id_expr: str, origin_expr: str) -> str:
+    """A row's key in the join of results and ``_input``: its id, or without one its origin (chr(0) first, so that
+    no id equals it)."""
+    return f"coalesce({id_expr}::varchar, chr(0) || {origin_expr})"
+
+
+def _result_key(id_col: str, alias: str = "") -> str:
+    """The key of a result row: a row without an id is an error row whose message starts with its origin."""
+    a = f"{alias}." if alias else ""
+    return _key(f'{a}"{id_col}"', f"split_part({a}error, ': ', 1)")
+
+
+INPUT_KEY = _key("_id", "_origin")
 CHUNK = 65536
 RAW = "_overnight_raw"  # the results' column that says so, in the openai format's query
 
@@ -61,8 +78,8 @@ def _in_order(id_col: str, cols: set, raw: bool = False) -> str:
     """The results ordered by the table ``_input``; with ``raw``, each row's ``_raw`` as the column RAW."""
     samples = f", r.\"{id_col}\", r.sample_index" if "sample_index" in cols else ""  # a row's samples together
     return (f"select r.*{f', i._raw as {RAW}' if raw else ''} from results r left join "
-            f"(select _id, min(_pos) _pos, arg_min(_raw, _pos) _raw from _input group by 1) i "
-            f"on r.\"{id_col}\"::varchar = i._id::varchar order by i._pos nulls last{samples}")
+            f"(select {INPUT_KEY} _key, min(_pos) _pos, arg_min(_raw, _pos) _raw from _input group by 1) i "
+            f"on {_result_key(id_col, 'r')} = i._key order by i._pos nulls last{samples}")
 
 
 def _input_urls(manifest: dict, out_url: str) -> list[str]:
@@ -143,21 +160,22 @@ def _load(con, batches) -> bool:
     return True
 
 
-def _batch(ids, pos, raw=None) -> pa.RecordBatch:
+def _batch(ids, pos, raw=None, origins=None) -> pa.RecordBatch:
     ids = ids if isinstance(ids, pa.Array) else pa.array(ids, pa.string())
     raw = pa.array([False] * len(ids), pa.bool_()) if raw is None else raw
-    return pa.record_batch([ids, pa.array(pos, pa.int64()), raw], schema=INPUT_SCHEMA)
+    origins = pa.nulls(len(ids), pa.string()) if origins is None else pa.array(origins, pa.string())
+    return pa.record_batch([ids, pa.array(pos, pa.int64()), raw, origins], schema=INPUT_SCHEMA)
 
 
 def _line_rows(url: str, limit: Optional[int]):
-    """An OpenAI Batch input's request lines in input order, up to --limit: each line's custom_id and whether it
-    asks /v1/completions (``openai_batch.request_lines``)."""
+    """An OpenAI Batch input's request lines in input order, up to --limit: each line's custom_id, whether it
+    asks /v1/completions and, without a custom_id, its origin (``openai_batch.request_lines``)."""
     from overnight.pipeline.input.openai_batch import request_lines
 
     rows, pos = itertools.islice(request_lines(url), limit), 0
     while chunk := list(itertools.islice(rows, CHUNK)):
-        yield _batch([c for c, _ in chunk], range(pos + 1, pos + len(chunk) + 1),
-                     pa.array([r for _, r in chunk], pa.bool_()))
+        yield _batch([c for c, _, _ in chunk], range(pos + 1, pos + len(chunk) + 1),
+                     pa.array([r for _, r, _ in chunk], pa.bool_()), [o for _, _, o in chunk])
         pos += len(chunk)
 
 
@@ -182,8 +200,11 @@ def _source_rows(source):
         raw = None
         if RAW_PROMPT_COLUMN in names and RAW_PROMPT_COLUMN in sb.file.internal_columns:
             raw = sb.batch.column(RAW_PROMPT_COLUMN).fill_null(False)
-        yield _batch(sb.batch.column(id_col).cast(pa.string()),
-                     [(i << 40) + sb.row_number(k) for k in range(sb.batch.num_rows)], raw)
+        ids = sb.batch.column(id_col).cast(pa.string())
+        origins = None
+        if ids.null_count:  # a row without an id: its origin, which its error row's message starts with
+            origins = [None if v.is_valid else f"{sb.file.name}#{sb.row_number(k)}" for k, v in enumerate(ids)]
+        yield _batch(ids, [(i << 40) + sb.row_number(k) for k in range(sb.batch.num_rows)], raw, origins)
 
 
 def _derived_rows(source):
@@ -213,26 +234,63 @@ def _derived_rows(source):
 
 
 def export(url: str, fmt: str, output: str, errors: Optional[str] = None) -> dict:
+    import duckdb
+
     if fmt not in FORMATS:
         raise OutputError(f"--format {fmt}: use one of {', '.join(FORMATS)}.")
     con, manifest = open_results(url)
     query, in_order = _ordered(con, manifest or {}, url)
     if fmt in ("parquet", "csv"):
         opts = "(format parquet, compression zstd)" if fmt == "parquet" else "(header, format csv)"
-        con.sql(f"copy ({query}) to {_q(output)} {opts}")
+        try:
+            con.sql(f"copy ({query}) to {_q(output)} {opts}")
+        except duckdb.IOException as e:
+            raise OutputError(f"--output {output}: cannot be written ({_first_line(e)}); give a path in a folder "
+                              f"that exists and is writable.") from None
         n = con.execute(f"select count(*) from ({query})").fetchone()[0]
         return {"rows": n, "in_input_order": in_order, "output": output}
     if fmt == "jsonl":
         cur = con.execute(query)
         names = [d[0] for d in cur.description]
         n = 0
-        with open(output, "w", encoding="utf-8") as f:
+        with _writing(output, "--output") as f:
             while batch := cur.fetchmany(10_000):
                 for row in batch:
-                    f.write(json.dumps(dict(zip(names, row)), default=str) + "\n")
+                    f.write(_json(dict(zip(names, row))) + "\n")
                     n += 1
         return {"rows": n, "in_input_order": in_order, "output": output}
     return _openai(con, manifest or {}, in_order, output, errors, url)
+
+
+def _first_line(e: Exception) -> str:
+    return (str(e).strip().splitlines() or [type(e).__name__])[0]
+
+
+def _writing(path: str, option: str):
+    """``path`` opened for writing, or an OutputError that names the option and the path."""
+    try:
+        return open(path, "w", encoding="utf-8")
+    except OSError as e:
+        raise OutputError(f"{option} {path}: cannot be written ({e.strerror or e}); give a path in a folder that "
+                          f"exists and is writable.") from None
+
+
+def _json(value) -> str:
+    """One JSON line; a float that JSON cannot hold (NaN, Infinity: a passthrough column's) as null."""
+    try:
+        return json.dumps(value, default=str, allow_nan=False)
+    except ValueError:
+        return json.dumps(_finite(value), default=str, allow_nan=False)
+
+
+def _finite(value):
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
 
 
 def _openai(con, manifest: dict, in_order: bool, output: str, errors: Optional[str], url: str) -> dict:
@@ -247,8 +305,15 @@ def _openai(con, manifest: dict, in_order: bool, output: str, errors: Optional[s
     cur = con.execute(f"select \"{id_col}\", status, text, finish_reason, prompt_tokens, output_tokens, error, "
                       f"epoch(finished_at), {index}, {logprobs}, {lora}, coalesce({RAW}, false) from ({query})")
     ok = bad = expired = 0
-    out = open(output, "w", encoding="utf-8")
-    err = open(errors, "w", encoding="utf-8") if errors else out
+    same = not errors or os.path.abspath(errors) == os.path.abspath(output)  # one file: opened once
+    err = None if same else _writing(errors, "--errors")  # before --output, which opening empties
+    try:
+        out = _writing(output, "--output")
+    except OutputError:
+        if err is not None:
+            err.close()
+        raise
+    err = out if same else err
     try:
         for rows in _by_row(cur):
             rid, status, _, _, ptok, _, error, finished, _, _, adapter, raw = rows[0]
@@ -256,18 +321,19 @@ def _openai(con, manifest: dict, in_order: bool, output: str, errors: Optional[s
                 choice = _text_choice if raw else _choice  # a /v1/completions line: a text_completion
                 choices = [choice(r[2], r[3], r[8], r[9]) for r in rows]
                 otok = sum(r[5] or 0 for r in rows)
-                out.write(json.dumps(_ok_line(rid, choices, ptok, otok, finished, adapter or model, raw)) + "\n")
+                out.write(_json(_ok_line(rid, choices, ptok, otok, finished, adapter or model, raw)) + "\n")
                 ok += 1
             else:
-                err.write(json.dumps(_error_line(rid, "invalid_request", error or "failed")) + "\n")
+                err.write(_json(_error_line(rid, error or "failed")) + "\n")
                 bad += 1
-        if in_order:  # rows of the input that no part holds: not done when the job stopped
-            done_ids = f"select \"{id_col}\"::varchar from results where \"{id_col}\" is not null"
-            left = con.execute(f"select _id, min(_pos) from _input where _id::varchar not in ({done_ids}) "
-                               f"group by 1 order by 2")  # a duplicate id's later rows were skipped, not left
+        if in_order:  # rows of the input that no part holds (by id, or without one by origin): not done
+            done = f"select {_result_key(id_col)} k from results"
+            left = con.execute(f"select arg_min(_id, _pos), min(_pos) from (select *, {INPUT_KEY} _key from _input) "
+                               f"where _key not in (select k from ({done}) where k is not null) "
+                               f"group by _key order by 2")  # a duplicate id's later rows were skipped, not left
             while batch := left.fetchmany(10_000):
                 for rid, _ in batch:
-                    err.write(json.dumps(_error_line(rid, "batch_expired", EXPIRED)) + "\n")
+                    err.write(_json(_expired_line(rid, EXPIRED)) + "\n")
                     expired += 1
     finally:
         out.close()
@@ -302,10 +368,12 @@ def _raw_guess(manifest: dict, cols: set) -> str:
     line is a prompt without messages (a JSONL job's rows carry both columns unless --passthrough left them out)."""
     from overnight.pipeline.input.openai_batch import SUFFIXES
 
-    url = (manifest.get("input") or {}).get("url") or ""
+    given = manifest.get("input") or {}
+    url = given.get("url") or ""
     fields = manifest.get("fingerprint_fields", {})
     prompt, messages = fields.get("prompt_column", "prompt"), fields.get("messages_column", "messages")
-    if not url.rstrip("/").endswith(SUFFIXES) or prompt not in cols or messages not in cols:
+    jsonl = given.get("jsonl", url.rstrip("/").endswith(SUFFIXES))  # the run's word; before it was kept, the name's
+    if not jsonl or prompt not in cols or messages not in cols:
         return "null::boolean"
     return f"(\"{messages}\" is null and \"{prompt}\" is not null)"
 
@@ -355,6 +423,23 @@ def _ok_line(rid, choices, ptok, otok, finished, model, text: bool = False) -> d
                           "total_tokens": (ptok or 0) + (otok or 0)}}}}
 
 
-def _error_line(rid, code: str, message: str) -> dict:
+def _error_line(rid, message: str) -> dict:
+    """An error row as OpenAI writes a failed request: the HTTP error in ``response`` (400, ``invalid_request_error``;
+    500, ``server_error``, for the engine's own internal error) and ``error`` null; a row whose own deadline passed
+    before it could start as one OpenAI never reached (``_expired_line``)."""
+    from overnight.pipeline.records import DEADLINE_PASSED, ENGINE_INTERNAL_ERROR, NO_ROOM_FOR_OUTPUT
+
+    if DEADLINE_PASSED in message:
+        return _expired_line(rid, message)
+    status, kind = (500, "server_error") if ENGINE_INTERNAL_ERROR in message else (400, "invalid_request_error")
+    code = "context_length_exceeded" if NO_ROOM_FOR_OUTPUT in message else None
     return {"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": None if rid is None else str(rid),
-            "response": None, "error": {"code": code, "message": message}}
+            "response": {"status_code": status, "request_id": f"req_{uuid.uuid4().hex}",
+                         "body": {"error": {"message": message, "type": kind, "param": None, "code": code}}},
+            "error": None}
+
+
+def _expired_line(rid, message: str) -> dict:
+    """A row never run: OpenAI's line for a request its batch did not reach in the completion window."""
+    return {"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": None if rid is None else str(rid),
+            "response": None, "error": {"code": "batch_expired", "message": message}}
