@@ -19,7 +19,7 @@ from overnight.pipeline.input.shards import parse_shard
 from overnight.pipeline.input.source import ParquetSource, open_source
 from overnight.pipeline.input.stage import OpenModel, open_model
 from overnight.pipeline.output import manifest as mf
-from overnight.pipeline.output.checkpoint import OutputDir, OutputError, Scan
+from overnight.pipeline.output.checkpoint import OutputDir, OutputError, Scan, id_kind
 from overnight.pipeline.output.layout import check_layout, job_out, read_manifests
 from overnight.pipeline.output.lock import LockError, RunLock
 from overnight.pipeline.output.schema import OutputSchema
@@ -104,7 +104,7 @@ def _open_locked(cfg, fresh, source, out, model, fields, lock, deadline_at, marg
     """shortcut: a completed job over an unchanged input may skip the scan of its parts (``unchanged``). A Ray
     worker's folder is not a job of its own (its units change from run to run), so a worker passes False."""
     given = mf.fingerprint_fields(cfg, model.requested, model.chat, as_given=True)  # as OUTs before stop 37 had it
-    _check_other_shards(cfg, source, out, fields, given)
+    _check_other_shards(cfg, source, out, fields, given, fresh)
     previous = out.read_manifest()
     if fresh:
         _still_ours(lock, out)
@@ -126,6 +126,7 @@ def _open_locked(cfg, fresh, source, out, model, fields, lock, deadline_at, marg
                  and len(out.part_paths()) == previous.get("counts", {}).get("num_parts"))
     # A completed job over an unchanged input needs no scan of its parts (at 10M rows that takes seconds).
     scan = out.scan(id_name) if previous is not None and not unchanged else Scan()
+    _check_id_kind(scan, source, id_name)
     passthrough = [source.schema.field(c) for c in source.passthrough_columns()]
     names = source.schema.names
     schema = OutputSchema(id_name, source.id_type, passthrough, samples=cfg.sampling.n > 1 or "n" in names,
@@ -160,19 +161,34 @@ def _still_ours(lock, out) -> None:
                         f"nothing was written. Let that run finish, or stop it before you run again.")
 
 
-def _check_other_shards(cfg, source, out, fields, given) -> None:
+def _check_id_kind(scan: Scan, source, id_name: str) -> None:
+    """The input's ids are of the kind the parts hold: an id of another kind (1 and "1") never matches, and every
+    row would be answered again."""
+    want = id_kind(source.id_type)
+    for kind, part in scan.id_kinds.items():
+        if kind != want:
+            raise OutputError(f"{part} holds {kind} ids, but the input's {id_name} column is now {source.id_type}: "
+                              f"ids of another kind never match the rows already done, so every row would be "
+                              f"answered again. Give the column its {kind} ids back (cast it), or pass --fresh to "
+                              f"answer every row again.")
+
+
+def _check_other_shards(cfg, source, out, fields, given, fresh: bool = False) -> None:
     """Every shard of a job runs with the same settings, over the same input listing (the split is computed
-    from it: a file added or grown would move rows between shards, whose resumes are their own)."""
+    from it: a file added or grown would move rows between shards, whose resumes are their own). With --fresh a
+    shard starts over with new settings: the others follow with --fresh (each then checks against those that
+    went first)."""
     if source.shard is None:
         return
     listing = source.listing_digest()
     for d, m in read_manifests(cfg.output.path):
         if m is None or d.shard is None:
             continue
-        if d.out.root != out.root and not mf.same_settings(m, fields, given):
+        if d.out.root != out.root and not fresh and not mf.same_settings(m, fields, given):
             raise OutputError(f"Shard {d.label} of this job in {cfg.output.path} ran with other settings "
                               f"({mf.differences(m, fields)}); every shard of a job must run with the same "
-                              f"settings. Rerun with theirs, or choose another --out.")
+                              f"settings. Rerun with theirs, run every shard again with --fresh to answer all "
+                              f"with these, or choose another --out.")
         theirs = m.get("input", {}).get("listing")
         if theirs and theirs != listing:
             raise OutputError(f"The input {source.url} has changed since shard {d.label} of this job ran (files "

@@ -132,6 +132,7 @@ def already_done(job) -> Summary:
     job.out.write_manifest(job.manifest)
     t = Tally(c.get("num_rows", 0), c.get("num_ok", 0), c.get("num_error", 0), c.get("num_output_tokens", 0))
     t.num_resumed = t.num_done
+    t.num_duplicates, t.num_removed = c.get("num_duplicates", 0), c.get("num_removed")  # as the run that completed
     status = {"state": "completed", "exit_code": 0, "message": message, "run_id": job.run_id,
               "rows": t.rows(0), "engine_started": False, "updated_at": mf.now_iso()}
     job.out.write_status(status)

@@ -70,7 +70,7 @@ class Tally:
     def counts(self, num_parts: int) -> dict:
         return {"num_rows": self.num_rows, "num_done": self.num_done, "num_ok": self.num_ok,
                 "num_error": self.num_error, "num_output_tokens": self.num_output_tokens, "num_parts": num_parts,
-                "num_duplicates": self.num_duplicates}
+                "num_duplicates": self.num_duplicates, "num_removed": self.num_removed}
 
     def rows(self, in_flight: int) -> dict:
         return {"total": self.num_rows, "done": self.num_done_here, "ok": self.num_ok, "error": self.num_error,

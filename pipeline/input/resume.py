@@ -226,8 +226,9 @@ class ResumeFilter:
                             f"row again, or a new --out")
 
     def report_removed(self, limited: bool) -> None:
-        """After a full pass (not cut short by --limit): finished rows whose ids are no longer in the input."""
-        if limited or not len(self.done):
+        """After a full pass (not cut short by --limit): finished rows whose ids are no longer in the input. Once:
+        when the input has been read (``stage.prepare``), and at the job's end if not then."""
+        if limited or not len(self.done) or self.tally.num_removed is not None:
             return
         occupied = self.done.occupied()
         gone = int((occupied & ((self.done.flags & MET) == 0)).sum())

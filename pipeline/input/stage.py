@@ -119,3 +119,6 @@ def prepare(cfg: JobConfig, source: ParquetSource, model: OpenModel, annotator=N
         if tally is not None:
             tally.observe_predictions(rows)
         yield Prepared(rows, errors + bad)
+    if resume is not None:  # the whole input read: the rows done before that it no longer holds are known now,
+        # and counted out of the rows done (not at the job's end only: status would say none left meanwhile)
+        resume.report_removed(cfg.input.limit is not None or not source.sees_every_row)

@@ -46,11 +46,14 @@ class Parsed:
     raw: bool = False
 
 
+NO_PROMPT = "\0no prompt"  # what a row with neither is hashed as: a prompt given later shows as changed
+
+
 def prompt_hash(prompt, messages) -> str:
-    """16 hex digits of BLAKE2b over the prompt text, or the chat as JSON."""
+    """16 hex digits of BLAKE2b over the prompt text, or the chat as JSON (or NO_PROMPT, for neither)."""
     data = messages if messages is not None else prompt
     if data is None:
-        return ""
+        data = NO_PROMPT
     text = data if isinstance(data, str) else json.dumps(data, sort_keys=True, default=str)
     return hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=8).hexdigest()
 

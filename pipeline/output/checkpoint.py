@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import io
 import json
+import logging
 import re
 import time
 from dataclasses import dataclass, field
@@ -28,6 +29,8 @@ from overnight.pipeline.output.schema import OutputSchema
 from overnight.pipeline.output.storage import (StorageError, join, read_text, redact, unstrip, url_to_fs, with_retries,
                                         write_atomic)
 
+log = logging.getLogger("overnight")
+
 PART_RE = re.compile(r"^part-(\d{5,})\.parquet$")
 MANIFEST = "manifest.json"
 STATUS = "status.json"
@@ -39,6 +42,11 @@ SCAN_CHUNK_ROWS = 65536
 
 class OutputError(Exception):
     "The output folder cannot be used; the message names it and the fix."
+
+
+def id_kind(t: pa.DataType) -> str:
+    """Ids of one kind match each other whatever their width (int32 and int64, string and large_string)."""
+    return "integer" if pa.types.is_integer(t) else "string"
 
 
 @dataclass
@@ -62,6 +70,9 @@ class Scan:
     _pending: list = field(default_factory=list, repr=False)
     _done: Any = field(default=None, repr=False)
     _null_origins: Any = field(default=None, repr=False)
+    # the kinds of id the parts hold ("integer", "string"), each with the first part that holds it: 1 and "1" are
+    # different keys, so the input's ids must stay of the kind the parts have (``id_kind``)
+    id_kinds: dict = field(default_factory=dict)
 
     @property
     def num_done(self) -> int:
@@ -248,6 +259,8 @@ class OutputDir:
             if "sample_index" in t.column_names:  # n > 1: a row is counted, and its id kept, once
                 t = t.filter(pc.fill_null(pc.equal(t.column("sample_index"), 0), True))
             id_col = t.column(id_column).combine_chunks()
+            if not pa.types.is_null(id_col.type):
+                scan.id_kinds.setdefault(id_kind(id_col.type), unstrip(self.fs, p))
             if ids and id_col.type != ids[0].type:
                 flush()
             if not no_null_ids and id_col.null_count:
@@ -302,15 +315,28 @@ class OutputDir:
         failpoint("manifest.after_write")
 
     def read_status(self) -> Optional[dict]:
-        text = read_text(self.fs, self.path(STATUS))
-        return json.loads(text) if text else None
+        status = self._snapshot(STATUS)
+        return status if isinstance(status, dict) else None
+
+    def _snapshot(self, name: str):
+        """status.json or timeline.json, or None where it is absent or damaged (each is a snapshot of the run's
+        progress, written again at the next flush: a damaged one is said once and read as absent)."""
+        text = read_text(self.fs, self.path(name))
+        if not text:
+            return None
+        try:
+            return json.loads(text)
+        except ValueError as e:
+            log.warning(f"{self.shown(name)} is damaged ({e}); it is read as absent, and written again at the "
+                        f"run's next flush")
+            return None
 
     def write_status(self, status: dict) -> None:
         self._write(self.path(STATUS), json.dumps(status, indent=2, default=str).encode())
 
     def read_timeline(self) -> list:
-        text = read_text(self.fs, self.path(TIMELINE))
-        return json.loads(text) if text else []
+        samples = self._snapshot(TIMELINE)
+        return samples if isinstance(samples, list) else []
 
     def write_timeline(self, samples: list) -> None:
         """The run's progress over time (``overnight report`` plots it), one attempt after another."""

@@ -119,6 +119,10 @@ def job_manifest(url: str) -> Optional[dict]:
         for k, v in m.get("counts", {}).items():
             if isinstance(v, int):
                 counts[k] = counts.get(k, 0) + v
+    missing = _expected(found) - sum(d.shard is not None for d, _ in found)
+    if missing > 0:  # shards not started yet: their rows are not known (each counts its own when it starts)
+        counts["num_rows"] = None
+        merged["shards_not_started"] = missing
     merged["counts"] = counts
     merged["attempts"] = [a for _, m in found for a in m.get("attempts", [])]
     merged["state"] = combined_state([m.get("state") for _, m in found], expected=_expected(found))

@@ -82,7 +82,8 @@ def summary_lines(con, manifest: Optional[dict], price_per_hour: Optional[float]
         else:
             lines.append(f"run {manifest.get('run_id')}  state: {manifest.get('state')}  attempts: {len(attempts)}")
         lines.append(f"model: {manifest.get('fingerprint_fields', {}).get('model')}  "
-                     f"input: {manifest.get('input', {}).get('url')} ({c.get('num_rows', '?')} rows)")
+                     f"input: {manifest.get('input', {}).get('url')} "
+                     f"({c['num_rows'] if c.get('num_rows') is not None else '?'} rows)")
     columns = {r[0] for r in con.execute("describe results").fetchall()}
     # With n > 1 a row's samples are output rows of their own (sample_index 0 .. n-1): a row counts once.
     row = "coalesce(sample_index, 0) = 0" if "sample_index" in columns else "true"
@@ -92,9 +93,14 @@ def summary_lines(con, manifest: Optional[dict], price_per_hour: Optional[float]
         f"coalesce(sum(output_tokens), 0), count(*) filter (status = 'ok') from results").fetchone()
     counts = (manifest or {}).get("counts", {})
     total = counts.get("num_rows")
-    # Duplicate ids are skipped, neither done nor left; a completed job has none left.
-    not_done = total - n - (counts.get("num_duplicates") or 0) if isinstance(total, int) else 0
+    # Duplicate ids are skipped, neither done nor left; a completed job has none left; results no longer in the
+    # input (known once a run has read it all) are not its rows done.
+    here = n - (counts.get("num_removed") or 0)
+    not_done = total - here - (counts.get("num_duplicates") or 0) if isinstance(total, int) else 0
     left = f", {not_done} not done" if not_done > 0 and (manifest or {}).get("state") != "completed" else ""
+    if (manifest or {}).get("shards_not_started"):
+        k = manifest["shards_not_started"]
+        left += f", and the rows of {k} shard{'s' if k > 1 else ''} not started"
     samples = f"; {num_samples} samples" if "sample_index" in columns else ""
     lines.append(f"rows: {n} ({ok} ok, {err} error{left}{samples})")
     if ok:

@@ -59,6 +59,8 @@ def shard_status(d, lock_of: OutputDir) -> dict:
     counts = m.get("counts", {})
     total = rows.get("total", counts.get("num_rows"))
     done = max(rows.get("done") or 0, counts.get("num_done") or 0)
+    if rows.get("removed"):  # the run knows of results no longer in the input: the manifest counts them, it not
+        done = rows.get("done") or 0
     # Duplicate ids are skipped, neither done nor left; a completed job has none left.
     dup = rows.get("duplicates") or counts.get("num_duplicates") or 0
     if total is not None:  # the output's rows may include some no longer in the input

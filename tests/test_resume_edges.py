@@ -1,0 +1,113 @@
+"""Resume at its edges (found by a review, stop 40): ids whose kind changed, results no longer in the input while
+a run goes on, duplicates on an unchanged rerun, a prompt given where there was none, damaged progress files,
+--fresh over shards, and a sharded job with a shard not started yet."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from fakes import FakeEngine, given
+from overnight.pipeline.api import run_job
+from overnight.pipeline.output.checkpoint import OutputError
+from overnight.pipeline.tools.inspection import open_results, summary_lines
+from overnight.pipeline.tools.status import job_status
+
+
+def test_ids_of_another_kind_are_refused_not_answered_again(tmp_path, cfg, write_parquet):
+    out = tmp_path / "out"
+    inp = write_parquet({"id": pa.array([1, 2, 3], pa.int64()), "prompt": ["a", "b", "c"]})
+    run_job(cfg(inp, out), engine_factory=given(FakeEngine()), is_tty=False)
+    write_parquet({"id": pa.array([1, 2, 3], pa.int32()), "prompt": ["a", "b", "c"]})   # another width: the same
+    assert run_job(cfg(inp, out), engine_factory=given(FakeEngine()), is_tty=False).num_resumed == 3
+    write_parquet({"id": ["1", "2", "3"], "prompt": ["a", "b", "c"]})                   # 1 and "1" never match
+    with pytest.raises(OutputError, match=r"part-00000.parquet holds integer ids, but the input's id column is now "
+                                          r"string: .*\(cast it\), or pass --fresh"):
+        run_job(cfg(inp, out), engine_factory=given(FakeEngine()), is_tty=False)
+    s = run_job(cfg(inp, out), fresh=True, engine_factory=given(FakeEngine()), is_tty=False)
+    assert (s.num_ok, s.num_resumed) == (3, 0)
+
+
+def test_results_no_longer_in_the_input_are_not_counted_done_once_it_is_read(tmp_path, cfg, write_parquet):
+    out = tmp_path / "out"
+    inp = write_parquet({"id": list(range(20)), "prompt": ["hi"] * 20})
+    run_job(cfg(inp, out), engine_factory=given(FakeEngine()), is_tty=False)
+    write_parquet({"id": list(range(100, 120)), "prompt": ["hi"] * 20})       # 20 new ids, the 20 old ones gone
+    with pytest.raises(Exception, match="engine died"):                      # stopped with rows left
+        run_job(cfg(inp, out, engine={"max_restarts": 0}), engine_factory=given(FakeEngine(fail_after_steps=6)),
+                is_tty=False)
+    rows = json.loads((out / "status.json").read_text())["rows"]
+    assert rows["removed"] == 20 and 0 < rows["done"] < 20 and rows["remaining"] == 20 - rows["done"]
+    s = job_status(str(out))
+    assert (s["rows_done"], s["rows_left"]) == (rows["done"], rows["remaining"])   # not 20 done, 0 left
+    con, m = open_results(str(out))
+    assert f"{rows['remaining']} not done" in summary_lines(con, m)[2]
+
+
+def test_an_unchanged_rerun_keeps_the_duplicates(tmp_path, cfg, write_parquet):
+    out = tmp_path / "out"
+    inp = write_parquet({"id": [1, 2, 2, 3, 3, 4], "prompt": list("abcdef")})
+    for _ in range(2):                                                       # the second: nothing to do
+        run_job(cfg(inp, out), engine_factory=given(FakeEngine()), is_tty=False)
+        rows = json.loads((out / "status.json").read_text())["rows"]
+        assert (rows["done"], rows["remaining"], rows["duplicates"]) == (4, 0, 2)
+
+
+def test_a_prompt_given_where_there_was_none_shows_as_changed(tmp_path, cfg, write_parquet):
+    out = tmp_path / "out"
+    inp = write_parquet({"id": [1, 2, 3], "prompt": ["a", None, "  "]})
+    assert run_job(cfg(inp, out), engine_factory=given(FakeEngine()), is_tty=False).num_error == 2
+    write_parquet({"id": [1, 2, 3], "prompt": ["a", "fixed", "fixed too"]})
+    run_job(cfg(inp, out), engine_factory=given(FakeEngine()), is_tty=False)
+    assert json.loads((out / "status.json").read_text())["rows"]["changed"] == 2   # the null one too
+
+
+def test_damaged_progress_files_are_read_as_absent(tmp_path, cfg, write_parquet, caplog):
+    out = tmp_path / "out"
+    inp = write_parquet({"id": [1, 2, 3], "prompt": ["a", "b", "c"]})
+    run_job(cfg(inp, out), engine_factory=given(FakeEngine()), is_tty=False)
+    (out / "status.json").write_text('{"state": "runn')
+    (out / "timeline.json").write_text('[{"t": 1')
+    assert job_status(str(out))["state"] == "completed"                     # the manifest's word
+    write_parquet({"id": [1, 2, 3, 4], "prompt": ["a", "b", "c", "d"]})
+    with caplog.at_level(logging.WARNING, logger="overnight"):
+        s = run_job(cfg(inp, out), engine_factory=given(FakeEngine()), is_tty=False)
+    assert (s.num_ok, s.num_resumed) == (4, 3)
+    assert any("timeline.json is damaged" in m and "read as absent" in m for m in caplog.messages)
+    assert json.loads((out / "status.json").read_text())["state"] == "completed"   # written again
+
+
+def _files(tmp_path, n: int = 2):
+    inp = tmp_path / "in"
+    inp.mkdir()
+    for k in range(n):
+        pq.write_table(pa.table({"id": [k * 100 + i for i in range(5)], "prompt": ["hi"] * 5}), inp / f"f{k}.parquet")
+    return inp
+
+
+def test_fresh_starts_a_sharded_job_over_with_new_settings(tmp_path, cfg):
+    inp, out = _files(tmp_path), tmp_path / "out"
+    for k in range(2):
+        run_job(cfg(inp, out, cluster={"shard": f"{k}/2"}), engine_factory=given(FakeEngine()), is_tty=False)
+    new = {"max_tokens": 20}
+    with pytest.raises(OutputError, match="ran with other settings .* run every shard again with --fresh"):
+        run_job(cfg(inp, out, cluster={"shard": "0/2"}, sampling=new), engine_factory=given(FakeEngine()),
+                is_tty=False)
+    for k in range(2):
+        s = run_job(cfg(inp, out, cluster={"shard": f"{k}/2"}, sampling=new), fresh=True,
+                    engine_factory=given(FakeEngine()), is_tty=False)
+        assert (s.num_ok, s.num_resumed) == (5, 0)
+    with pytest.raises(OutputError, match="ran with other settings"):        # the old settings now differ
+        run_job(cfg(inp, out, cluster={"shard": "1/2"}), engine_factory=given(FakeEngine()), is_tty=False)
+
+
+def test_a_shard_not_started_leaves_the_jobs_rows_unknown(tmp_path, cfg):
+    inp, out = _files(tmp_path), tmp_path / "out"
+    run_job(cfg(inp, out, cluster={"shard": "0/2"}), engine_factory=given(FakeEngine()), is_tty=False)
+    con, m = open_results(str(out))
+    lines = summary_lines(con, m)
+    assert "(? rows)" in lines[1] and "rows: 5 (5 ok, 0 error, and the rows of 1 shard not started)" in lines[2]
