@@ -52,6 +52,14 @@ def plain(schema: pa.Schema) -> pa.Schema:
     return pa.schema(fields, metadata=schema.metadata)
 
 
+class ColumnCastError(ValueError):
+    """A column's values in one file cannot be cast to the type every file's columns share."""
+
+    def __init__(self, column: str, source: pa.DataType, target: pa.DataType, cause: Exception):
+        super().__init__(f"column {column!r}: {source} -> {target}: {cause}")
+        self.column, self.source, self.target, self.cause = column, source, target, cause
+
+
 def conform(batch: pa.RecordBatch, schema: pa.Schema, ids: Optional[str] = None, first: int = 0) -> pa.RecordBatch:
     """The batch with exactly the schema's columns and types: missing columns as nulls, widths unified.
 
@@ -63,7 +71,11 @@ def conform(batch: pa.RecordBatch, schema: pa.Schema, ids: Optional[str] = None,
     for j, f in enumerate(schema):
         i = batch.schema.get_field_index(f.name)
         col = batch.column(i) if i >= 0 else pa.nulls(batch.num_rows, f.type)
-        col = col if col.type == f.type else col.cast(f.type)
+        if col.type != f.type:
+            try:
+                col = col.cast(f.type)
+            except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as e:  # a uint64 above int64's range ...
+                raise ColumnCastError(f.name, col.type, f.type, e) from None
         if f.name == ids and (pa.types.is_string(f.type) or pa.types.is_large_string(f.type)):
             col, bad = valid_ids(col, first)
             if bad:

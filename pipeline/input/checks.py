@@ -7,6 +7,7 @@ names the column and says what a valid value looks like; ``validate.parse_batch`
 
 from __future__ import annotations
 
+import decimal
 import json
 import math
 from typing import Collection, Optional
@@ -19,12 +20,16 @@ class RowError(ValueError):
 
 
 def _number(value, name: str) -> float:
+    if isinstance(value, decimal.Decimal) and value.is_finite():  # a DECIMAL column (DuckDB writes 0.7 as one)
+        value = float(value)
     if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
         raise RowError(f"{name} is {_short(value)} ({type(value).__name__}); it must be a number")
     return float(value)
 
 
 def _integer(value, name: str) -> int:
+    if isinstance(value, decimal.Decimal) and value.is_finite() and value == value.to_integral_value():
+        return int(value)
     if isinstance(value, float) and value.is_integer():
         return int(value)
     if isinstance(value, bool) or not isinstance(value, int):

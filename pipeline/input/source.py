@@ -22,7 +22,7 @@ from typing import ClassVar, Iterator, Optional
 import pyarrow as pa
 
 from overnight.pipeline.config import InputConfig
-from overnight.pipeline.input.arrow_types import compatible, conform, is_id_type, is_text, plain
+from overnight.pipeline.input.arrow_types import ColumnCastError, compatible, conform, is_id_type, is_text, plain
 from overnight.pipeline.input.listing import GLOB_CHARS, PARQUET_SUFFIXES, file_version, glob_base, is_data_file
 from overnight.pipeline.input.shards import Fragment, Selection, Shard, hash_shard, split
 from overnight.pipeline.output.faults import failpoint
@@ -117,7 +117,7 @@ class ParquetSource:
     def _listing(self, root: str) -> tuple[list[str], str]:
         """The input's data files in input order, and the folder their names are relative to."""
         fs = self.fs
-        if any(c in root for c in GLOB_CHARS):
+        if any(c in root for c in GLOB_CHARS) and not fs.exists(root):  # "run [v2]/" is a path, if there is one
             paths = sorted(p for p in fs.glob(root) if fs.isfile(p))
             if not paths:
                 raise InputError(f"No files match {self.url}. Check the pattern, or pass a folder or file.")
@@ -143,7 +143,7 @@ class ParquetSource:
             with self.fs.open(path, "rb") as f:
                 meta = pq.ParquetFile(f).metadata
                 schema = meta.schema.to_arrow_schema()
-        except (pa.ArrowInvalid, OSError) as e:
+        except (pa.ArrowException, OSError, ValueError) as e:  # a damaged footer fails in any of these
             raise InputError(f"{shown} is not a readable Parquet file ({_first_line(e)}). "
                              f"Re-export it as Parquet, or remove it from the input.") from None
         self._check_id_range(meta, schema, shown, path)
@@ -215,6 +215,9 @@ class ParquetSource:
             raise InputError(
                 f"Column {prompt!r} in {self.url} has type {schema.field(prompt).type}; prompts must be strings. "
                 f"Pick the text column with --prompt-column.")
+        if cfg.id_column not in names and cfg.id_column != InputConfig.id_column:
+            raise InputError(f"Id column {cfg.id_column!r} is not in {self.url} (columns: {', '.join(schema.names)}). "
+                             f"Fix --id-column, or leave it out to derive each row's id from its file and row.")
         if cfg.id_column in names:
             t = schema.field(cfg.id_column).type
             if not is_id_type(t):
@@ -346,7 +349,7 @@ class ParquetSource:
                     try:
                         batch = next(reader, None)
                     except (OSError, pa.ArrowException) as e:  # a damaged page, or the store failed mid-read
-                        raise self._unreadable(file, start, e) from None
+                        raise self._unreadable(file, self._damaged_from(pf, start, groups, present), e) from None
                     if batch is None:
                         break
                     first, start = start, start + batch.num_rows
@@ -360,7 +363,13 @@ class ParquetSource:
                     if batch.num_rows == 0:
                         continue
                     failpoint("source.batch")
-                    sb = SourceBatch(file, first, conform(batch, read_schema, ids, first))
+                    try:
+                        sb = SourceBatch(file, first, conform(batch, read_schema, ids, first))
+                    except ColumnCastError as e:
+                        raise InputError(f"{unstrip(self.fs, file.path)}: column {e.column!r} ({e.source}) cannot "
+                                         f"be read as {e.target}, the type the input's files share, at rows from "
+                                         f"{first} ({_first_line(e.cause)}). Write the column with one type in "
+                                         f"every file, or leave it out with --passthrough.") from None
                     if hashed is not None:
                         sb = self._hash_filter(sb, hashed)
                         if sb is None:
@@ -369,6 +378,22 @@ class ParquetSource:
         finally:
             if handle is not None:
                 handle.close()
+
+    @staticmethod
+    def _damaged_from(pf, row: int, groups, columns) -> int:
+        """The first row of the row group that fails, at or after ``row`` (the first row not read yet): a batch
+        may span row groups, and the one that failed may be the next. ``row`` where none fails alone."""
+        below = 0
+        sizes = [pf.metadata.row_group(g).num_rows for g in range(pf.metadata.num_row_groups)]
+        for g, rows in enumerate(sizes):
+            if (groups is None or g in groups) and below + rows > row:
+                try:
+                    for _ in pf.iter_batches(row_groups=[g], columns=columns, use_threads=False):
+                        pass
+                except (OSError, pa.ArrowException):
+                    return max(below, row)
+            below += rows
+        return row
 
     def _unreadable(self, file: InputFile, row: int, e: Exception) -> InputError:
         """The error of a file that fails while its rows are read (row: the first row not read yet)."""

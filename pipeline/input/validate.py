@@ -96,7 +96,7 @@ def parse_batch(sb: SourceBatch, cfg: InputConfig, defaults: dict, passthrough: 
     structured = [c for c in STRUCTURED_COLUMNS if c in overrides]
     scheduling = {c: _column(batch, c) for c in SCHEDULING_COLUMNS if c in names}
     kept = [c for c in passthrough if c in names]
-    carried_columns = {c: _column(batch, c) for c in kept}
+    carried_columns = {c: _carried(batch, c) for c in kept}
     carried = [{c: v[i] for c, v in carried_columns.items()} for i in range(n)]
     # ids the source read as null because they were not valid UTF-8 (arrow_types.BAD_IDS_KEY): {row number: why}
     bad_ids = _bad_ids(batch, cfg.id_column) if ids is not None else {}
@@ -194,6 +194,20 @@ def _column(batch: pa.RecordBatch, name: str) -> list:
         if _is_text(col.type):
             return _texts(col)
         return [_value(col, j) for j in range(len(col))]
+
+
+def _carried(batch: pa.RecordBatch, name: str) -> list:
+    """A passthrough column's values, as the output column is built from them: as _column's, but a nanosecond
+    timestamp, duration or time that Python's datetime cannot hold (without pandas, any with nanoseconds) as its
+    int64 count, from which the output column of the same type is built again exactly."""
+    col = batch.column(name)
+    t = col.type
+    if ((pa.types.is_timestamp(t) or pa.types.is_duration(t) or pa.types.is_time64(t)) and t.unit == "ns"):
+        try:
+            return col.to_pylist()
+        except (ValueError, pa.ArrowException):
+            return col.cast(pa.int64()).to_pylist()
+    return _column(batch, name)
 
 
 def _value(col: pa.Array, j: int):

@@ -34,8 +34,18 @@ class OutputSchema:
         self.id_name = id_name
         self.samples = samples
         self.logprobs = logprobs
-        # Input column name -> output column name; clashes with result fields get an "input_" prefix.
-        self.renames = {f.name: (f"input_{f.name}" if f.name in reserved else f.name) for f in passthrough}
+        # Input column name -> output column name; clashes with result fields get an "input_" prefix (again, while
+        # that too is a name taken: an input with both "text" and "input_text" keeps both).
+        taken = reserved | {f.name for f in passthrough}
+        self.renames = {}
+        for f in passthrough:
+            name = f.name
+            if name in reserved:
+                name = f"input_{name}"
+                while name in taken:
+                    name = f"input_{name}"
+                taken.add(name)
+            self.renames[f.name] = name
         # Naive UTC: DuckDB and pandas read it without a timezone database.
         ts = pa.timestamp("ms")
         self.schema = pa.schema(

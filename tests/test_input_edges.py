@@ -1,0 +1,91 @@
+"""Parquet input at its edges (found by a review, stop 40): a column whose files disagree past a cast, a damaged
+row group named right, DECIMAL sampling columns, nanosecond timestamps, passthrough names that clash twice, a
+path with glob characters, and an --id-column the input lacks."""
+
+from __future__ import annotations
+
+import decimal
+import glob
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from fakes import FakeEngine, given
+from overnight.pipeline.api import run_job
+from overnight.pipeline.input.source import InputError
+
+
+def _parts(out) -> pa.Table:
+    return pa.concat_tables([pq.read_table(p) for p in sorted(glob.glob(f"{out}/parts/*.parquet"))])
+
+
+def test_a_column_that_cannot_take_the_shared_type_names_file_and_column(tmp_path, cfg):
+    inp = tmp_path / "in"
+    inp.mkdir()
+    pq.write_table(pa.table({"id": [1, 2], "prompt": ["a", "b"], "h": pa.array([1, 2], pa.int64())}), inp / "a.parquet")
+    pq.write_table(pa.table({"id": [3, 4], "prompt": ["c", "d"], "h": pa.array([5, 2 ** 64 - 1], pa.uint64())}),
+                   inp / "b.parquet")
+    with pytest.raises(InputError, match=r"b.parquet: column 'h' \(uint64\) cannot be read as int64, the type the "
+                                         r"input's files share, at rows from 0 .* leave it out with --passthrough"):
+        run_job(cfg(inp, tmp_path / "out"), engine_factory=given(FakeEngine()), is_tty=False)
+    assert _parts(tmp_path / "out").column("id").to_pylist() == [1, 2]      # a.parquet's rows are kept
+
+
+def test_a_damaged_row_group_is_named_even_when_a_batch_spans_two(tmp_path, cfg):
+    path = tmp_path / "b.parquet"
+    pq.write_table(pa.table({"id": list(range(15000)), "prompt": [f"p {i}" for i in range(15000)]}), path,
+                   row_group_size=5000, compression="none")
+    offset = pq.ParquetFile(path).metadata.row_group(2).column(1).data_page_offset
+    data = bytearray(path.read_bytes())
+    data[offset:offset + 60] = b"\xff" * 60
+    path.write_bytes(bytes(data))
+    with pytest.raises(InputError, match=r"b.parquet: row group 2 \(rows from 10000\) cannot be read"):
+        run_job(cfg(path, tmp_path / "out", input={"batch_rows": 1024}), engine_factory=given(FakeEngine()),
+                is_tty=False)
+
+
+def test_decimal_sampling_columns_are_numbers(tmp_path, cfg, write_parquet):
+    inp = write_parquet({"id": [1, 2], "prompt": ["a", "b"],   # what DuckDB writes for a literal 0.7
+                         "temperature": pa.array([decimal.Decimal("0.7"), None], pa.decimal128(2, 1)),
+                         "max_tokens": pa.array([decimal.Decimal("16"), decimal.Decimal("2.5")], pa.decimal128(18, 1))})
+    s = run_job(cfg(inp, tmp_path / "out"), engine_factory=given(FakeEngine()), is_tty=False)
+    rows = {r["id"]: r for r in _parts(tmp_path / "out").to_pylist()}
+    assert (s.num_ok, s.num_error) == (1, 1) and rows[1]["status"] == "ok"
+    assert rows[2]["error"] == "in.parquet#1: max_tokens is Decimal('2.5') (Decimal); it must be an integer"
+
+
+def test_nanosecond_timestamps_pass_through_exactly(tmp_path, cfg, write_parquet):
+    ns = [1_700_000_000_000_000_001, 1_700_000_000_000_000_000]
+    inp = write_parquet({"id": [1, 2], "prompt": ["a", "b"], "ts": pa.array(ns, pa.timestamp("ns")),
+                         "took": pa.array([1, 2_000], pa.duration("ns"))})
+    s = run_job(cfg(inp, tmp_path / "out"), engine_factory=given(FakeEngine()), is_tty=False)
+    t = _parts(tmp_path / "out").sort_by("id")
+    assert s.num_ok == 2 and t.schema.field("ts").type == pa.timestamp("ns")
+    assert t.column("ts").cast(pa.int64()).to_pylist() == ns
+    assert t.column("took").cast(pa.int64()).to_pylist() == [1, 2_000]
+
+
+def test_passthrough_names_that_clash_twice_keep_both(tmp_path, cfg, write_parquet):
+    inp = write_parquet({"id": [1], "prompt": ["a"], "text": ["T1"], "input_text": ["I1"]})
+    run_job(cfg(inp, tmp_path / "out"), engine_factory=given(FakeEngine()), is_tty=False)
+    row = _parts(tmp_path / "out").to_pylist()[0]                  # a table pyarrow reads by name
+    assert (row["input_input_text"], row["input_text"]) == ("T1", "I1") and row["text"].startswith("echo")
+
+
+def test_a_path_with_glob_characters_that_exists_is_that_path(tmp_path, cfg):
+    folder = tmp_path / "run [v2]"
+    folder.mkdir()
+    pq.write_table(pa.table({"id": [1], "prompt": ["a"]}), folder / "prompts.parquet")
+    for inp in (folder, folder / "prompts.parquet"):
+        s = run_job(cfg(inp, tmp_path / f"out{len(str(inp))}"), engine_factory=given(FakeEngine()), is_tty=False)
+        assert s.num_ok == 1
+
+
+def test_an_id_column_the_input_lacks_is_refused(tmp_path, cfg, write_parquet):
+    inp = write_parquet({"uid": ["u1"], "prompt": ["a"]})
+    with pytest.raises(InputError, match=r"Id column 'user_id' is not in .* \(columns: uid, prompt\)\. Fix "
+                                         r"--id-column"):
+        run_job(cfg(inp, tmp_path / "out", input={"id_column": "user_id"}), engine_factory=given(FakeEngine()),
+                is_tty=False)
+    assert run_job(cfg(inp, tmp_path / "out2"), engine_factory=given(FakeEngine()), is_tty=False).num_ok == 1
