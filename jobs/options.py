@@ -42,9 +42,9 @@ def passthrough_value(text: str):
     return [c.strip() for c in text.split(",") if c.strip()]
 
 
-def duration_s(text: str) -> float:
+def duration_s(text: str, what: str = "--grace") -> float:
     from overnight.pipeline.scheduling.when import parse_budget
-    return parse_budget(text)
+    return parse_budget(text, what)
 
 
 def string_list(values: tuple) -> Optional[list[str]]:

@@ -38,7 +38,7 @@ def plan(input_path, out, config_file, as_json, **options):
     from overnight.pipeline.report import iso
 
     cfg = build_config(input_path, None, config_file, options)
-    p = make_plan(cfg, out=out, throughput=given(options, "scheduler.tokens_per_second"))
+    p = make_plan(cfg, out=out or cfg.output.path, throughput=given(options, "scheduler.tokens_per_second"))
     if as_json:
         click.echo(json.dumps(asdict(p), indent=2))
         return

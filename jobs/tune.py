@@ -56,7 +56,7 @@ def tune(input_path, config_file, batched_tokens, seqs, sample, time_limit, save
     # stdout: only tune's own table and preset; what vLLM prints goes to stderr (without the noise unless -v)
     with filtered_stderr(verbose), reserved_stdout() as stdout:
         echo = functools.partial(click.echo, file=stdout)
-        report = run_tune(cfg, b, s, sample, parse_budget(time_limit), echo=echo)
+        report = run_tune(cfg, b, s, sample, parse_budget(time_limit, "--time-limit"), echo=echo)
         if not report.num_rows:
             why = "; ".join(report.errors) or "the input has no rows"
             raise click.ClickException(f"No usable rows to measure in the first {sample} rows of {cfg.input.path} "

@@ -21,6 +21,7 @@ from overnight.pipeline.engine.supervisor import EngineSupervisor
 from overnight.pipeline.job import open_job
 from overnight.pipeline.report import Summary, already_done, nothing_to_do
 from overnight.pipeline.runner import Runner
+from overnight.pipeline.signals import StopRequests
 
 log = logging.getLogger("overnight")
 
@@ -31,7 +32,14 @@ def run_job(cfg: JobConfig, fresh: bool = False, engine_factory: Optional[Engine
     if cfg.cluster.workers:
         from overnight.pipeline.cluster.ray_job import run_on_ray
         return run_on_ray(cfg, fresh, cfg.cluster.workers, cfg.cluster.ray_address, is_tty=is_tty)
-    job = open_job(cfg, fresh=fresh, now=clock())
+    # SIGTERM / SIGINT while the job opens (the tokenizer's load, the input's listing, a resume's scan) is recorded
+    # as during the run: the run then stops before the engine starts, resumable (exit 75)
+    signals = StopRequests().install()
+    try:
+        job = open_job(cfg, fresh=fresh, now=clock())
+    except BaseException:
+        signals.restore()
+        raise
     try:
         if job.source.num_rows == 0:
             return nothing_to_do(job)
@@ -42,6 +50,7 @@ def run_job(cfg: JobConfig, fresh: bool = False, engine_factory: Optional[Engine
                      job.scan.num_parts)
         announce = f"starting vLLM with {job.model.path}" if cfg.engine.kind == "vllm" and not engine_factory else None
         supervisor = EngineSupervisor(engine_factory or factory_for(cfg), job, announce)
-        return Runner(job, supervisor, is_tty=is_tty, clock=clock).run()
+        return Runner(job, supervisor, is_tty=is_tty, clock=clock, signals=signals).run()
     finally:
+        signals.restore()
         job.lock.release()

@@ -8,6 +8,7 @@ naming the source, the dotted key and the fix.
 from __future__ import annotations
 
 import dataclasses
+import datetime as dt
 import os
 import typing
 from typing import Any, Optional, Union
@@ -84,6 +85,10 @@ def _build(cls, data: Any, source: str, prefix: str, construct: bool = True):
         raise ConfigError(f"{source}: {e}") from None
 
 
+# str keys whose natural YAML values (an unquoted time, a number of seconds) are read as they would be as flags
+TIME_KEYS = ("scheduler.deadline", "scheduler.time_budget")
+
+
 def _coerce(tp, value: Any, source: str, key: str, construct: bool = True):
     if dataclasses.is_dataclass(tp):
         return _build(tp, value, source, key + ".", construct)
@@ -124,7 +129,13 @@ def _coerce(tp, value: Any, source: str, key: str, construct: bool = True):
     if tp is str:
         if isinstance(value, str):
             return value
-        raise ConfigError(f"{source}: {key} must be a string, got {value!r}.")
+        if key.endswith(TIME_KEYS):  # YAML reads an unquoted ISO time as a datetime, and 3600 as a number
+            if isinstance(value, (dt.datetime, dt.date)):
+                return value.isoformat()
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                return str(value)
+        raise ConfigError(f"{source}: {key} must be a string, got {value!r}. Quote it in YAML: {key.rsplit('.', 1)[-1]}"
+                          f": \"...\".")
     raise ConfigError(f"{source}: {key} has an unsupported type {tp!r}.")  # pragma: no cover
 
 
@@ -148,6 +159,12 @@ def env_layer(environ=os.environ) -> dict:
     return {"engine": engine}
 
 
+# Keys of which a job takes at most one: one given on the command line drops the others a config file or preset set.
+EITHER_OR = ((("scheduler", "deadline"), ("scheduler", "time_budget")),
+             (("sampling", "json_schema"), ("sampling", "regex"), ("sampling", "choice")),
+             (("cluster", "shard"), ("cluster", "workers")))
+
+
 def resolve(cli: dict, config_file: Optional[str] = None) -> JobConfig:
     """Layer the model's preset, the user's YAML, OVERNIGHT_ENGINE and the command line into one JobConfig."""
     from overnight.configs import preset_for_model
@@ -159,7 +176,13 @@ def resolve(cli: dict, config_file: Optional[str] = None) -> JobConfig:
         from overnight.pipeline.config import DEFAULT_MODEL
         model = DEFAULT_MODEL
     preset = preset_for_model(model)
-    data = merge(merge(merge(preset, user, given_none=True), env_layer()), cli)
+    lower = merge(merge(preset, user, given_none=True), env_layer())
+    for group in EITHER_OR:  # the command line overrides the config: a flag rules out its partners set below it
+        if any((cli.get(s) or {}).get(k) is not None for s, k in group):
+            for s, k in group:
+                if (cli.get(s) or {}).get(k) is None and isinstance(lower.get(s), dict) and k in lower[s]:
+                    lower[s] = {kk: v for kk, v in lower[s].items() if kk != k}
+    data = merge(lower, cli)
     data.setdefault("engine", {})["model"] = model
     if config_file:  # an unknown key or a wrong type names the file; values are judged once, all layers merged
         check_keys(user, config_file)

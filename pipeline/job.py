@@ -207,7 +207,7 @@ def resolve_deadline(sc, now: float) -> tuple[Optional[float], float]:
     if sc.deadline:
         at = parse_deadline(sc.deadline, now)
     elif sc.time_budget:
-        budget = parse_budget(sc.time_budget)
+        budget = parse_budget(sc.time_budget, "--time-budget (scheduler.time_budget)")
         if not 0 < budget <= MAX_BUDGET_S:  # 0: a rerun would stop at once, exit 75, every time
             raise ConfigError(f"--time-budget {sc.time_budget} must be above 0 and at most a year; give e.g. 90m, or "
                               f"leave it out for no deadline.")
@@ -219,6 +219,10 @@ def resolve_deadline(sc, now: float) -> tuple[Optional[float], float]:
         raise ConfigError(f"--time-budget {sc.time_budget} is not longer than the safety margin ({margin:g} s, "
                           f"scheduler.safety_margin_s): the job would stop as it starts. Give a longer budget or "
                           f"a smaller margin.")
+    if sc.deadline and at - margin <= now:  # the same: exit 75 at once, and "rerun to continue" again
+        raise ConfigError(f"--deadline {sc.deadline} is {at - now:.0f} s away, within the safety margin "
+                          f"({margin:g} s, scheduler.safety_margin_s): the job would stop as it starts. Give a later "
+                          f"deadline or a smaller --safety-margin.")
     return at, margin
 
 

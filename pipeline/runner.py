@@ -46,7 +46,8 @@ FINISH_S = 3.0
 
 
 class Runner:
-    def __init__(self, job, supervisor, is_tty: Optional[bool] = None, clock: Callable[[], float] = time.time):
+    def __init__(self, job, supervisor, is_tty: Optional[bool] = None, clock: Callable[[], float] = time.time,
+                 signals: Optional[StopRequests] = None):
         self.job = job
         self.supervisor = supervisor
         self.engine = None  # started by run(): at once, or on a resume only once a row is left to answer
@@ -77,7 +78,7 @@ class Runner:
         # the growth of `share` from its admission to its finish, so the cost is O(1) per step.
         self.share, self.share_at = 0.0, {}
         self.generated_estimate = 0  # output tokens generated in this attempt, counted by step (see _collect)
-        self.signals = StopRequests()
+        self.signals = signals or StopRequests()  # run_job's, installed before the job opened
         self.stopping: Optional[str] = None  # why admission stopped early, once it has
         self.hard_stop_at: Optional[float] = None  # when rows still in flight are aborted
         self.engine_failed = False
@@ -95,11 +96,13 @@ class Runner:
             sys.setswitchinterval(min(interval, 0.001))
             self.signals.install()
             cfg, model = self.job.cfg, self.job.model
-            if not (self.job.lazy_engine and model.context_known):  # a guessed context: ask the engine
+            if self.signals.first:  # asked to stop while the job opened: no engine, nothing run, exit 75
+                self.stopping = f"interrupted by {self.signals.first} before the engine started"
+            elif not (self.job.lazy_engine and model.context_known):  # a guessed context: ask the engine
                 model = model.with_context(self._start_engine().max_model_len)
             self.reader = Prefetcher(prepare(cfg, self.job.source, model, self.annotator, self.resume,
                                              self.job.source.passthrough_columns(), self.tally))
-            if self.engine is not None or self._has_work():
+            if not self.signals.first and (self.engine is not None or self._has_work()):
                 self.engine = self.engine or self._start_engine()
                 self._loop()
             if self._lock_lost():

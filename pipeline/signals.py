@@ -30,7 +30,8 @@ class StopRequests:
             self.first = signal.Signals(signum).name
 
     def install(self) -> "StopRequests":
-        if threading.current_thread() is threading.main_thread():
+        """Record SIGTERM and SIGINT from now on (once: installed again, it keeps the handlers it replaced)."""
+        if not self._previous and threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGTERM, signal.SIGINT):
                 self._previous[sig] = signal.signal(sig, self._handle)
         return self

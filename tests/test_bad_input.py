@@ -182,7 +182,8 @@ CASES = [
          "Error: deadline 'tomorrow 6am' is not an ISO time; use e.g. 2026-11-23T06:00 (local time) or "
          "2026-11-23T06:00+01:00."),
     Case("time budget malformed", lambda e: run_args(e, e.rows(), "--time-budget", "a while"), 1,
-         "Error: time budget 'a while' is not a duration; use e.g. 90m, 1h30m, 45s or 3600."),
+         "Error: --time-budget (scheduler.time_budget) 'a while' is not a duration; use e.g. 90m, 1h30m, 45s "
+         "or 3600."),
     # -- row level: an error row, and the job goes on ------------------------------------------
     Case("null prompt", lambda e: run_args(e, e.rows(prompt=None)), 0,
          row_error="in.parquet#1: prompt column 'prompt' is null; give the row a prompt or a 'messages' chat"),

@@ -177,6 +177,14 @@ class RunLock:
                 return now
 
     def acquire(self) -> None:
+        try:
+            self._acquire()
+        except OSError as e:  # OUT cannot be made or read: under a file, on a read-only mount, no permission
+            raise LockError(f"Output folder {self.out.url} cannot be used ({type(e).__name__}: "
+                            f"{getattr(e, 'strerror', None) or e}); give an --out that is a folder, or where one "
+                            f"can be made, and that this run may write.") from None
+
+    def _acquire(self) -> None:
         other = self.holder()
         if other is not None and not self.is_stale(other):
             other = self._watch(other)

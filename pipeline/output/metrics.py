@@ -43,8 +43,12 @@ class Metrics:
         if port:
             from prometheus_client import start_http_server
 
-            start_http_server(port, registry=r)
-            log.info("serving Prometheus metrics on :%d/metrics", port)
+            try:
+                start_http_server(port, registry=r)
+                log.info("serving Prometheus metrics on :%d/metrics", port)
+            except OSError as e:  # a busy port: the job goes on without, as with a --metrics-file it cannot write
+                log.warning(f"--metrics-port {port}: cannot serve metrics ({e.strerror or e}); the job goes on "
+                            f"without them. Choose a free port.")
 
     def update(self, status: dict) -> None:
         nan = float("nan")

@@ -9,14 +9,14 @@ import re
 from overnight.pipeline.config import ConfigError
 
 
-def parse_budget(text: str) -> float:
-    """'90m', '1h30m', '45s', '2h', or plain seconds -> seconds."""
+def parse_budget(text: str, what: str = "--time-budget") -> float:
+    """'90m', '1h30m', '45s', '2h', or plain seconds -> seconds; what: the flag or key it was given as."""
     t = text.strip().lower()
     if re.fullmatch(r"\d+(\.\d+)?", t):
         return float(t)
     m = re.fullmatch(r"(?:(\d+(?:\.\d+)?)h)?\s*(?:(\d+(?:\.\d+)?)m(?:in)?)?\s*(?:(\d+(?:\.\d+)?)s)?", t)
     if not t or not m or not any(m.groups()):
-        raise ConfigError(f"time budget {text!r} is not a duration; use e.g. 90m, 1h30m, 45s or 3600.")
+        raise ConfigError(f"{what} {text!r} is not a duration; use e.g. 90m, 1h30m, 45s or 3600.")
     h, mnt, s = (float(g) if g else 0.0 for g in m.groups())
     return h * 3600 + mnt * 60 + s
 

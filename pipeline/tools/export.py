@@ -238,6 +238,9 @@ def export(url: str, fmt: str, output: str, errors: Optional[str] = None) -> dic
 
     if fmt not in FORMATS:
         raise OutputError(f"--format {fmt}: use one of {', '.join(FORMATS)}.")
+    if errors and fmt != "openai":  # every other format writes error rows among the others
+        raise OutputError(f"--errors is for --format openai; --format {fmt} writes error rows into --output with "
+                          f"the others (their status column says which). Leave --errors out.")
     con, manifest = open_results(url)
     query, in_order = _ordered(con, manifest or {}, url)
     if fmt in ("parquet", "csv"):

@@ -23,7 +23,8 @@ from typing import Optional
 
 import numpy as np
 
-from overnight.pipeline.output.layout import job_dirs, job_manifest
+from overnight.pipeline.output.checkpoint import OutputError
+from overnight.pipeline.output.layout import job_dirs
 from overnight.pipeline.tools.inspection import open_results
 
 
@@ -254,7 +255,7 @@ def render_html(report: Report) -> str:
              "<style>body{font-family:sans-serif;max-width:1000px;margin:2em auto;color:#222}"
              "table{border-collapse:collapse}th,td{padding:2px 10px;text-align:left;border-bottom:1px solid #ddd}"
              "th{font-weight:600}img{max-width:100%}figure{margin:2em 0}figcaption{color:#555}</style>",
-             "</head><body>", f"<h1>overnight report</h1>", table(report.summary)]
+             "</head><body>", "<h1>overnight report</h1>", table(report.summary)]
     for f in report.figures:
         data = base64.b64encode(f.png).decode()
         parts.append(f"<figure><h2>{html.escape(f.title)}</h2><img alt='{html.escape(f.name)}' "
@@ -267,15 +268,21 @@ def render_html(report: Report) -> str:
 
 def write(report: Report, html_path: Optional[str], png_dir: Optional[str]) -> list[str]:
     written = []
-    if html_path:
-        with open(html_path, "w", encoding="utf-8") as f:
-            f.write(render_html(report))
-        written.append(html_path)
-    if png_dir:
-        os.makedirs(png_dir, exist_ok=True)
-        for fig in report.figures:
-            path = os.path.join(png_dir, f"{fig.name}.png")
-            with open(path, "wb") as f:
-                f.write(fig.png)
-            written.append(path)
+    option = "--html"
+    try:
+        if html_path:
+            with open(html_path, "w", encoding="utf-8") as f:
+                f.write(render_html(report))
+            written.append(html_path)
+        option = "--png"
+        if png_dir:
+            os.makedirs(png_dir, exist_ok=True)
+            for fig in report.figures:
+                path = os.path.join(png_dir, f"{fig.name}.png")
+                with open(path, "wb") as f:
+                    f.write(fig.png)
+                written.append(path)
+    except OSError as e:
+        raise OutputError(f"{option} {html_path if option == '--html' else png_dir}: cannot be written "
+                          f"({e.strerror or e}); give a path in a folder that exists and is writable.") from None
     return written

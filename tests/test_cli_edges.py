@@ -1,0 +1,129 @@
+"""The command line and the config at their edges (found by a review, stop 40): a flag over its partner in the
+config, a deadline within the safety margin, a signal while the job opens, an OUT that cannot be a folder, a busy
+metrics port, a report path that cannot be written, natural YAML times, plan's OUT from the config, durations
+named by their flag, and --errors outside --format openai."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import socket
+
+import pytest
+from click.testing import CliRunner
+
+from fakes import FakeEngine, given
+from overnight.jobs.cli import cli
+from overnight.pipeline.api import run_job
+from overnight.pipeline.config import ConfigError
+from overnight.pipeline.configio import resolve
+from overnight.pipeline.output.checkpoint import OutputError
+
+
+def test_a_flag_overrides_its_partner_in_the_config(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("scheduler:\n  deadline: '2099-01-01T06:00'\nsampling:\n  regex: '[0-9]+'\n")
+    cfg = resolve({"scheduler": {"time_budget": "1h"}, "sampling": {"choice": ["yes", "no"]}}, str(path))
+    assert (cfg.scheduler.deadline, cfg.scheduler.time_budget) == (None, "1h")
+    assert (cfg.sampling.regex, cfg.sampling.choice) == (None, ["yes", "no"])
+    with pytest.raises(ConfigError, match="either a deadline or a time budget, not both"):   # in one layer: refused
+        resolve({"scheduler": {"time_budget": "1h", "deadline": "2099-01-01T06:00"}})
+
+
+def test_natural_yaml_times_are_read_as_the_flags_are(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("scheduler:\n  deadline: 2099-01-01T06:00:00\n")       # unquoted: YAML's datetime
+    assert resolve({}, str(path)).scheduler.deadline == "2099-01-01T06:00:00"
+    path.write_text("scheduler:\n  time_budget: 3600\n")
+    assert resolve({}, str(path)).scheduler.time_budget == "3600"
+    path.write_text("input:\n  prompt_column: 7\n")
+    with pytest.raises(ConfigError, match=r"input.prompt_column must be a string, got 7\. Quote it in YAML"):
+        resolve({}, str(path))
+
+
+def test_a_deadline_within_the_safety_margin_is_refused(tmp_path, cfg, write_parquet):
+    import datetime as dt
+
+    inp = write_parquet({"id": [1], "prompt": ["a"]})
+    soon = (dt.datetime.now() + dt.timedelta(seconds=60)).isoformat(timespec="seconds")
+    with pytest.raises(ConfigError, match=r"--deadline .* s away, within the safety margin \(120 s"):
+        run_job(cfg(inp, tmp_path / "out", scheduler={"deadline": soon, "safety_margin_s": 120.0}),
+                engine_factory=given(FakeEngine()), is_tty=False)
+
+
+def test_a_signal_while_the_job_opens_stops_it_before_the_engine(tmp_path, cfg, write_parquet, monkeypatch):
+    import overnight.pipeline.api as api
+
+    opened = api.open_job
+
+    def open_and_signal(*a, **k):
+        os.kill(os.getpid(), signal.SIGTERM)       # Airflow's timeout, a pod's eviction: as the tokenizer loads
+        return opened(*a, **k)
+
+    def no_engine(*a, **k):
+        raise AssertionError("the engine was started")
+
+    def unhandled(signum, frame):  # what SIGTERM met before: the process killed (here, the test failed)
+        raise AssertionError("SIGTERM while the job opened was not recorded")
+
+    monkeypatch.setattr(api, "open_job", open_and_signal)
+    before = signal.signal(signal.SIGTERM, unhandled)
+    inp = write_parquet({"id": [1, 2], "prompt": ["a", "b"]})
+    try:
+        s = run_job(cfg(inp, tmp_path / "out"), engine_factory=no_engine, is_tty=False)
+        assert signal.getsignal(signal.SIGTERM) == unhandled                 # the handler it replaced is back
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    assert (s.exit_code, s.num_ok) == (75, 0) and "interrupted by SIGTERM before the engine started" in s.message
+    monkeypatch.undo()
+    assert run_job(cfg(inp, tmp_path / "out"), engine_factory=given(FakeEngine()), is_tty=False).num_ok == 2
+
+
+def test_an_out_that_cannot_be_a_folder_is_named(tmp_path, cfg, write_parquet):
+    inp = write_parquet({"id": [1], "prompt": ["a"]})
+    with pytest.raises(OutputError, match=r"Output folder .*in.parquet/sub cannot be used \(NotADirectoryError"):
+        run_job(cfg(inp, f"{inp}/sub"), engine_factory=given(FakeEngine()), is_tty=False)
+
+
+def test_a_busy_metrics_port_is_warned_about_and_the_job_goes_on(tmp_path, cfg, write_parquet, caplog):
+    busy = socket.socket()
+    busy.bind(("", 0))
+    busy.listen(1)
+    port = busy.getsockname()[1]
+    inp = write_parquet({"id": [1], "prompt": ["a"]})
+    try:
+        with caplog.at_level(logging.WARNING, logger="overnight"):
+            s = run_job(cfg(inp, tmp_path / "out", output={"metrics_port": port}), engine_factory=given(FakeEngine()),
+                        is_tty=False)
+    finally:
+        busy.close()
+    assert s.exit_code == 0 and any(f"--metrics-port {port}: cannot serve metrics" in m for m in caplog.messages)
+
+
+def test_report_and_export_name_the_path_or_option(tmp_path, cfg, write_parquet):
+    from overnight.pipeline.tools.export import export
+    from overnight.pipeline.tools.report import build, write
+
+    inp = write_parquet({"id": [1], "prompt": ["a"]})
+    out = tmp_path / "out"
+    run_job(cfg(inp, out), engine_factory=given(FakeEngine()), is_tty=False)
+    with pytest.raises(OutputError, match=r"--html .*/no/r.html: cannot be written"):
+        write(build(str(out)), str(tmp_path / "no" / "r.html"), None)
+    with pytest.raises(OutputError, match="--errors is for --format openai"):
+        export(str(out), "jsonl", str(tmp_path / "a.jsonl"), str(tmp_path / "e.jsonl"))
+
+
+def test_plan_reads_out_from_the_config_and_durations_are_named_by_flag(tmp_path, cfg, write_parquet, tiny_model):
+    inp = write_parquet({"id": [1, 2], "prompt": ["a", "b"]})
+    out = tmp_path / "out"
+    run_job(cfg(inp, out), engine_factory=given(FakeEngine()), is_tty=False)
+    path = tmp_path / "c.yaml"
+    path.write_text(f"input:\n  path: {inp}\noutput:\n  path: {out}\nengine:\n  model: {tiny_model}\n")
+    r = CliRunner().invoke(cli, ["plan", str(path), "--json"], catch_exceptions=False)
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.output)["num_done"] == 2
+    r = CliRunner().invoke(cli, ["run", str(inp), "--out", str(tmp_path / "o2"), "--model", tiny_model,
+                                 "--engine", "echo", "--grace", "2x"])
+    assert r.exit_code != 0 and "--grace '2x' is not a duration" in r.output
