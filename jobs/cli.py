@@ -78,6 +78,7 @@ def setup_logging(verbose: bool, log_format: str = "text") -> None:
         "%(asctime)s overnight %(levelname)s %(message)s", datefmt="%Y-%m-%dT%H:%M:%S")
     for handler in logger.handlers:
         handler.setFormatter(formatter)
+    logger.json_lines = log_format == "json"  # the run's own error line follows (jobs/run.py)
 
 
 cli.add_command(run)

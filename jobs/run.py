@@ -61,7 +61,11 @@ def run(input_path, out, config_file, fresh, as_json, **options):
     def failed(e: Exception, code: int, stdout=None) -> None:
         """A job that fails before it has a summary: the error on stderr and, with --json, still one JSON document
         on stdout."""
-        click.echo(f"Error: {e}", err=True)
+        logger = logging.getLogger("overnight")
+        if getattr(logger, "json_lines", False):  # --log-format json: every stderr line a JSON object, this too
+            logger.error(f"Error: {e}")
+        else:
+            click.echo(f"Error: {e}", err=True)
         if as_json:
             click.echo(json.dumps({"state": "failed", "exit_code": code, "message": str(e)}, indent=2), file=stdout)
         click.get_current_context().exit(code)

@@ -80,7 +80,14 @@ class Progress:
         if self.bar is not None:
             self.bar.update(num_rows)
             self.bar.set_postfix_str(self.postfix(), refresh=False)
-        elif now - self.last_log >= self.log_every:
+        else:
+            self.tick(now)
+
+    def tick(self, now: Optional[float] = None) -> None:
+        """The plain progress line, every --log-every seconds: from the loop's tick too, so that a log shows the
+        job going on while no row finishes (long answers on a GPU)."""
+        now = self.clock() if now is None else now
+        if self.bar is None and now - self.last_log >= self.log_every:
             self.last_log = now
             log.info(self.line(), extra={"counters": self.counters()})
 

@@ -113,7 +113,14 @@ def summary(t: Tally, run_id: str, out: str, state: mf.RunState, exit_code: int,
 
 def nothing_to_do(job) -> Summary:
     """An empty input: no engine is started; the run is complete with no rows."""
-    message = f"nothing to do: {job.source.url} has no rows"
+    src = job.source
+    if src.cfg.limit == 0:
+        why = "--limit 0 takes no rows"
+    elif src.shard is not None:
+        why = f"shard {src.shard} of {src.url} has no rows"
+    else:
+        why = f"{src.url} has no rows"
+    message = f"nothing to do: {why}"
     log.info(message)
     mf.end_attempt(job.manifest, mf.RunState.COMPLETED, message)
     job.out.write_manifest(job.manifest)

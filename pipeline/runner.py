@@ -289,6 +289,7 @@ class Runner:
             return
         self._last_tick = now
         self.tracker.observe(self.generated_estimate)
+        self.progress.tick()
         if self.job.lock is not None:
             self.job.lock.heartbeat()
         self.annotator.refresh(self.scheduler, now)

@@ -1,7 +1,8 @@
 """The command line and the config at their edges (found by a review, stop 40): a flag over its partner in the
 config, a deadline within the safety margin, a signal while the job opens, an OUT that cannot be a folder, a busy
 metrics port, a report path that cannot be written, natural YAML times, plan's OUT from the config, durations
-named by their flag, and --errors outside --format openai."""
+named by their flag, --errors outside --format openai, the plain progress line while no row finishes, and
+--limit 0."""
 
 from __future__ import annotations
 
@@ -127,3 +128,21 @@ def test_plan_reads_out_from_the_config_and_durations_are_named_by_flag(tmp_path
     r = CliRunner().invoke(cli, ["run", str(inp), "--out", str(tmp_path / "o2"), "--model", tiny_model,
                                  "--engine", "echo", "--grace", "2x"])
     assert r.exit_code != 0 and "--grace '2x' is not a duration" in r.output
+
+
+def test_the_plain_progress_line_comes_while_no_row_finishes(caplog):
+    from overnight.pipeline.progress import Progress
+
+    now = [0.0]
+    p = Progress(10, 0, log_every=30.0, is_tty=False, clock=lambda: now[0])
+    with caplog.at_level(logging.INFO, logger="overnight"):
+        for t in (10.0, 31.0, 40.0, 62.0):   # the loop's ticks; no row finished
+            now[0] = t
+            p.tick()
+    assert [m.split(",")[0] for m in caplog.messages] == ["0/10 rows (0%)"] * 2
+
+
+def test_limit_zero_says_so(tmp_path, cfg, write_parquet):
+    inp = write_parquet({"id": [1, 2], "prompt": ["a", "b"]})
+    s = run_job(cfg(inp, tmp_path / "out", input={"limit": 0}), engine_factory=given(FakeEngine()), is_tty=False)
+    assert s.exit_code == 0 and s.message == "nothing to do: --limit 0 takes no rows"

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import decimal
 import glob
+import os
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -89,3 +90,21 @@ def test_an_id_column_the_input_lacks_is_refused(tmp_path, cfg, write_parquet):
         run_job(cfg(inp, tmp_path / "out", input={"id_column": "user_id"}), engine_factory=given(FakeEngine()),
                 is_tty=False)
     assert run_job(cfg(inp, tmp_path / "out2"), engine_factory=given(FakeEngine()), is_tty=False).num_ok == 1
+
+
+def test_dictionary_encoded_columns_are_read_as_their_values(tmp_path, cfg):
+    """pandas categories: a prompt, an id and a passthrough column, with index widths that differ by file."""
+    inp = tmp_path / "in"
+    inp.mkdir()
+    for k, width in enumerate((pa.int8(), pa.int16())):
+        def cat(values):
+            return pa.array(values).dictionary_encode().cast(pa.dictionary(width, pa.string()))
+        pq.write_table(pa.table({"id": cat([f"r{k}0", f"r{k}1"]), "prompt": cat(["hello", "hello"]),
+                                 "kind": cat(["x", f"y{k}"])}), inp / f"f{k}.parquet")
+    s = run_job(cfg(inp, tmp_path / "out"), engine_factory=given(FakeEngine()), is_tty=False)
+    t = _parts(tmp_path / "out").sort_by("id")
+    assert s.num_ok == 4 and t.column("kind").to_pylist() == ["x", "y0", "x", "y1"]
+    assert t.schema.field("id").type == pa.string()
+    os.utime(inp / "f1.parquet", (1, 1))                          # changed: the parts are scanned, ids matched
+    s = run_job(cfg(inp, tmp_path / "out"), engine_factory=given(FakeEngine()), is_tty=False)
+    assert (s.num_resumed, s.num_ok) == (4, 4)

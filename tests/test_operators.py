@@ -46,6 +46,11 @@ def test_log_format_json_puts_one_object_on_each_stderr_line(tmp_path, tiny_mode
     progress = [d for d in lines if "counters" in d]
     assert progress and progress[-1]["counters"]["rows_total"] == 180
     assert done.stdout.startswith("overnight: done:")   # stdout keeps the summary
+    failed = overnight("--log-format", "json", "run", str(inp), "--out", str(tmp_path / "out2"), "--engine", "echo",
+                       "--temperature", "9", "--model", tiny_model, check=False)   # its error line too
+    assert failed.returncode == 1
+    assert [json.loads(ln)["message"] for ln in failed.stderr.splitlines() if ln.strip()] == [
+        "Error: configuration: sampling.temperature is 9.0; it must be 0 (greedy) to 2."]
 
 
 def test_metrics_file_in_prometheus_text_format(tmp_path, tiny_model):

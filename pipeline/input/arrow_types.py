@@ -28,7 +28,10 @@ def is_id_type(t: pa.DataType) -> bool:
 
 
 def compatible(a: pa.DataType, b: pa.DataType) -> bool:
-    """Whether two files' types of one column unify: the same, null, both integers, both floats or both text."""
+    """Whether two files' types of one column unify: the same, null, both integers, both floats or both text (a
+    dictionary-encoded column by its values' type)."""
+    a = a.value_type if pa.types.is_dictionary(a) else a
+    b = b.value_type if pa.types.is_dictionary(b) else b
     if a == b or pa.types.is_null(a) or pa.types.is_null(b):
         return True
     if pa.types.is_integer(a) and pa.types.is_integer(b):
@@ -40,10 +43,12 @@ def compatible(a: pa.DataType, b: pa.DataType) -> bool:
 
 
 def plain(schema: pa.Schema) -> pa.Schema:
-    """The schema with string_view columns as string (binary_view as binary), which every file's columns unify
-    with and the output holds."""
+    """The schema with string_view columns as string (binary_view as binary), and a dictionary-encoded column (a
+    pandas category) as its values' type, which every file's columns unify with and the output holds."""
     fields = []
     for f in schema:
+        if pa.types.is_dictionary(f.type):
+            f = f.with_type(f.type.value_type)
         if is_string_view(f.type):
             f = f.with_type(pa.string())
         elif getattr(pa.types, "is_binary_view", lambda _: False)(f.type):
