@@ -19,7 +19,7 @@ import re
 import sys
 import threading
 import warnings
-from typing import Iterator, Optional, TextIO
+from typing import Iterator, TextIO
 
 QUIET_ENV = {
     "VLLM_LOGGING_LEVEL": "ERROR",
