@@ -33,6 +33,18 @@ class LengthData:
         return np.sort(order[:k]), np.sort(order[k:])
 
 
+def output_name(column: str, manifest: dict) -> str:
+    """Where an input column is in a run's output: under its own name, or under the name the writer gave it when
+    it clashes with a result column (``input_text`` for ``text``: OutputSchema's rule, as the manifest records it;
+    for a run before that, the rule's first step)."""
+    from overnight.pipeline.records import RESULT_FIELDS, SAMPLE_FIELDS
+
+    renamed = (manifest.get("input") or {}).get("renamed") or {}
+    if column in renamed:
+        return renamed[column]
+    return f"input_{column}" if column in set(RESULT_FIELDS) | set(SAMPLE_FIELDS) else column
+
+
 def load_outputs(urls: list[str]) -> LengthData:
     from overnight.pipeline.output.layout import job_manifest
     from overnight.pipeline.tools.inspection import open_results
@@ -50,6 +62,11 @@ def load_outputs(urls: list[str]) -> LengthData:
         default_cap = int(fields.get("sampling", {}).get("max_tokens", 512))
         con, _ = open_results(url)
         columns = {r[0] for r in con.execute("describe results").fetchall()}
+        if "status" not in columns or not con.execute("select count(*) from results").fetchone()[0]:  # no part
+            raise DatasetError(f"{url} has no finished rows yet; let the run flush its first part (or finish), "
+                               f"then train on it.")
+        # an input column whose name is a result's (``text``) is in the output under another name
+        prompt_col, messages_col = (output_name(c, manifest) for c in (prompt_col, messages_col))
         if prompt_col not in columns and messages_col not in columns:
             raise DatasetError(f"{url} holds no prompt column ({prompt_col!r}): the run was made with --passthrough "
                                f"leaving it out. Rerun with --passthrough all (the default) to train on it.")
@@ -57,9 +74,11 @@ def load_outputs(urls: list[str]) -> LengthData:
         m = f'"{messages_col}"' if messages_col in columns else "null"
         cap = "coalesce(max_tokens, {0})".format(default_cap) if "max_tokens" in columns else str(default_cap)
         pred = "predicted_tokens" if "predicted_tokens" in columns else "null"
+        # n > 1: a row's first sample only; its others share its prompt, and would sit on both sides of a split
+        first = " and coalesce(sample_index, 0) = 0" if "sample_index" in columns else ""
         rows = con.execute(
             f"select {p}, {m}, prompt_tokens, output_tokens, finish_reason, {cap}, {pred}, "
-            f"epoch(finished_at) from results where status = 'ok' order by finished_at").fetchall()
+            f"epoch(finished_at) from results where status = 'ok'{first} order by finished_at").fetchall()
         for prompt, messages, n_prompt, n_out, reason, c, pr, fin in rows:
             texts.append(prompt_text(prompt, messages))
             ptok.append(int(n_prompt or 0))

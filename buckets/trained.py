@@ -311,7 +311,12 @@ class TrainedPredictor(Predictor):
             raise PredictorFileError(f"The predictor's weights are not finite numbers, so {path} is not written; "
                                      f"train on more rows, with lengths that differ.")
         fs, p = url_to_fs(path)
-        write_atomic(fs, p, buf.getvalue())
+        try:
+            write_atomic(fs, p, buf.getvalue())
+        except OSError as e:  # a folder, a path under a file, no permission: after the training, said plainly
+            raise PredictorFileError(f"--save {path}: cannot be written ({type(e).__name__}: "
+                                     f"{getattr(e, 'strerror', None) or e}); give a file path in a folder that "
+                                     f"exists and is writable.") from None
 
     @classmethod
     def load(cls, path: str) -> Predictor:

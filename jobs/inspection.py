@@ -38,13 +38,30 @@ def inspect_cmd(out: str, sql: str, fmt: str, price_per_hour) -> None:
         except duckdb.Error as e:
             raise click.ClickException(f"SQL failed: {e}. The view is named `results`; "
                                        f"see its columns with --sql 'describe results'.") from None
-        if cur.description is None:
+        if cur is None or cur.description is None:  # a statement that returns nothing (a comment, a SET)
             return
         columns, rows = [d[0] for d in cur.description], cur.fetchall()
         if fmt == "json":
-            click.echo(json.dumps([dict(zip(columns, r)) for r in rows], default=str, indent=2))
+            from overnight.pipeline.tools.export import json_value
+
+            keys = _unique(columns)  # `select 1 as a, 2 as a`: a and a_1, not one of them dropped
+            click.echo(json.dumps([{k: json_value(v) for k, v in zip(keys, r)} for r in rows], default=str,
+                                  indent=2, allow_nan=False))
         else:
             click.echo(render(columns, rows, csv=(fmt == "csv")))
         return
     for line in summary_lines(con, m, price_per_hour):
         click.echo(line)
+
+
+def _unique(names: list) -> list:
+    seen: set = set()
+    out = []
+    for n in names:
+        k, i = n, 0
+        while k in seen:
+            i += 1
+            k = f"{n}_{i}"
+        seen.add(k)
+        out.append(k)
+    return out

@@ -60,6 +60,7 @@ def train(outs, save_to, epochs, holdout, seed, model, no_embeddings):
         raise click.UsageError("--model names the model whose token embeddings to learn from; --no-embeddings "
                                "learns from none. Pass one or the other.")
     data = load_outputs(list(outs))
+    _check_learnable(data)
     tokens, why_not = None, None
     if not no_embeddings:
         tokens, why_not = _token_inputs(model, data.models)
@@ -86,6 +87,29 @@ def train(outs, save_to, epochs, holdout, seed, model, no_embeddings):
                f"themselves {report.train_tau:.3f}{val} -> {save_to}")
     if why_not:
         click.echo(f"token embeddings not used: {why_not}")
+
+
+MIN_ROWS = 8  # the fewest the cross-validation of the penalties can split
+
+
+def _check_learnable(data) -> None:
+    """Refuse rows that cannot teach lengths (too few, all of one length); warn where most were cut short."""
+    import numpy as np
+
+    from overnight.buckets.dataset import DatasetError
+
+    n = len(data)
+    if n < MIN_ROWS:
+        raise DatasetError(f"{n} finished ok rows are too few to train on (at least {MIN_ROWS}); train on a run "
+                           f"with more rows, or on several runs together.")
+    if float(np.ptp(data.actual)) == 0:
+        raise DatasetError(f"every row has the same output length ({data.actual[0]:.0f} tokens), so there is no "
+                           f"length to learn; train on a run with a max_tokens its answers do not all reach.")
+    cut = float(np.mean(data.hit_cap))
+    if cut > 0.5:
+        click.echo(f"warning: {cut:.0%} of the rows were cut at max_tokens, so their lengths are only a lower "
+                   f"bound, and the predictor knows little of how long they would run. Train on a run with a "
+                   f"larger --max-tokens to predict for jobs with a larger one.", err=True)
 
 
 def _token_inputs(model, served):

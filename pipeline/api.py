@@ -29,12 +29,16 @@ log = logging.getLogger("overnight")
 def run_job(cfg: JobConfig, fresh: bool = False, engine_factory: Optional[EngineFactory] = None,
             is_tty: Optional[bool] = None, clock: Callable[[], float] = time.time) -> Summary:
     """Run (or resume) a job. Job-level problems raise before the engine starts."""
+    # SIGTERM / SIGINT while the job opens (the tokenizer's load, the input's listing, a resume's scan) is recorded
+    # as during the run: the run then stops before the engine starts (Ray's workers as they start), exit 75
+    signals = StopRequests().install()
     if cfg.cluster.workers:
         from overnight.pipeline.cluster.ray_job import run_on_ray
-        return run_on_ray(cfg, fresh, cfg.cluster.workers, cfg.cluster.ray_address, is_tty=is_tty)
-    # SIGTERM / SIGINT while the job opens (the tokenizer's load, the input's listing, a resume's scan) is recorded
-    # as during the run: the run then stops before the engine starts, resumable (exit 75)
-    signals = StopRequests().install()
+        try:
+            return run_on_ray(cfg, fresh, cfg.cluster.workers, cfg.cluster.ray_address, is_tty=is_tty,
+                              signals=signals)
+        finally:
+            signals.restore()
     try:
         job = open_job(cfg, fresh=fresh, now=clock())
     except BaseException:

@@ -134,6 +134,9 @@ def _open_locked(cfg, fresh, source, out, model, fields, lock, deadline_at, marg
     input_info = {"url": redact(source.url), "num_files": len(source.files), "num_rows": source.num_rows,
                   "stamp": stamp, "cwd": os.getcwd(),  # where a relative input path is (export reads it again)
                   "jsonl": is_jsonl_input(cfg.input.path)}  # request lines: export's word when they moved
+    renamed = {k: v for k, v in schema.renames.items() if k != v}
+    if renamed:  # input columns the output holds under another name (``text`` as ``input_text``)
+        input_info["renamed"] = renamed
     if source.shard is not None:
         input_info["shard"] = str(source.shard)
         input_info["split"] = source.selection.how

@@ -27,6 +27,8 @@ from overnight.pipeline.cluster.ray_job import run_on_ray  # noqa: E402
 from overnight.pipeline.cluster.units import UNITS_PER_WORKER, plan_units  # noqa: E402
 from overnight.pipeline.input.source import InputFile  # noqa: E402
 from overnight.pipeline.output.lock import LockError  # noqa: E402
+from overnight.pipeline.tools.inspection import open_results, summary_lines  # noqa: E402
+from overnight.pipeline.tools.status import job_status  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -329,11 +331,17 @@ def test_the_deadline_stops_every_worker_then_a_rerun_completes(tmp_path, cfg, l
     assert warned, [r.getMessage() for r in caplog.records]
     expected = int(re.search(r"about (\d+) of \d+ remaining rows", warned[0]).group(1))
     assert 0 < expected <= 1200
+    con, m = open_results(str(out))   # workers' folders are not shards: the job's total and its rows not done
+    assert f"rows: {len(first)} ({len(first)} ok, 0 error, {1200 - len(first)} not done)" in summary_lines(con, m)
     s2 = run_on_ray(cfg(inp, out, engine={"kind": "echo", "max_num_seqs": 64}, sampling={"max_tokens": 20}),
                     False, 2, is_tty=False)
     assert (s2.state, s2.exit_code) == ("completed", 0)
     ids = ids_in(out)
     assert len(ids) == len(set(ids)) == 1200
+    # the rows done count every folder's rows, the first attempt's too (each worker took fewer this time)
+    st = job_status(str(out))
+    assert (st["rows_done"], st["rows_left"]) == (1200, 0) and sum(w["rows_done"] for w in st["per_shard"]) == 1200
+    assert json.loads((out / "status.json").read_text())["rows"]["done"] == 1200
 
 
 def test_sigterm_to_the_driver_drains_every_worker_and_exits_75(tmp_path, tiny_model):
@@ -375,3 +383,30 @@ def test_workers_the_cluster_has_no_room_for_are_not_waited_for(tmp_path, cfg, l
     assert (s.state, s.exit_code) == ("completed", 0)
     assert len(ids_in(out)) == 200
     assert "1 workers never started (no room in the cluster)" in caplog.text
+
+
+def test_a_signal_while_a_ray_job_opens_stops_it_with_75(tmp_path, cfg, local_ray, monkeypatch):
+    import os
+
+    import overnight.pipeline.input.source as source
+    from overnight.pipeline.api import run_job
+
+    opened = source.open_source
+
+    def open_and_signal(*a, **k):
+        os.kill(os.getpid(), signal.SIGTERM)   # as the driver lists the input, before any worker exists
+        return opened(*a, **k)
+
+    def unhandled(signum, frame):
+        raise AssertionError("SIGTERM while the Ray job opened was not recorded")
+
+    monkeypatch.setattr(source, "open_source", open_and_signal)
+    inp = write_input(tmp_path / "in", 1, 100, 50)
+    before = signal.signal(signal.SIGTERM, unhandled)
+    try:
+        s = run_job(cfg(inp, tmp_path / "out", engine={"kind": "echo", "echo_step_ms": 20, "max_num_seqs": 4},
+                        cluster={"workers": 2}), is_tty=False)
+        assert signal.getsignal(signal.SIGTERM) == unhandled
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    assert (s.exit_code, s.state) == (75, "interrupted") and s.num_done < 100

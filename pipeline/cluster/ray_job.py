@@ -40,8 +40,10 @@ MAX_ACTOR_RESTARTS = 3
 
 
 def run_on_ray(cfg: JobConfig, fresh: bool, workers: int, address: Optional[str] = None,
-               is_tty: Optional[bool] = None, on_started=None) -> Summary:
-    """Run the job over ``workers`` Ray actors; returns the job's summary (exit codes as for one engine)."""
+               is_tty: Optional[bool] = None, on_started=None, signals=None) -> Summary:
+    """Run the job over ``workers`` Ray actors; returns the job's summary (exit codes as for one engine).
+    signals: run_job's StopRequests, installed before the job opened: a signal recorded there stops the workers
+    as one during the run does."""
     from overnight.pipeline.input.source import open_source
     from overnight.pipeline.job import resolve_deadline
     from overnight.pipeline.input.stage import open_model
@@ -95,7 +97,7 @@ def run_on_ray(cfg: JobConfig, fresh: bool, workers: int, address: Optional[str]
             ray.init(address=address, num_cpus=cpus, include_dashboard=False, log_to_driver=True,
                      configure_logging=False)
         driver = Driver(ray, wcfg, units, total, workers, root, lock, deadline_at, started, is_tty,
-                        cfg.output.log_every_seconds, source.files, margin if deadline_at else 0.0)
+                        cfg.output.log_every_seconds, source.files, margin if deadline_at else 0.0, early=signals)
         return driver.run(on_started)
     finally:
         lock.release()
@@ -103,9 +105,10 @@ def run_on_ray(cfg: JobConfig, fresh: bool, workers: int, address: Optional[str]
 
 class Driver:
     def __init__(self, ray, cfg, units, total, workers, root, lock, deadline_at, started, is_tty, log_every, files,
-                 margin: float = 0.0):
+                 margin: float = 0.0, early=None):
         import uuid
 
+        self.early = early  # a signal that came while the job opened, replayed when the driver's handlers start
         self.margin = margin  # the workers stop admitting this long before the deadline
 
         self.ray, self.cfg, self.total, self.num_workers = ray, cfg, total, workers
@@ -280,9 +283,13 @@ class Driver:
                           f"{st.get('output_tokens_per_s')} tok/s")
 
     def _done_now(self, statuses: dict) -> int:
+        """Rows done in the job: each worker folder's running total (its rows ok and error, an earlier attempt's
+        included; the folders hold disjoint ids), not a worker's rows done of the units it took this attempt,
+        which leaves out rows an earlier attempt wrote there and rows of its units another folder answered."""
         for i, st in statuses.items():
-            self.done_in[i] = max(self.done_in.get(i, 0), st.get("rows", {}).get("done", 0))
-        return sum(self.done_in.values())
+            rows = st.get("rows", {})
+            self.done_in[i] = max(self.done_in.get(i, 0), (rows.get("ok") or 0) + (rows.get("error") or 0))
+        return min(sum(self.done_in.values()), self.total)
 
     def _status(self, state, exit_code, statuses, pending, eta, message=None, forecast=None) -> dict:
         done = self._done_now(statuses)
@@ -357,7 +364,10 @@ class Driver:
             self.signals.append(name)
             self.coordinator.stop.remote(f"interrupted by {name}")
             log.warning(f"{name}: every worker stops admitting rows and drains (a second signal aborts at once)")
-        return {s: signal.signal(s, handle) for s in (signal.SIGTERM, signal.SIGINT)}
+        previous = {s: signal.signal(s, handle) for s in (signal.SIGTERM, signal.SIGINT)}
+        if self.early is not None and self.early.first:  # it came while the job opened
+            handle(signal.Signals[self.early.first].value, None)
+        return previous
 
     def _restore_signals(self, previous: dict) -> None:
         for s, h in previous.items():

@@ -111,7 +111,7 @@ def job_manifest(url: str) -> Optional[dict]:
     found = [(d, m) for d, m in read_manifests(url) if m is not None]
     if not found:
         return None
-    if len(found) == 1 and found[0][0].shard is None:
+    if len(found) == 1 and found[0][0].shard is None and found[0][0].worker is None:
         return found[0][1]
     merged = dict(found[0][1])
     counts: dict = {}
@@ -119,10 +119,15 @@ def job_manifest(url: str) -> Optional[dict]:
         for k, v in m.get("counts", {}).items():
             if isinstance(v, int):
                 counts[k] = counts.get(k, 0) + v
-    missing = _expected(found) - sum(d.shard is not None for d, _ in found)
+    shards = sum(d.shard is not None for d, _ in found)  # (Ray workers' folders are not shards)
+    missing = _expected(found) - shards if shards else 0
     if missing > 0:  # shards not started yet: their rows are not known (each counts its own when it starts)
         counts["num_rows"] = None
         merged["shards_not_started"] = missing
+    if any(d.worker is not None for d, _ in found):  # Ray: a worker counts the units it took; the driver the job
+        total = ((OutputDir(url).read_status() or {}).get("rows") or {}).get("total")
+        if isinstance(total, int):
+            counts["num_rows"] = total
     merged["counts"] = counts
     merged["attempts"] = [a for _, m in found for a in m.get("attempts", [])]
     merged["state"] = combined_state([m.get("state") for _, m in found], expected=_expected(found))

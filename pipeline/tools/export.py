@@ -16,6 +16,7 @@ Rows whose id is no longer in the input come last.
 from __future__ import annotations
 
 import dataclasses
+import decimal
 import itertools
 import json
 import math
@@ -286,7 +287,14 @@ def _json(value) -> str:
         return json.dumps(_finite(value), default=str, allow_nan=False)
 
 
+def json_value(value):
+    """A value as JSON holds it: a float JSON cannot hold (NaN, infinity) as null, a DECIMAL as a number."""
+    return _finite(value)
+
+
 def _finite(value):
+    if isinstance(value, decimal.Decimal):
+        value = float(value)
     if isinstance(value, float):
         return value if math.isfinite(value) else None
     if isinstance(value, dict):

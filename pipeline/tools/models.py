@@ -88,8 +88,13 @@ def prepare(name: str, force: bool = False, echo: Callable[[str], None] = log.in
     # then find the folder prepared, rather than remove a folder another process is loading.
     import fcntl
 
-    os.makedirs(os.path.dirname(target), exist_ok=True)
-    with open(f"{target}.lock", "w") as lock:
+    try:
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        lock = open(f"{target}.lock", "w")
+    except OSError as e:  # OVERNIGHT_CACHE under a file, on a read-only mount, without permission
+        raise ModelError(f"The model cache {os.path.dirname(target)} cannot be made or written ({type(e).__name__}: "
+                         f"{e.strerror or e}); set OVERNIGHT_CACHE to a folder this user may write.") from None
+    with lock:
         try:
             fcntl.flock(lock, fcntl.LOCK_EX)
         except OSError as e:  # a file system without locks (Lustre without flock, some NFS): convert unlocked

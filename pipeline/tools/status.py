@@ -63,7 +63,9 @@ def shard_status(d, lock_of: OutputDir) -> dict:
         done = rows.get("done") or 0
     # Duplicate ids are skipped, neither done nor left; a completed job has none left.
     dup = rows.get("duplicates") or counts.get("num_duplicates") or 0
-    if total is not None:  # the output's rows may include some no longer in the input
+    if d.worker is not None:  # a Ray worker's folder: all the rows it holds (its units this attempt are fewer)
+        done = max(counts.get("num_done") or 0, (rows.get("ok") or 0) + (rows.get("error") or 0))
+    elif total is not None:  # the output's rows may include some no longer in the input
         done = min(done, max(0, total - dup))
     left = rows.get("remaining", None if total is None else max(0, total - done - dup))
     return {"shard": d.label, "state": state, "rows_total": total, "rows_done": done,

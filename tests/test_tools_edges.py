@@ -1,0 +1,90 @@
+"""The commands around a run at their edges (found by a review, stop 40): predictor train on a prompt column named
+like a result column, on n > 1 runs, on too few rows or rows of one length, on an OUT with no part yet, a --save
+that cannot be written; inspect --sql that returns nothing, and its JSON."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from fakes import FakeEngine, given
+from overnight.jobs.cli import cli
+from overnight.pipeline.api import run_job
+
+
+def _texts_learned(monkeypatch, out) -> list:
+    import overnight.buckets.dataset as dataset
+
+    seen = []
+    featurize = dataset.featurize
+
+    def spy(texts, *a, **k):
+        seen.extend(texts)
+        return featurize(texts, *a, **k)
+
+    monkeypatch.setattr(dataset, "featurize", spy)
+    data = dataset.load_outputs([str(out)])
+    return seen, data
+
+
+def test_a_prompt_column_named_text_is_learned_from_not_the_answers(tmp_path, cfg, write_parquet, monkeypatch):
+    prompts = [f"question {i}" for i in range(10)]
+    inp = write_parquet({"id": list(range(10)), "text": prompts})
+    out = tmp_path / "out"
+    run_job(cfg(inp, out, input={"prompt_column": "text"}), engine_factory=given(FakeEngine()), is_tty=False)
+    assert json.loads((out / "manifest.json").read_text())["input"]["renamed"] == {"text": "input_text"}
+    seen, _ = _texts_learned(monkeypatch, out)
+    assert sorted(seen) == sorted(prompts)                     # not "echo of N prompt tokens"
+
+
+def test_n_samples_train_once_per_row(tmp_path, cfg, write_parquet, monkeypatch):
+    inp = write_parquet({"id": list(range(10)), "prompt": [f"say {i}" for i in range(10)]})
+    out = tmp_path / "out"
+    run_job(cfg(inp, out, sampling={"n": 3, "temperature": 0.7}), engine_factory=given(FakeEngine()), is_tty=False)
+    _, data = _texts_learned(monkeypatch, out)
+    assert len(data) == 10                                     # its samples would sit on both sides of a split
+
+
+def test_predictor_train_refuses_what_cannot_teach_lengths(tmp_path, cfg, write_parquet):
+    few = write_parquet({"id": list(range(5)), "prompt": [f"say {i}" for i in range(5)]}, "few.parquet")
+    run_job(cfg(few, tmp_path / "few"), engine_factory=given(FakeEngine()), is_tty=False)
+    r = CliRunner().invoke(cli, ["predictor", "train", str(tmp_path / "few"), "--save", str(tmp_path / "p.npz"),
+                                 "--no-embeddings"])
+    assert r.exit_code == 1 and "5 finished ok rows are too few to train on (at least 8)" in r.output
+    flat = write_parquet({"id": list(range(20)), "prompt": [f"say {i}" for i in range(20)]}, "flat.parquet")
+    run_job(cfg(flat, tmp_path / "flat", sampling={"max_tokens": 1}), engine_factory=given(FakeEngine()),
+            is_tty=False)
+    r = CliRunner().invoke(cli, ["predictor", "train", str(tmp_path / "flat"), "--save", str(tmp_path / "p.npz"),
+                                 "--no-embeddings"])
+    assert r.exit_code == 1 and "every row has the same output length (1 tokens)" in r.output
+    assert not (tmp_path / "p.npz").exists()
+
+
+def test_predictor_train_names_a_save_path_it_cannot_write_and_an_out_without_parts(tmp_path, cfg, write_parquet):
+    inp = write_parquet({"id": list(range(20)), "prompt": [f"say {i} " * (i % 7 + 1) for i in range(20)]})
+    run_job(cfg(inp, tmp_path / "out"), engine_factory=given(FakeEngine()), is_tty=False)
+    r = CliRunner().invoke(cli, ["predictor", "train", str(tmp_path / "out"), "--save", str(tmp_path),
+                                 "--no-embeddings"])
+    assert r.exit_code == 1 and f"--save {tmp_path}: cannot be written (IsADirectoryError" in r.output
+    for part in (tmp_path / "out" / "parts").glob("*.parquet"):
+        part.unlink()                                          # as if killed before its first part
+    r = CliRunner().invoke(cli, ["predictor", "train", str(tmp_path / "out"), "--save", str(tmp_path / "p.npz"),
+                                 "--no-embeddings"])
+    assert r.exit_code == 1 and "has no finished rows yet" in r.output
+
+
+def test_inspect_sql_that_returns_nothing_and_its_json(tmp_path, cfg, write_parquet):
+    inp = write_parquet({"id": [1], "prompt": ["a"]})
+    run_job(cfg(inp, tmp_path / "out"), engine_factory=given(FakeEngine()), is_tty=False)
+    r = CliRunner().invoke(cli, ["inspect", str(tmp_path / "out"), "--sql", "-- only a comment"])
+    assert (r.exit_code, r.output) == (0, "")
+    r = CliRunner().invoke(cli, ["inspect", str(tmp_path / "out"), "--format", "json", "--sql",
+                                 "select 'nan'::double as x, 1 as a, 2 as a, 1.5 as d"])
+    assert r.exit_code == 0 and json.loads(r.output) == [{"x": None, "a": 1, "a_1": 2, "d": 1.5}]
+
+
+@pytest.fixture(autouse=True)
+def _cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("OVERNIGHT_HOME", str(tmp_path / "home"))
