@@ -197,10 +197,10 @@ def test_a_moved_folder_of_request_lines_still_tells_completions(tmp_path, cfg):
 def test_error_lines_say_what_kind_of_failure(tmp_path):
     """An error row's message tells export which of OpenAI's lines it is (pipeline/records.py's phrases)."""
     from overnight.pipeline.records import DEADLINE_PASSED, ENGINE_INTERNAL_ERROR, NO_ROOM_FOR_OUTPUT
-    from overnight.pipeline.tools.export import _error_line
+    from overnight.pipeline.tools.openai_lines import error_line
 
     def kind(message):
-        x = _error_line("q", message)
+        x = error_line("q", message)
         if x["response"] is None:
             return x["error"]["code"]
         e = x["response"]["body"]["error"]

@@ -10,7 +10,7 @@
 Input order comes from the input itself, at the path the manifest records, read as the run read it, up to its
 --limit: through the run's own source (``input.source``: its listing, and for derived ids its file names and
 row numbers) for Parquet; OpenAI Batch request lines streamed line by line (each line's custom_id and endpoint).
-Rows whose id is no longer in the input come last.
+Rows whose id is no longer in the input come last. The OpenAI lines themselves are built in openai_lines.py.
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ import json
 import math
 import os
 import posixpath
-import uuid
 from typing import Optional
 
 import pyarrow as pa
@@ -31,9 +30,10 @@ from overnight.pipeline.output.checkpoint import OutputDir, OutputError
 from overnight.pipeline.output.layout import job_dirs
 from overnight.pipeline.output.storage import is_local
 from overnight.pipeline.tools.inspection import open_results
+from overnight.pipeline.tools.openai_lines import (EXPIRED, choice, error_line, expired_line, ok_line,
+                                                   text_choice)
 
 FORMATS = ("parquet", "jsonl", "csv", "openai")
-EXPIRED = "This request could not be executed before the completion window expired."
 
 
 def _q(text: str) -> str:
@@ -329,13 +329,13 @@ def _openai(con, manifest: dict, in_order: bool, output: str, errors: Optional[s
         for rows in _by_row(cur):
             rid, status, _, _, ptok, _, error, finished, _, _, adapter, raw = rows[0]
             if status == "ok":
-                choice = _text_choice if raw else _choice  # a /v1/completions line: a text_completion
-                choices = [choice(r[2], r[3], r[8], r[9]) for r in rows]
+                one = text_choice if raw else choice  # a /v1/completions line: a text_completion
+                choices = [one(r[2], r[3], r[8], r[9]) for r in rows]
                 otok = sum(r[5] or 0 for r in rows)
-                out.write(_json(_ok_line(rid, choices, ptok, otok, finished, adapter or model, raw)) + "\n")
+                out.write(_json(ok_line(rid, choices, ptok, otok, finished, adapter or model, raw)) + "\n")
                 ok += 1
             else:
-                err.write(_json(_error_line(rid, error or "failed")) + "\n")
+                err.write(_json(error_line(rid, error or "failed")) + "\n")
                 bad += 1
         if in_order:  # rows of the input that no part holds (by id, or without one by origin): not done
             done = f"select {_result_key(id_col)} k from results"
@@ -344,7 +344,7 @@ def _openai(con, manifest: dict, in_order: bool, output: str, errors: Optional[s
                                f"group by _key order by 2")  # a duplicate id's later rows were skipped, not left
             while batch := left.fetchmany(10_000):
                 for rid, _ in batch:
-                    err.write(_json(_expired_line(rid, EXPIRED)) + "\n")
+                    err.write(_json(expired_line(rid, EXPIRED)) + "\n")
                     expired += 1
     finally:
         out.close()
@@ -367,13 +367,6 @@ def _by_row(cur):
         yield group
 
 
-def _choice(text, finish, index, logprobs) -> dict:
-    return {"index": index or 0, "message": {"role": "assistant", "content": text, "refusal": None},
-            "logprobs": None if logprobs is None else {"content": [_token(t, True) for t in logprobs],
-                                                       "refusal": None},
-            "finish_reason": finish or "stop"}
-
-
 def _raw_guess(manifest: dict, cols: set) -> str:
     """Without the input, whether a row came from a /v1/completions line, from its passthrough columns: such a
     line is a prompt without messages (a JSONL job's rows carry both columns unless --passthrough left them out)."""
@@ -388,69 +381,3 @@ def _raw_guess(manifest: dict, cols: set) -> str:
         return "null::boolean"
     return f"(\"{messages}\" is null and \"{prompt}\" is not null)"
 
-
-def _text_choice(text, finish, index, logprobs) -> dict:
-    """A /v1/completions choice; logprobs in the legacy shape: tokens, token_logprobs, top_logprobs ({token:
-    logprob} of the K most likely) and text_offset (where each token starts in the text)."""
-    lp = None
-    if logprobs is not None:
-        offsets, at = [], 0
-        for t in logprobs:
-            offsets.append(at)
-            at += len(t.get("token") or "")
-        lp = {"tokens": [t.get("token") or "" for t in logprobs],
-              "token_logprobs": [_logprob(t) for t in logprobs],
-              "top_logprobs": [{a.get("token") or "": _logprob(a) for a in t.get("top_logprobs") or []}
-                               for t in logprobs],
-              "text_offset": offsets}
-    return {"text": text or "", "index": index or 0, "logprobs": lp, "finish_reason": finish or "stop"}
-
-
-def _logprob(t: dict) -> float:
-    return max(t["logprob"], -9999.0) if t.get("logprob") is not None else -9999.0
-
-
-def _token(t: dict, top: bool) -> dict:
-    """One token of the logprobs column in OpenAI's shape (bytes: the token text's UTF-8)."""
-    token = t.get("token") or ""
-    out = {"token": token, "logprob": _logprob(t),
-           "bytes": list(token.encode("utf-8", "surrogatepass"))}
-    if top:
-        out["top_logprobs"] = [_token(a, False) for a in t.get("top_logprobs") or []]
-    return out
-
-
-def _ok_line(rid, choices, ptok, otok, finished, model, text: bool = False) -> dict:
-    """An OpenAI Batch output line: a chat.completion body, or for a /v1/completions line (``text``) a
-    text_completion."""
-    request = f"req_{uuid.uuid4().hex}"
-    kind, prefix = ("text_completion", "cmpl") if text else ("chat.completion", "chatcmpl")
-    return {"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": str(rid), "error": None,
-            "response": {"status_code": 200, "request_id": request, "body": {
-                "id": f"{prefix}-{uuid.uuid4().hex}", "object": kind, "created": int(finished or 0),
-                "model": model,
-                "choices": choices,
-                "usage": {"prompt_tokens": ptok or 0, "completion_tokens": otok or 0,
-                          "total_tokens": (ptok or 0) + (otok or 0)}}}}
-
-
-def _error_line(rid, message: str) -> dict:
-    """An error row as OpenAI writes a failed request: the HTTP error in ``response`` (400, ``invalid_request_error``;
-    500, ``server_error``, for the engine's own internal error) and ``error`` null; a row whose own deadline passed
-    before it could start as one OpenAI never reached (``_expired_line``)."""
-    from overnight.pipeline.records import DEADLINE_PASSED, ENGINE_INTERNAL_ERROR, NO_ROOM_FOR_OUTPUT
-
-    if DEADLINE_PASSED in message:
-        return _expired_line(rid, message)
-    status, kind = (500, "server_error") if ENGINE_INTERNAL_ERROR in message else (400, "invalid_request_error")
-    code = "context_length_exceeded" if NO_ROOM_FOR_OUTPUT in message else None
-    return {"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": None if rid is None else str(rid),
-            "response": {"status_code": status, "request_id": f"req_{uuid.uuid4().hex}",
-                         "body": {"error": {"message": message, "type": kind, "param": None, "code": code}}},
-            "error": None}
-
-
-def _expired_line(rid, message: str) -> dict:
-    """A row never run: OpenAI's line for a request its batch did not reach in the completion window."""
-    return {"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": None if rid is None else str(rid),
-            "response": None, "error": {"code": "batch_expired", "message": message}}

@@ -1,0 +1,82 @@
+"""The OpenAI Batch API's output lines, as `overnight export --format openai` writes them (pipeline/tools/export.py):
+a result row's chat.completion or text_completion, a failed request (HTTP 400/500 in ``response``), and a request
+never run (``batch_expired``)."""
+
+from __future__ import annotations
+
+import uuid
+
+EXPIRED = "This request could not be executed before the completion window expired."
+
+
+def choice(text, finish, index, logprobs) -> dict:
+    return {"index": index or 0, "message": {"role": "assistant", "content": text, "refusal": None},
+            "logprobs": None if logprobs is None else {"content": [token(t, True) for t in logprobs],
+                                                       "refusal": None},
+            "finish_reason": finish or "stop"}
+
+
+def text_choice(text, finish, index, logprobs) -> dict:
+    """A /v1/completions choice; logprobs in the legacy shape: tokens, token_logprobs, top_logprobs ({token:
+    logprob} of the K most likely) and text_offset (where each token starts in the text)."""
+    lp = None
+    if logprobs is not None:
+        offsets, at = [], 0
+        for t in logprobs:
+            offsets.append(at)
+            at += len(t.get("token") or "")
+        lp = {"tokens": [t.get("token") or "" for t in logprobs],
+              "token_logprobs": [logprob(t) for t in logprobs],
+              "top_logprobs": [{a.get("token") or "": logprob(a) for a in t.get("top_logprobs") or []}
+                               for t in logprobs],
+              "text_offset": offsets}
+    return {"text": text or "", "index": index or 0, "logprobs": lp, "finish_reason": finish or "stop"}
+
+
+def logprob(t: dict) -> float:
+    return max(t["logprob"], -9999.0) if t.get("logprob") is not None else -9999.0
+
+
+def token(t: dict, top: bool) -> dict:
+    """One token of the logprobs column in OpenAI's shape (bytes: the token text's UTF-8)."""
+    text = t.get("token") or ""
+    out = {"token": text, "logprob": logprob(t), "bytes": list(text.encode("utf-8", "surrogatepass"))}
+    if top:
+        out["top_logprobs"] = [token(a, False) for a in t.get("top_logprobs") or []]
+    return out
+
+
+def ok_line(rid, choices, ptok, otok, finished, model, text: bool = False) -> dict:
+    """An OpenAI Batch output line: a chat.completion body, or for a /v1/completions line (``text``) a
+    text_completion."""
+    request = f"req_{uuid.uuid4().hex}"
+    kind, prefix = ("text_completion", "cmpl") if text else ("chat.completion", "chatcmpl")
+    return {"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": str(rid), "error": None,
+            "response": {"status_code": 200, "request_id": request, "body": {
+                "id": f"{prefix}-{uuid.uuid4().hex}", "object": kind, "created": int(finished or 0),
+                "model": model,
+                "choices": choices,
+                "usage": {"prompt_tokens": ptok or 0, "completion_tokens": otok or 0,
+                          "total_tokens": (ptok or 0) + (otok or 0)}}}}
+
+
+def error_line(rid, message: str) -> dict:
+    """An error row as OpenAI writes a failed request: the HTTP error in ``response`` (400, ``invalid_request_error``;
+    500, ``server_error``, for the engine's own internal error) and ``error`` null; a row whose own deadline passed
+    before it could start as one OpenAI never reached (``_expired_line``)."""
+    from overnight.pipeline.records import DEADLINE_PASSED, ENGINE_INTERNAL_ERROR, NO_ROOM_FOR_OUTPUT
+
+    if DEADLINE_PASSED in message:
+        return expired_line(rid, message)
+    status, kind = (500, "server_error") if ENGINE_INTERNAL_ERROR in message else (400, "invalid_request_error")
+    code = "context_length_exceeded" if NO_ROOM_FOR_OUTPUT in message else None
+    return {"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": None if rid is None else str(rid),
+            "response": {"status_code": status, "request_id": f"req_{uuid.uuid4().hex}",
+                         "body": {"error": {"message": message, "type": kind, "param": None, "code": code}}},
+            "error": None}
+
+
+def expired_line(rid, message: str) -> dict:
+    """A row never run: OpenAI's line for a request its batch did not reach in the completion window."""
+    return {"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": None if rid is None else str(rid),
+            "response": None, "error": {"code": "batch_expired", "message": message}}
