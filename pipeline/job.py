@@ -19,9 +19,10 @@ from overnight.pipeline.input.shards import parse_shard
 from overnight.pipeline.input.source import ParquetSource, open_source
 from overnight.pipeline.input.stage import OpenModel, open_model
 from overnight.pipeline.output import manifest as mf
-from overnight.pipeline.output.checkpoint import OutputDir, OutputError, Scan, id_kind
+from overnight.pipeline.output.checkpoint import OutputDir, OutputError
 from overnight.pipeline.output.layout import check_layout, job_out, read_manifests
 from overnight.pipeline.output.lock import LockError, RunLock
+from overnight.pipeline.output.scan import Scan, id_kind
 from overnight.pipeline.output.schema import OutputSchema
 from overnight.pipeline.output.storage import redact
 
