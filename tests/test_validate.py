@@ -95,9 +95,13 @@ def test_messages_as_json_string():
 @pytest.mark.parametrize("messages,message", [
     ([], "messages must be a non-empty list of {role, content}, got []"),
     ('not json', "messages is a string but not JSON; give a list of {role, content}"),
-    ([{"role": "robot", "content": "x"}], "messages[0].role is 'robot'; use one of system, user, assistant, tool"),
+    ([{"role": "robot", "content": "x"}],
+     "messages[0].role is 'robot'; use one of system, user, assistant, tool (or developer, read as system)"),
     ([{"content": "x"}], "messages[0] must be a {role, content} mapping, got {'content': 'x'}"),
-    ([{"role": "user", "content": 5}], "messages[0].content must be a string, got 5"),
+    ([{"role": "user", "content": 5}],
+     "messages[0].content must be a string or a list of text parts ({type: text, text}), got 5"),
+    ([{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}],
+     "messages[0].content must be a string or a list of text parts ({type: text, text}), got [{'type': 'image_url', 'image_url': 'x'}]"),
     ([{"role": "user", "content": " "}], "messages has no content; give at least one non-empty message"),
 ])
 def test_bad_messages_become_error_rows(messages, message):
@@ -290,6 +294,18 @@ def test_messages_as_a_list_of_maps():
     parsed, errors = parse(pa.RecordBatch.from_pydict({"id": ["r0"], "messages": msgs}))
     assert errors == []
     assert parsed[0].messages == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+
+
+def test_messages_read_as_the_openai_jsonl_input_reads_them():
+    # the developer role is system, and text content parts (a struct list, or a list of maps) are joined
+    parts = pa.array([[{"role": "developer", "content": [{"type": "text", "text": "Be"}, {"type": "text", "text": "brief."}]},
+                       {"role": "user", "content": [{"type": "text", "text": "Hi"}]}]])
+    parsed, errors = parse(pa.RecordBatch.from_pydict({"id": ["r0"], "messages": parts}))
+    assert errors == []
+    assert parsed[0].messages == [{"role": "system", "content": "Be\nbrief."}, {"role": "user", "content": "Hi"}]
+    maps = pa.array([[[("role", "user"), ("content", None)]]], pa.list_(pa.map_(pa.string(), pa.string())))
+    parsed, errors = parse(pa.RecordBatch.from_pydict({"id": ["r1"], "messages": maps}))
+    assert parsed == [] and "messages[0].content must be a string" in errors[0].error
 
 
 def test_a_chat_with_per_row_columns_parses_without_job_defaults():

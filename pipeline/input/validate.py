@@ -22,6 +22,7 @@ from overnight.pipeline.records import Result
 from overnight.pipeline.input.checks import (_OVERRIDE_CHECKS, _SCHEDULING_CHECKS, STRUCTURED_COLUMNS, RowError,
                                              _check_request, _short, job_structured)
 from overnight.pipeline.input.arrow_types import BAD_IDS_KEY
+from overnight.pipeline.input.openai_body import ROLE_ALIASES
 from overnight.pipeline.input.source import (INPUT_ERROR_COLUMN, OVERRIDE_COLUMNS, RAW_PROMPT_COLUMN,
                                              SCHEDULING_COLUMNS, SourceBatch, _first_line)
 
@@ -279,6 +280,14 @@ def _prompt(value, column: str) -> str:
     return value
 
 
+def _part_text(p) -> Optional[str]:
+    "A text content part's text ({type: text, text}, as a struct or a map), else None."
+    if isinstance(p, list) and all(isinstance(kv, tuple) and len(kv) == 2 for kv in p):
+        p = dict(p)
+    ok = isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+    return p["text"] if ok else None
+
+
 def _messages(value) -> list:
     if isinstance(value, (_BadText, _Unreadable)):
         raise RowError(_bad_value("messages", value, "give the row a prompt instead"))
@@ -295,11 +304,16 @@ def _messages(value) -> list:
             m = dict(m)  # a map<string, string> message (Spark's array<map<string,string>>): (key, value) pairs
         if not isinstance(m, dict) or "role" not in m or "content" not in m:
             raise RowError(f"messages[{j}] must be a {{role, content}} mapping, got {_short(m)}")
-        role, content = m["role"], m["content"]
+        role, content = ROLE_ALIASES.get(m["role"], m["role"]), m["content"]
         if role not in CHAT_ROLES:
-            raise RowError(f"messages[{j}].role is {role!r}; use one of {', '.join(CHAT_ROLES)}")
+            raise RowError(f"messages[{j}].role is {role!r}; use one of {', '.join(CHAT_ROLES)} (or developer, "
+                           f"read as system)")
+        if isinstance(content, list) and content:
+            texts = [_part_text(p) for p in content]  # OpenAI's text content parts, joined as the jsonl input joins them
+            content = "\n".join(texts) if None not in texts else content
         if not isinstance(content, str):
-            raise RowError(f"messages[{j}].content must be a string, got {_short(content)}")
+            raise RowError(f"messages[{j}].content must be a string or a list of text parts "
+                           f"({{type: text, text}}), got {_short(content)}")
         out.append({"role": role, "content": content})
     if not any(m["content"].strip() for m in out):
         raise RowError("messages has no content; give at least one non-empty message")
