@@ -18,7 +18,27 @@ from overnight.jobs.status import status
 from overnight.jobs.tune import tune
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+class OvernightGroup(click.Group):
+    """A usage error keeps the run's promises: with `run --json`, still one JSON document on stdout, and with
+    --log-format json, a JSON line on stderr."""
+
+    def invoke(self, ctx: click.Context):
+        args = [*ctx._protected_args, *ctx.args]
+        try:
+            return super().invoke(ctx)
+        except click.UsageError as e:
+            logger = logging.getLogger("overnight")
+            if getattr(logger, "json_lines", False):
+                e.show = lambda file=None, message=e.format_message(): logger.error(f"Error: {message}")
+            if args[:1] == ["run"] and "--json" in args[1:]:
+                import json
+
+                click.echo(json.dumps({"state": "failed", "exit_code": e.exit_code, "message": e.format_message()},
+                                      indent=2))
+            raise
+
+
+@click.group(cls=OvernightGroup, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.option("-v", "--verbose", is_flag=True, help="Debug logging, including vLLM's own start-up logs.")
 @click.option("--log-format", type=click.Choice(["text", "json"]), default="text", show_default=True,
               help="stderr lines as text, or as one JSON object each (time, level, message, counters) for log "

@@ -51,6 +51,14 @@ def test_log_format_json_puts_one_object_on_each_stderr_line(tmp_path, tiny_mode
     assert failed.returncode == 1
     assert [json.loads(ln)["message"] for ln in failed.stderr.splitlines() if ln.strip()] == [
         "Error: configuration: sampling.temperature is 9.0; it must be 0 (greedy) to 2."]
+    usage = overnight("--log-format", "json", "run", str(inp), "--out", str(tmp_path / "out3"), "--policy", "soon",
+                      "--json", check=False)   # a usage error: a JSON line on stderr, and run --json's document
+    assert usage.returncode == 2
+    assert [json.loads(ln)["message"] for ln in usage.stderr.splitlines() if ln.strip()] == [
+        "Error: Invalid value for '--policy': 'soon' is not one of 'auto', 'fifo', 'longest-first', "
+        "'shortest-first', 'priority'."]
+    assert json.loads(usage.stdout) == {"state": "failed", "exit_code": 2,
+                                        "message": json.loads(usage.stderr)["message"][len("Error: "):]}
 
 
 def test_metrics_file_in_prometheus_text_format(tmp_path, tiny_model):
