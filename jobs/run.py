@@ -21,9 +21,11 @@ from overnight.jobs.options import (build_config, cluster_options, engine_option
 @output_options
 @cluster_options
 @click.option("--fresh", is_flag=True, help="Discard the results already in OUT and start over.")
+@click.option("--retry-errors", is_flag=True,
+              help="On a resume, answer again the rows that ended as errors (their error rows in OUT are replaced).")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON on stdout.")
 @user_errors
-def run(input_path, out, config_file, fresh, as_json, **options):
+def run(input_path, out, config_file, fresh, retry_errors, as_json, **options):
     """Run a bulk inference job over INPUT (Parquet file, folder or glob, or OpenAI Batch request lines in
     .jsonl / .jsonl.gz; local or fsspec URL).
 
@@ -78,7 +80,7 @@ def run(input_path, out, config_file, fresh, as_json, **options):
     # What the engine and its libraries print goes to stderr, without the noise unless -v.
     with filtered_stderr(verbose), reserved_stdout() as stdout:
         try:
-            summary = run_job(cfg, fresh=fresh)
+            summary = run_job(cfg, fresh=fresh, retry_errors=retry_errors)
         except EngineError as e:
             failed(e, EXIT_ENGINE, stdout)
         except USER_ERRORS as e:

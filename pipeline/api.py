@@ -27,8 +27,10 @@ log = logging.getLogger("overnight")
 
 
 def run_job(cfg: JobConfig, fresh: bool = False, engine_factory: Optional[EngineFactory] = None,
-            is_tty: Optional[bool] = None, clock: Callable[[], float] = time.time) -> Summary:
-    """Run (or resume) a job. Job-level problems raise before the engine starts."""
+            is_tty: Optional[bool] = None, clock: Callable[[], float] = time.time,
+            retry_errors: bool = False) -> Summary:
+    """Run (or resume) a job. Job-level problems raise before the engine starts. retry_errors: a resume answers
+    the rows that ended as errors again (their error rows are removed first)."""
     # SIGTERM / SIGINT while the job opens (the tokenizer's load, the input's listing, a resume's scan) is recorded
     # as during the run: the run then stops before the engine starts (Ray's workers as they start), exit 75
     signals = StopRequests().install()
@@ -36,11 +38,11 @@ def run_job(cfg: JobConfig, fresh: bool = False, engine_factory: Optional[Engine
         from overnight.pipeline.cluster.ray_job import run_on_ray
         try:
             return run_on_ray(cfg, fresh, cfg.cluster.workers, cfg.cluster.ray_address, is_tty=is_tty,
-                              signals=signals)
+                              signals=signals, retry_errors=retry_errors)
         finally:
             signals.restore()
     try:
-        job = open_job(cfg, fresh=fresh, now=clock())
+        job = open_job(cfg, fresh=fresh, now=clock(), retry_errors=retry_errors)
     except BaseException:
         signals.restore()
         raise

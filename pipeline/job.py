@@ -60,7 +60,7 @@ class OpenJob:
         return self.schema.id_name
 
 
-def open_job(cfg: JobConfig, fresh: bool = False, now: Optional[float] = None) -> OpenJob:
+def open_job(cfg: JobConfig, fresh: bool = False, now: Optional[float] = None, retry_errors: bool = False) -> OpenJob:
     if not cfg.output.path:
         raise OutputError("No output folder given. Pass --out OUT (or output.path in the config).")
     deadline_at, margin_s = resolve_deadline(cfg.scheduler, time.time() if now is None else now)
@@ -94,16 +94,18 @@ def open_job(cfg: JobConfig, fresh: bool = False, now: Optional[float] = None) -
     lock = RunLock(out)
     lock.acquire()
     try:
-        return _open_locked(cfg, fresh, source, out, model, fields, lock, deadline_at, margin_s)
+        return _open_locked(cfg, fresh, source, out, model, fields, lock, deadline_at, margin_s,
+                            retry_errors=retry_errors)
     except BaseException:
         lock.release()
         raise
 
 
 def _open_locked(cfg, fresh, source, out, model, fields, lock, deadline_at, margin_s,
-                 shortcut: bool = True) -> OpenJob:
+                 shortcut: bool = True, retry_errors: bool = False) -> OpenJob:
     """shortcut: a completed job over an unchanged input may skip the scan of its parts (``unchanged``). A Ray
-    worker's folder is not a job of its own (its units change from run to run), so a worker passes False."""
+    worker's folder is not a job of its own (its units change from run to run), so a worker passes False.
+    retry_errors: the parts' error rows are removed first, so that the run answers those rows again."""
     given = mf.fingerprint_fields(cfg, model.requested, model.chat, as_given=True)  # as OUTs before stop 37 had it
     _check_other_shards(cfg, source, out, fields, given, fresh)
     previous = out.read_manifest()
@@ -118,6 +120,11 @@ def _open_locked(cfg, fresh, source, out, model, fields, lock, deadline_at, marg
     elif out.part_paths():
         raise OutputError(f"{out.url} holds result parts but no manifest.json, so they cannot be trusted for a "
                           f"resume. Pass --fresh to discard them, or choose another --out.")
+    if retry_errors and previous is not None:
+        _still_ours(lock, out)
+        if retry_dropped(out, cfg.input.id_column):
+            shortcut = False
+            previous = out.read_manifest()
 
     id_name = cfg.input.id_column
     stamp = source.input_stamp()
@@ -154,6 +161,14 @@ def _open_locked(cfg, fresh, source, out, model, fields, lock, deadline_at, marg
     out.write_manifest(manifest)
     return OpenJob(cfg, source, out, model, scan, schema, manifest, deadline_at, margin_s, lock,
                    unchanged=unchanged, lazy_engine=scan.num_done > 0)
+
+
+def retry_dropped(out, id_column: str) -> int:
+    """--retry-errors: the error rows removed from ``out``'s parts (said in the log), which the run answers again."""
+    dropped, parts = out.drop_errors(id_column)
+    if dropped:
+        log.info(f"--retry-errors: {dropped} error rows removed from {parts} parts of {out.shown()}; they run again")
+    return dropped
 
 
 def _still_ours(lock, out) -> None:

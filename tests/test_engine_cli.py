@@ -126,6 +126,15 @@ def test_bad_rows_become_error_rows_and_the_job_goes_on(tmp_path, model_path):
     assert all(rows[i]["text"] is None for i in (2, 3, 4, 5))
     summary = invoke("inspect", out).output
     assert "rows: 6 (2 ok, 4 error)" in summary and "most common errors:" in summary
+    # row 5's temperature fixed: --retry-errors answers the error rows again, and row 5 is now answered
+    table = pq.read_table(inp)
+    pq.write_table(table.set_column(3, "temperature", pa.array([None] * 6, pa.float64())), inp)
+    retried = invoke("run", inp, "--out", out, *FAST, "--retry-errors")
+    assert "6/6 rows (3 ok, 3 error, 2 already done)" in retried.output
+    rows = {r["id"]: r for r in parts(out).to_pylist()}
+    assert len(rows) == parts(out).num_rows == 6                      # each id one row
+    assert rows[5]["status"] == "ok" and rows[5]["text"]
+    assert [rows[i]["status"] for i in (2, 3, 4)] == ["error"] * 3
 
 
 def test_resume_and_fingerprint_refusal(tmp_path, model_path):

@@ -287,3 +287,18 @@ def test_a_signal_while_a_ray_job_opens_stops_it_with_75(tmp_path, cfg, local_ra
     finally:
         signal.signal(signal.SIGTERM, before)
     assert (s.exit_code, s.state) == (75, "interrupted") and s.num_done < 100
+
+
+def test_retry_errors_answers_every_worker_folders_error_rows_again(tmp_path, cfg, local_ray, write_parquet):
+    out = tmp_path / "out"
+    inp = write_parquet({"id": list(range(12)), "prompt": ["hi"] * 11 + [None]})
+    c = cfg(inp, out, engine={"kind": "echo", "echo_step_ms": 1}, sampling={"max_tokens": 4})
+    run_on_ray(c, False, 2, is_tty=False)
+    errors = duckdb.sql(f"select id from read_parquet('{out}/workers/*/parts/*.parquet') where status = 'error'")
+    assert errors.fetchall() == [(11,)]
+    write_parquet({"id": list(range(12)), "prompt": ["hi"] * 12})       # the bad row fixed: it has a prompt now
+    s = run_on_ray(c, False, 2, is_tty=False, retry_errors=True)
+    assert (s.state, s.num_ok, s.num_error) == ("completed", 12, 0)
+    assert sorted(ids_in(out)) == list(range(12))                       # each id once, every row ok
+    assert duckdb.sql(f"select distinct status from read_parquet('{out}/workers/*/parts/*.parquet')").fetchall() \
+        == [("ok",)]

@@ -40,7 +40,7 @@ MAX_ACTOR_RESTARTS = 3
 
 
 def run_on_ray(cfg: JobConfig, fresh: bool, workers: int, address: Optional[str] = None,
-               is_tty: Optional[bool] = None, on_started=None, signals=None) -> Summary:
+               is_tty: Optional[bool] = None, on_started=None, signals=None, retry_errors: bool = False) -> Summary:
     """Run the job over ``workers`` Ray actors; returns the job's summary (exit codes as for one engine).
     signals: run_job's StopRequests, installed before the job opened: a signal recorded there stops the workers
     as one during the run does."""
@@ -74,6 +74,10 @@ def run_on_ray(cfg: JobConfig, fresh: bool, workers: int, address: Optional[str]
                 if previous is not None:
                     mf.check_resume(previous, fields, d.out.url, also=given)
                     legacy = legacy or not mf.same_settings(previous, fields)
+            if retry_errors:  # every folder checked first; the workers start after
+                from overnight.pipeline.job import retry_dropped
+                for d in job_dirs(cfg.output.path):
+                    retry_dropped(d.out, cfg.input.id_column)
         units = plan_units(source.files, workers, cfg.input.limit)
         total = sum(u.num_rows for u in units)
         # Every worker gets the same absolute deadline and margin.

@@ -166,6 +166,49 @@ class OutputDir:
             scan.sources.append((self, id_column, paths))
         return scan
 
+    def drop_errors(self, id_column: str) -> tuple[int, int]:
+        """Remove the error rows from the parts, so that a resume answers those rows again (--retry-errors).
+        Returns (error rows removed, parts rewritten or removed).
+
+        Each part that holds an error row is written again without it, in place (``write_atomic``: a reader, or
+        a run killed meanwhile, finds the old part or the new one, never a mix); a part of error rows only is
+        removed. The manifest's counts follow. A part whose footer says every row is "ok" is not read."""
+        import pyarrow.compute as pc
+        import pyarrow.parquet as pq
+
+        dropped = touched = 0
+        for p in self.part_paths():
+            try:
+                with self.fs.open(p, "rb") as f:
+                    pf = pq.ParquetFile(f, pre_buffer=False)
+                    names = pf.schema_arrow.names
+                    if "status" not in names or _footer_says(pf.metadata, names, id_column)[0]:
+                        continue
+                    table = pf.read(use_threads=False)
+            except (pa.ArrowInvalid, OSError) as e:
+                raise OutputError(f"Part {unstrip(self.fs, p)} cannot be read ({e}). Delete it and rerun: "
+                                  f"its rows will be processed again.") from None
+            keep = table.filter(pc.fill_null(pc.not_equal(table.column("status"), "error"), True))
+            if keep.num_rows == table.num_rows:
+                continue
+            dropped += table.num_rows - keep.num_rows
+            touched += 1
+            if keep.num_rows == 0:
+                self.fs.rm(p)
+            else:
+                buf = io.BytesIO()
+                pq.write_table(keep, buf, compression="zstd")
+                self._write(p, buf.getvalue())
+        manifest = self.read_manifest() if dropped else None
+        if manifest is not None and isinstance(manifest.get("counts"), dict):
+            counts = manifest["counts"]
+            for name in ("num_done", "num_error"):
+                if isinstance(counts.get(name), int):
+                    counts[name] = max(0, counts[name] - dropped)
+            counts["num_parts"] = len(self.part_paths())
+            self.write_manifest(manifest)
+        return dropped, touched
+
     def write_part(self, index: int, table: pa.Table) -> str:
         import pyarrow.parquet as pq
 
