@@ -128,6 +128,8 @@ class SamplingConfig:
         _check(self.top_k == -1 or self.top_k >= 1, f"sampling.top_k is {self.top_k}; use -1 (off) or a positive integer.")
         _check(self.repetition_penalty > 0,
                f"sampling.repetition_penalty is {self.repetition_penalty}; it must be above 0 (1.0 is off).")
+        _check(self.seed is None or abs(self.seed) <= 2 ** 62,
+               f"sampling.seed is {self.seed}; it must be within ±2**62 ({2 ** 62}).")
 
 
 ENGINE_KINDS = ("vllm", "echo")

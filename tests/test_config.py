@@ -81,6 +81,7 @@ def test_the_file_is_judged_with_the_layers_over_it(tmp_path):
     ({"min_tokens": 600, "max_tokens": 512}, "sampling.min_tokens (600) is above max_tokens (512)"),
     ({"stop": ["###", ""]}, "sampling.stop has an empty string"),
     ({"choice": []}, "sampling.choice (--choice) is empty"),
+    ({"seed": 2 ** 63}, "sampling.seed is 9223372036854775808; it must be within ±2**62"),
 ])
 def test_sampling_values_vllm_refuses_are_config_errors(sampling, message):
     with pytest.raises(ConfigError, match=re.escape(message)):

@@ -71,6 +71,17 @@ def test_auto_deadline_mode_uses_value_per_token_when_values_exist():
     assert drain(s) == ["b", "d", "a", "c"]
 
 
+def test_engine_priority_keeps_the_value_per_token_order_for_vllms_queue():
+    # values per predicted token 0.8, 0.02, 0.25, 0.0: vLLM's queue (lower first) must keep their order
+    s = Scheduler(max_running=4, queue_factor=0, policy="auto", has_values=True)
+    s.add([row("a", 10, value=8), row("b", 50, value=1), row("c", 400, value=100), row("d", 20, value=0)])
+    s.set_mode(Mode.DEADLINE)
+    admitted = s.schedule(0)
+    assert [a.row.id for a in admitted] == ["a", "c", "b", "d"]
+    priorities = [a.priority for a in admitted]
+    assert priorities == sorted(priorities) and len(set(priorities)) == 4
+
+
 def test_engine_priority_lets_rows_admitted_after_a_switch_overtake_waiting_ones():
     s = Scheduler(max_running=2, queue_factor=1, policy="auto")
     s.add([row(i, p) for i, p in enumerate([100, 300, 200, 50, 20, 10])])

@@ -70,6 +70,7 @@ def test_per_row_overrides():
     ("temperature", "warm", "temperature is 'warm' (str); it must be a number"),
     ("top_p", 0.0, "top_p is 0.0; it must be in (0, 1]"),
     ("seed", "abc", "seed is 'abc' (str); it must be an integer"),
+    ("seed", 1e20, "seed is 100000000000000000000; it must be within ±2**62 (4611686018427387904)"),
     ("stop", 5, "stop is 5; it must be a string or a list of strings"),
 ])
 def test_bad_override_becomes_an_error_row_naming_the_column(column, value, message):
@@ -268,6 +269,14 @@ def test_an_id_that_is_not_utf8_is_an_error_row_without_an_id(write_parquet):
                                                  "JSON object"),
     ("deadline", "0001-01-01T00:00", "deadline is '0001-01-01T00:00', out of the range of times this machine can "
                                      "hold; use a time such as 2026-11-23T06:00"),
+    ("deadline", "0001-01-01T00:00:00+05:00", "deadline is '0001-01-01T00:00:00+05:00', out of the range of times "
+                                              "this machine can hold; use a time such as 2026-11-23T06:00"),
+    ("priority", 1e20, "priority is 100000000000000000000; it must be within ±2**31 (2147483648), lower runs sooner"),
+    ("value", float("inf"), "value is inf; it must be a finite number, 0 or more"),
+    ("messages", '[{"role": ["user"], "content": "hi"}]',
+     "messages[0].role is ['user']; use one of system, user, assistant, tool (or developer, read as system)"),
+    ("messages", '[{"role": "user", "content": "\\ud800 hi"}]',
+     "messages[0].content is not valid text (a lone UTF-16 surrogate); fix the message"),
 ])
 def test_a_check_that_fails_on_an_odd_value_makes_an_error_row(column, value, message):
     parsed, errors = parse({"id": ["good", "bad"], "prompt": ["a", "b"], column: [None, value]})

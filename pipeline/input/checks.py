@@ -58,8 +58,17 @@ def _top_p(value) -> float:
     return v
 
 
+# vLLM's client sends a request's integers as 64-bit (msgpack), and a sample i of n > 1 draws with seed + i: a
+# seed or priority beyond these bounds failed the engine itself, not the row.
+SEED_BOUND = 2 ** 62
+PRIORITY_BOUND = 2 ** 31
+
+
 def _seed(value) -> int:
-    return _integer(value, "seed")
+    v = _integer(value, "seed")
+    if not -SEED_BOUND <= v <= SEED_BOUND:
+        raise RowError(f"seed is {v}; it must be within ±2**62 ({SEED_BOUND})")
+    return v
 
 
 def _stop(value) -> list:
@@ -261,13 +270,16 @@ _OVERRIDE_CHECKS = {
 
 
 def _priority(value) -> tuple[str, int]:
-    return "priority", _integer(value, "priority")
+    v = _integer(value, "priority")
+    if not -PRIORITY_BOUND < v < PRIORITY_BOUND:
+        raise RowError(f"priority is {v}; it must be within ±2**31 ({PRIORITY_BOUND}), lower runs sooner")
+    return "priority", v
 
 
 def _value(value) -> tuple[str, float]:
     v = _number(value, "value")
-    if v < 0:
-        raise RowError(f"value is {v}; it must be 0 or more")
+    if not 0 <= v < math.inf:
+        raise RowError(f"value is {v}; it must be a finite number, 0 or more")
     return "value", v
 
 
@@ -295,9 +307,13 @@ def parse_time(value, name: str) -> float:
 
 
 def _timestamp(when, value, name: str) -> float:
+    import datetime as dt
+
     try:
-        return when.timestamp()
-    except (ValueError, OverflowError, OSError):  # 0001-01-01T00:00 in local time falls before year 1
+        ts = when.timestamp()
+        dt.datetime.fromtimestamp(ts, dt.timezone.utc)  # and back: an error row's message shows it in UTC
+        return ts
+    except (ValueError, OverflowError, OSError):  # 0001-01-01T00:00 in local time (or +05:00) falls before year 1
         raise RowError(f"{name} is {_short(value)}, out of the range of times this machine can hold; use a time "
                        f"such as 2026-11-23T06:00") from None
 

@@ -304,7 +304,8 @@ def _messages(value) -> list:
             m = dict(m)  # a map<string, string> message (Spark's array<map<string,string>>): (key, value) pairs
         if not isinstance(m, dict) or "role" not in m or "content" not in m:
             raise RowError(f"messages[{j}] must be a {{role, content}} mapping, got {_short(m)}")
-        role, content = ROLE_ALIASES.get(m["role"], m["role"]), m["content"]
+        role, content = m["role"], m["content"]
+        role = ROLE_ALIASES.get(role, role) if isinstance(role, str) else role
         if role not in CHAT_ROLES:
             raise RowError(f"messages[{j}].role is {role!r}; use one of {', '.join(CHAT_ROLES)} (or developer, "
                            f"read as system)")
@@ -314,6 +315,11 @@ def _messages(value) -> list:
         if not isinstance(content, str):
             raise RowError(f"messages[{j}].content must be a string or a list of text parts "
                            f"({{type: text, text}}), got {_short(content)}")
+        try:
+            content.encode("utf-8")
+        except UnicodeEncodeError:  # a JSON string's lone surrogate ("\ud800"): no text a tokenizer can take
+            raise RowError(f"messages[{j}].content is not valid text (a lone UTF-16 surrogate); fix the "
+                           f"message") from None
         out.append({"role": role, "content": content})
     if not any(m["content"].strip() for m in out):
         raise RowError("messages has no content; give at least one non-empty message")

@@ -261,7 +261,13 @@ class Scheduler:
         if self.policy == Policy.PRIORITY:
             return int(e.row.priority)
         if self.policy == Policy.AUTO:
-            return int(e.key) - self._epoch * 1_000_000_000
+            key = e.key
+            if self.has_values and self.mode == Mode.DEADLINE:
+                # -(value per predicted token), mostly between -1 and 0: squashed into (-1e6, 0], in the same
+                # order, so that vLLM's queue keeps it (int() alone made every row 0)
+                per_token = -key
+                key = -1e6 * per_token / (1.0 + per_token)
+            return int(round(key)) - self._epoch * 1_000_000_000
         return 0
 
     def finish(self, request_id: str) -> Row:
