@@ -25,9 +25,11 @@ from overnight.buckets.predictors import make_predictor
 from overnight.pipeline.engine import EngineError
 from overnight.pipeline.input.prefetch import Prefetcher
 from overnight.pipeline.input.resume import ResumeFilter
+from overnight.pipeline.input.source import InputError
 from overnight.pipeline.input.stage import prepare
 from overnight.pipeline.output.checkpoint import CheckpointWriter
 from overnight.pipeline.output.manifest import RunState
+from overnight.pipeline.output.storage import StorageError
 from overnight.pipeline.progress import Progress
 from overnight.pipeline.records import ENGINE_INTERNAL_ERROR, Result, Row
 from overnight.pipeline.report import Reporter, Summary, iso
@@ -83,6 +85,8 @@ class Runner:
         self.hard_stop_at: Optional[float] = None  # when rows still in flight are aborted
         self.engine_failed = False
         self.engine_dead = False  # it died after a signal: not stepped again
+        # The input could not be read on (a damaged file): the rows read before it are finished, then it is raised
+        self.input_error: Optional[BaseException] = None
         self._last_tick = self._last_forecast = -1e18
         self._forecast_every = FORECAST_S
         self._last_step_end: Optional[float] = None  # for the loop's cycle per engine step
@@ -105,6 +109,8 @@ class Runner:
             if not self.signals.first and (self.engine is not None or self._has_work()):
                 self.engine = self.engine or self._start_engine()
                 self._loop()
+            if self.input_error is not None:
+                raise self.input_error
             if self._lock_lost():
                 state, message = RunState.FAILED, self._lost_message()
             elif self._is_complete() and not self.tally.num_aborted:
@@ -156,9 +162,11 @@ class Runner:
         """On a resume, read until a row is left to answer: a rerun that finds all done starts no engine. The
         lock's heartbeat goes on meanwhile, and a signal or the deadline ends the wait."""
         while not self.scheduler.num_pending:
-            batch = self.reader.get(block=True, timeout=TICK_S)
+            batch = self._read(block=True, timeout=TICK_S)
             if self.job.lock is not None:
                 self.job.lock.heartbeat()
+            if batch is None and self.input_error is not None:
+                return False
             if batch is None and not self.reader.is_exhausted:
                 if self.signals.first or self.tracker.should_stop():
                     self.stopping = f"interrupted by {self.signals.first}" if self.signals.first else "deadline reached"
@@ -171,8 +179,26 @@ class Runner:
             self.scheduler.add(batch.rows, self.clock())
         return True
 
+    def _read(self, block: bool, timeout: Optional[float] = None):
+        """The next batch of rows, or None. A file that cannot be read on ends the input here: the rows read
+        before it are answered and written, and run() then raises its error (exit 1)."""
+        if self.input_error is not None:
+            return None
+        try:
+            return self.reader.get(block=block, timeout=timeout)
+        except (InputError, StorageError) as e:
+            self.input_error = e
+            read = self.scheduler.num_pending + self.scheduler.num_running
+            if read:
+                log.warning(f"the input cannot be read on: the {read} rows read before are answered first, then the "
+                            f"job stops with the error")
+            return None
+
+    def _input_ended(self) -> bool:
+        return self.reader.is_exhausted or self.input_error is not None
+
     def _is_complete(self) -> bool:
-        return self.reader is not None and self.reader.is_exhausted and self.scheduler.is_done()
+        return self.reader is not None and self._input_ended() and self.scheduler.is_done()
 
     def _is_finished(self) -> bool:
         """The engine is empty (or dead), and a stop began or every row is read and done."""
@@ -181,10 +207,10 @@ class Runner:
         return not self.engine.has_unfinished() and (self.stopping is not None or self._is_complete())
 
     def _refill(self) -> None:
-        while not self.reader.is_exhausted and self.scheduler.wants_rows():
+        while not self._input_ended() and self.scheduler.wants_rows():
             # Wait for input only when the engine would otherwise idle.
             idle = self.scheduler.num_pending == 0 and self.scheduler.num_running == 0
-            batch = self.reader.get(block=idle)
+            batch = self._read(block=idle)
             if batch is None:
                 return
             self._record(batch.errors)

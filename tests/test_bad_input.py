@@ -231,7 +231,8 @@ CASES = [
          "overnight: done: 1/2 rows (1 ok, 0 error, 1 duplicate ids skipped)", extra={"contains": True}),
     Case("messages bad role", lambda e: run_args(e, e.rows(prompt=None, messages=json.dumps(
         [{"role": "wizard", "content": "hi"}]))), 0,
-         row_error="in.parquet#1: messages[0].role is 'wizard'; use one of system, user, assistant, tool"),
+         row_error="in.parquet#1: messages[0].role is 'wizard'; use one of system, user, assistant, tool "
+                   "(or developer, read as system)"),
     Case("messages bad shape", lambda e: run_args(e, e.rows(prompt=None, messages=json.dumps({"role": "user"}))), 0,
          row_error="in.parquet#1: messages must be a non-empty list of {role, content}, got {'role': 'user'}"),
     Case("max_tokens zero", lambda e: run_args(e, e.rows(max_tokens=0)), 0,

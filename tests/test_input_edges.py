@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import decimal
 import glob
+import json
 import os
 
 import pyarrow as pa
@@ -31,6 +32,22 @@ def test_a_column_that_cannot_take_the_shared_type_names_file_and_column(tmp_pat
                                          r"input's files share, at rows from 0 .* leave it out with --passthrough"):
         run_job(cfg(inp, tmp_path / "out"), engine_factory=given(FakeEngine()), is_tty=False)
     assert _parts(tmp_path / "out").column("id").to_pylist() == [1, 2]      # a.parquet's rows are kept
+
+
+def test_the_rows_read_before_a_file_that_cannot_be_read_are_answered_first(tmp_path, cfg):
+    # the reader reaches b.parquet long before a.parquet's 64 rows are answered, 8 at a time
+    inp = tmp_path / "in"
+    inp.mkdir()
+    pq.write_table(pa.table({"id": list(range(64)), "prompt": ["a"] * 64, "h": pa.array([1] * 64, pa.int64())}),
+                   inp / "a.parquet")
+    pq.write_table(pa.table({"id": [100], "prompt": ["c"], "h": pa.array([2 ** 64 - 1], pa.uint64())}),
+                   inp / "b.parquet")
+    with pytest.raises(InputError, match=r"b.parquet: column 'h' \(uint64\) cannot be read as int64"):
+        run_job(cfg(inp, tmp_path / "out"), engine_factory=given(FakeEngine(max_num_seqs=8, step_sleep=0.01)),
+                is_tty=False)
+    assert sorted(_parts(tmp_path / "out").column("id").to_pylist()) == list(range(64))
+    status = json.loads((tmp_path / "out" / "status.json").read_text())
+    assert status["state"] == "failed" and "b.parquet" in status["message"]
 
 
 def test_a_damaged_row_group_is_named_even_when_a_batch_spans_two(tmp_path, cfg):

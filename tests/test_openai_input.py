@@ -163,7 +163,8 @@ BAD = [
     # values of the right type but out of range are validate's, as for a Parquet column
     (chat("range", temperature=-1), "requests.jsonl#20: temperature is -1.0; it must be 0 (greedy) to 2"),
     ({**chat("role"), "body": {"messages": [{"role": "wizard", "content": "x"}]}},
-     "requests.jsonl#21: messages[0].role is 'wizard'; use one of system, user, assistant, tool"),
+     "requests.jsonl#21: messages[0].role is 'wizard'; use one of system, user, assistant, tool "
+     "(or developer, read as system)"),
     ({**chat("empty"), "body": {"messages": []}},
      "requests.jsonl#22: messages must be a non-empty list of {role, content}, got []"),
     # json's decoder recurses once per level: a line nested deeper than Python's limit raised RecursionError
