@@ -322,6 +322,9 @@ class ClusterConfig:
 
     def __post_init__(self) -> None:
         _check(self.shards is None or self.shards >= 1, f"cluster.shards is {self.shards}; it must be at least 1.")
+        _check(self.shards is None or self.shard is not None,
+               f"cluster.shards (--shards {self.shards}) is the number of shards for --shard auto, and there is no "
+               f"--shard: every task would run the whole job. Pass --shard auto with it (or --shard K/N).")
         _check(self.workers is None or self.workers >= 1, f"cluster.workers is {self.workers}; it must be at least 1.")
         _check(not (self.workers and self.shard), "Give either --shard (one shard of a static split) or --workers "
                                                   "(Ray workers sharing the whole job), not both.")

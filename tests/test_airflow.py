@@ -26,15 +26,15 @@ AIRFLOW = REPO / ".venv-airflow" / "bin" / "airflow"
 
 @pytest.mark.skipif(not AIRFLOW.exists(), reason="no .venv-airflow: `make test` (or `make airflow`) builds it")
 def test_the_nightly_dag_retries_deadline_exits_until_every_id_is_done(tmp_path, tiny_model):
-    inp = tmp_path / "in"
-    inp.mkdir()
+    inp = tmp_path / "in" / "2026-11-22"   # the night's own prompts (OVERNIGHT_INPUT with {{ ds }})
+    inp.mkdir(parents=True)
     for f in range(4):
         pq.write_table(pa.table({"id": [f"f{f}-{i}" for i in range(20)], "prompt": [f"q {f} {i}" for i in range(20)]}),
                        inp / f"p{f}.parquet")
     out = tmp_path / "out"
     config = tmp_path / "nightly.yaml"
     config.write_text(yaml.safe_dump({
-        "input": {"path": str(inp)}, "output": {"path": str(out), "flush_rows": 5},
+        "input": {"path": str(tmp_path / "in" / "not-tonight")}, "output": {"path": str(out), "flush_rows": 5},
         "engine": {"kind": "echo", "echo_step_ms": 60, "max_num_seqs": 4, "model": tiny_model},
         "sampling": {"max_tokens": 10}}))
     home = tmp_path / "airflow"
@@ -42,6 +42,7 @@ def test_the_nightly_dag_retries_deadline_exits_until_every_id_is_done(tmp_path,
     env.update({"AIRFLOW_HOME": str(home), "AIRFLOW__CORE__DAGS_FOLDER": str(REPO / "examples" / "airflow"),
                 "AIRFLOW__CORE__LOAD_EXAMPLES": "False", "OVERNIGHT": overnight_cmd()[0],
                 "OVERNIGHT_CONFIG": str(config), "OVERNIGHT_OUT": str(out), "OVERNIGHT_SHARDS": "2",
+                "OVERNIGHT_INPUT": str(tmp_path / "in" / "{{ ds }}"),
                 "OVERNIGHT_EXTRA_ARGS": "--time-budget 8s", "OVERNIGHT_RETRY_DELAY_S": "1"})
     migrate = subprocess.run([str(AIRFLOW), "db", "migrate"], env=env, capture_output=True, text=True, timeout=300)
     assert migrate.returncode == 0, migrate.stderr[-2000:]
@@ -50,6 +51,7 @@ def test_the_nightly_dag_retries_deadline_exits_until_every_id_is_done(tmp_path,
     log = run.stdout + run.stderr
     assert run.returncode == 0, log[-4000:]
     assert "non-zero exit code 75" in log and "Marking task as UP_FOR_RETRY" in log   # a deadline exit was retried
+    out = out / "2026-11-22"                                     # the night's own OUT
     ids = [r[0] for r in duckdb.sql(f"select id from read_parquet('{out}/shards/*/parts/*.parquet')").fetchall()]
     assert len(ids) == len(set(ids)) == 80
     attempts = [json.loads((d / "manifest.json").read_text())["attempts"] for d in sorted((out / "shards").iterdir())]

@@ -88,6 +88,13 @@ def test_sampling_values_vllm_refuses_are_config_errors(sampling, message):
         build({"sampling": sampling})
 
 
+def test_shards_without_shard_is_refused():
+    # a Kubernetes Job given --shards 4 but not --shard auto: every pod would run the whole job
+    with pytest.raises(ConfigError, match=r"cluster.shards \(--shards 4\) is the number of shards for --shard auto"):
+        build({"cluster": {"shards": 4}})
+    assert build({"cluster": {"shards": 4, "shard": "auto"}}).cluster.shards == 4
+
+
 def test_invalid_yaml_names_the_file(tmp_path):
     p = tmp_path / "bad.yaml"
     p.write_text("sampling: [unclosed\n")

@@ -10,10 +10,17 @@ N shards). Exit codes drive the retries:
   ``retry_delay``, doubling each time (``retry_exponential_backoff``).
 - 1 / 2: a real failure (bad input, bad config): retries will not help, and the message says why.
 
-The last task reads every shard's status with `overnight status OUT --json` and returns it as the XCom summary.
+Each night (each DAG run's logical date, ``ds``) writes to a folder of its own, OVERNIGHT_OUT/<ds>/: a retry of
+that night's run resumes it, and the next night starts a job of its own (the same folder again would find the
+last night's job done, or, with new input files, refuse: a sharded job's input must not change under it). Set
+OVERNIGHT_INPUT to read each night's own prompts; it may use Airflow's templates, e.g.
+``s3://my-bucket/prompts/{{ ds }}/``. Without it, the config's input.path is read.
 
-Set OVERNIGHT (the `overnight` command), OVERNIGHT_CONFIG, OVERNIGHT_OUT (the config's output.path) and
-OVERNIGHT_SHARDS in the environment, or edit the defaults below.
+The last task reads every shard's status with `overnight status OUT/<ds> --json` and returns it as the XCom
+summary.
+
+Set OVERNIGHT (the `overnight` command), OVERNIGHT_CONFIG, OVERNIGHT_OUT, OVERNIGHT_INPUT and OVERNIGHT_SHARDS in
+the environment, or edit the defaults below.
 """
 
 from __future__ import annotations
@@ -29,7 +36,8 @@ from airflow.operators.bash import BashOperator
 
 OVERNIGHT = os.environ.get("OVERNIGHT", "overnight")
 CONFIG = os.environ.get("OVERNIGHT_CONFIG", "/etc/overnight/nightly.yaml")
-OUT = os.environ.get("OVERNIGHT_OUT", "s3://my-bucket/answers/")
+OUT = os.environ.get("OVERNIGHT_OUT", "s3://my-bucket/answers").rstrip("/")
+INPUT = os.environ.get("OVERNIGHT_INPUT", "")
 SHARDS = int(os.environ.get("OVERNIGHT_SHARDS", "4"))
 EXTRA = os.environ.get("OVERNIGHT_EXTRA_ARGS", "")
 RETRY_DELAY = timedelta(seconds=float(os.environ.get("OVERNIGHT_RETRY_DELAY_S", "120")))
@@ -47,14 +55,16 @@ with DAG(
         task_id="shard",
         # SIGTERM on a timeout: overnight drains, saves what finished and exits 75; the retry resumes.
         execution_timeout=timedelta(hours=8),
-    ).expand(bash_command=[f"{OVERNIGHT} run {CONFIG} --shard {k}/{SHARDS} {EXTRA}" for k in range(SHARDS)])
+    ).expand(bash_command=[f"{OVERNIGHT} run {INPUT + ' --config ' if INPUT else ''}{CONFIG} --out {OUT}/{{{{ ds }}}} "
+                           f"--shard {k}/{SHARDS} {EXTRA}" for k in range(SHARDS)])
 
     @task(retries=0)
-    def summary() -> dict:
-        done = subprocess.run([OVERNIGHT, "status", OUT, "--json"], capture_output=True, text=True, check=True)
+    def summary(ds=None) -> dict:
+        out = f"{OUT}/{ds}"
+        done = subprocess.run([OVERNIGHT, "status", out, "--json"], capture_output=True, text=True, check=True)
         status = json.loads(done.stdout)
         if status["state"] != "completed":
-            raise RuntimeError(f"overnight job in {OUT} is {status['state']}: {status['rows_left']} rows left")
+            raise RuntimeError(f"overnight job in {out} is {status['state']}: {status['rows_left']} rows left")
         return {k: status[k] for k in ("state", "rows_done", "rows_total", "exit_code", "shards")}
 
     shards >> summary()

@@ -95,7 +95,9 @@ def check_layout(url: str, shard: Optional[Shard], ray: bool = False) -> None:
         this = ("this run is on Ray workers" if ray else "this run has no --shard" if shard is None
                 else f"this run is shard {shard}")
         fix = {"unsharded": "run without --shard or --workers", "ray": "run with --workers"}.get(
-            d.group, f"run every shard with --shard K/{d.shard.n} (or auto with {d.shard.n} tasks)" if d.shard else "")
+            d.group, f"run every shard with --shard K/{d.shard.n} (or auto with {d.shard.n} tasks; a Slurm array "
+                     f"task submitted alone, as with sbatch --array=2, is shard 0/1 to auto: give it --shard "
+                     f"K/{d.shard.n})" if d.shard else "")
         raise OutputError(f"{url} holds the results of {held}, and {this}. Changing how a job is split between "
                           f"attempts would move rows between shards, so it is refused: {fix} to continue, or use "
                           f"another --out (or remove {url}) to start over.")
