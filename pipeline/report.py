@@ -146,6 +146,12 @@ def already_done(job) -> Summary:
     return summary(t, job.run_id, job.out.shown(), mf.RunState.COMPLETED, 0, message, {})
 
 
+def eta_for(state: str, eta: Optional[float]) -> Optional[float]:
+    """The ETA a status gives: the forecast's while running, 0 once completed, none once stopped (a run's last
+    forecast is not a time to anything)."""
+    return eta if state == "running" else (0.0 if state == "completed" else None)
+
+
 class Reporter:
     """Reads the running job's parts (it changes none of them) and writes what they say."""
 
@@ -209,7 +215,7 @@ class Reporter:
             "elapsed_s": round(self.tally.elapsed(), 3),
             "output_tokens_per_s": self.tally.tokens_per_s(),
             "cost": cost_dict(self.tally.engine_seconds, self.tally.num_done, self.job.cfg.output.price_per_hour),
-            "eta_s": self.progress.eta_seconds(),
+            "eta_s": eta_for(state.value, self.progress.eta_seconds()),
             "engine_started": self.supervisor.engine is not None,  # false: a resume found nothing left to do
             "startup": self.tally.startup(),
             "engine_restarts": self.supervisor.num_restarts,

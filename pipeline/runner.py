@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import math
 import sys
 import time
 from typing import Callable, Optional
@@ -307,10 +308,19 @@ class Runner:
             if self._lock_lost():
                 self._begin_stop(f"another run took over {self.job.out.shown()}", now)
             elif self.signals.first:
-                self._begin_stop(f"interrupted by {self.signals.first}", now + self.job.cfg.scheduler.grace_s)
+                # the grace, but never past the deadline: everything is written by then
+                self._begin_stop(f"interrupted by {self.signals.first}", min(now + self.job.cfg.scheduler.grace_s,
+                                                                             self._deadline_stop()))
             elif self.tracker.should_stop():
-                hard = self.tracker.stop_at if self.job.cfg.scheduler.on_deadline == "abort" else self.tracker.deadline
-                self._begin_stop("deadline reached", hard)
+                self._begin_stop("deadline reached", self._deadline_stop())
+        elif self.signals.first and not self.stopping.startswith("interrupted"):
+            # a signal during the deadline's drain: the drain gets --grace from now, if that ends sooner
+            hard = min(self.hard_stop_at, now + self.job.cfg.scheduler.grace_s)
+            self.stopping = f"interrupted by {self.signals.first} ({self.stopping})"
+            if hard < self.hard_stop_at:
+                self.hard_stop_at = hard
+                log.warning(f"{self.stopping}: {self.scheduler.num_running} rows in flight, draining them until "
+                            f"{iso(hard)} (a second signal aborts at once)")
         if now - self._last_tick < TICK_S:
             return
         self._last_tick = now
@@ -353,6 +363,12 @@ class Runner:
         if not self.stopping:
             self.tracker.steer(f, self.scheduler)
         self.reporter.on_forecast()
+
+    def _deadline_stop(self) -> float:
+        """When rows still in flight are aborted at the deadline (inf without one)."""
+        if self.tracker.deadline is None:
+            return math.inf
+        return self.tracker.stop_at if self.job.cfg.scheduler.on_deadline == "abort" else self.tracker.deadline
 
     def _begin_stop(self, reason: str, hard_stop_at: float) -> None:
         self.stopping = reason

@@ -113,6 +113,45 @@ def test_sigterm_drains_within_grace_and_exits_75(data, tmp_path, cfg):
     assert again.state == "completed" and len(ids) == 24 == len(set(ids))
 
 
+class SignalAtStep(FakeEngine):
+    """A fake-clock engine that sends SIGTERM to this process at one step (in the loop's own thread)."""
+
+    def __init__(self, at_step: int, **kw):
+        super().__init__(**kw)
+        self.at_step = at_step
+
+    def _step(self):
+        if self.num_steps == self.at_step:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return super()._step()
+
+
+def test_a_signals_grace_ends_at_the_deadline(data, tmp_path, cfg):
+    from fakes import FakeClock
+    clock = FakeClock()
+    start = clock.t
+    eng = SignalAtStep(20, max_num_seqs=2, clock=clock, step_seconds=1.0, length_of=lambda ids: 500)
+    s = run_job(cfg(data, tmp_path / "out", scheduler={"time_budget": "100s", "safety_margin_s": 10, "grace_s": 600}),
+                engine_factory=given(eng), is_tty=False, clock=clock)
+    assert (s.state, s.exit_code) == ("interrupted", 75)
+    assert clock.t - start <= 101   # the 600 s grace stopped at the deadline (it drained to 620 s)
+    assert eng.aborted                  # the rows in flight at the deadline
+
+
+def test_a_signal_during_the_deadlines_drain_gets_its_grace(data, tmp_path, cfg, caplog):
+    from fakes import FakeClock
+    clock = FakeClock()
+    start = clock.t
+    eng = SignalAtStep(40, max_num_seqs=2, clock=clock, step_seconds=1.0, length_of=lambda ids: 500)
+    with caplog.at_level("INFO", logger="overnight"):
+        s = run_job(cfg(data, tmp_path / "out", scheduler={"time_budget": "100s", "safety_margin_s": 70,
+                                                            "grace_s": 3}),
+                    engine_factory=given(eng), is_tty=False, clock=clock)
+    assert (s.state, s.exit_code) == ("interrupted", 75)
+    assert 40 <= clock.t - start <= 46     # not drained on to the deadline at 100 s
+    assert "interrupted by SIGTERM (deadline reached): 4 rows in flight, draining them until" in caplog.text
+
+
 def test_a_second_signal_aborts_at_once_and_leaves_a_consistent_checkpoint(data, tmp_path, cfg):
     out = tmp_path / "out"
     eng = FakeEngine(max_num_seqs=2, step_sleep=0.05, length_of=lambda ids: 200)

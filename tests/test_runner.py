@@ -345,3 +345,14 @@ def test_a_forecast_kept_waiting_does_not_put_the_next_ones_off(write_parquet, t
     assert s.state == "completed"
     gaps = [b - a for a, b in zip(calls, calls[1:])]
     assert len(calls) >= 10 and sorted(gaps)[len(gaps) // 2] < 15.0, gaps  # its own CPU time: 2-6 s apart here
+
+
+def test_a_finished_run_gives_no_stale_eta(write_parquet, tmp_path, cfg):
+    # the last forecast is not a time to anything once the run ended: 0 once completed, none once stopped
+    inp = deadline_data(write_parquet)
+    s, _ = budget_run(cfg, inp, tmp_path / "done", "fifo", budget="1h")
+    st = __import__("json").loads((tmp_path / "done" / "status.json").read_text())
+    assert s.state == "completed" and st["eta_s"] == 0.0
+    s, _ = budget_run(cfg, inp, tmp_path / "stopped", "fifo")
+    st = __import__("json").loads((tmp_path / "stopped" / "status.json").read_text())
+    assert s.state == "partial" and st["eta_s"] is None

@@ -135,6 +135,21 @@ def test_aging_promotes_a_row_that_waited_too_long():
     assert (a.row.id, a.reason) == ("long2", "aged")  # waited 12 s by now, more than the 10 s limit
 
 
+@pytest.mark.parametrize("policy", ["priority", "auto"])
+def test_rows_picked_for_their_wait_or_deadline_go_ahead_in_vllms_queue(policy):
+    # the engine's waiting queue is ordered by the priorities sent: an aged row, or one whose deadline is at
+    # risk, must come before every row the policy admits, whatever its own priority
+    s = Scheduler(max_running=2, queue_factor=2, policy=policy, max_wait_s=10)
+    s.per_seq_tokens_per_s = 10.0
+    s.add([row("old", 50, priority=9)], now=0)
+    s.add([row(f"p{i}", 50) for i in range(4)] + [row("due", 100, priority=9, deadline=30.0)], now=5)
+    admitted = s.schedule(12.0)
+    by_reason = {a.row.id: (a.reason, a.priority) for a in admitted}
+    assert by_reason["old"][0] == "aged" and by_reason["due"][0] == "deadline"
+    policy_priorities = [p for r, p in by_reason.values() if r == "policy"]
+    assert policy_priorities and max(by_reason["old"][1], by_reason["due"][1]) < min(policy_priorities)
+
+
 def test_without_aging_shortest_first_can_starve_a_long_row():
     s = one_at_a_time("shortest-first")
     s.add([row("long", 500)], now=0)

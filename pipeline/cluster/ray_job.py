@@ -31,7 +31,7 @@ from overnight.pipeline.output.checkpoint import OutputDir, OutputError
 from overnight.pipeline.output.layout import check_layout, job_dirs, worker_out
 from overnight.pipeline.output.lock import RunLock
 from overnight.pipeline.progress import Progress, fmt_duration
-from overnight.pipeline.report import EXIT_ENGINE, EXIT_FAILED, EXIT_PARTIAL, Summary, iso
+from overnight.pipeline.report import EXIT_ENGINE, EXIT_FAILED, EXIT_PARTIAL, Summary, eta_for, iso
 
 log = logging.getLogger("overnight")
 
@@ -303,7 +303,7 @@ class Driver:
                 "rows": {"total": self.total, "done": done, "remaining": max(0, self.total - done)},
                 "output_tokens_per_s": round(sum(s.get("output_tokens_per_s") or 0 for s in statuses.values()
                                                  if s.get("state") == "running"), 2),
-                "eta_s": None if eta is None else round(eta, 1),
+                "eta_s": eta_for(state, None if eta is None else round(eta, 1)),
                 "eta_range_s": None if f is None or f.eta_low_s is None else [round(f.eta_low_s, 1),
                                                                               round(f.eta_high_s, 1)],
                 "rows_expected_left": None if f is None else f.rows_expected_left,

@@ -32,6 +32,12 @@ from overnight.pipeline.records import Row
 __all__ = ["Admission", "Mode", "Policy", "Scheduler", "SchedulerStats"]
 
 
+# The engine priority of a row picked because it waited past --max-wait or its own deadline is at risk: ahead of
+# every row in vLLM's waiting queue (the policy's priorities are far above it), or it would wait there behind rows
+# admitted after it. Within int64, which vLLM's client sends.
+URGENT_PRIORITY = -(2 ** 62)
+
+
 class Mode(str, enum.Enum):
     # auto's two regimes
     THROUGHPUT = "throughput"
@@ -191,7 +197,8 @@ class Scheduler:
             n = entry.row.sampling.get("n", 1)
             self.running_predicted += (entry.row.predicted_tokens or 0) * n
             self.running_samples += n
-            out.append(Admission(request_id, entry.row, self._engine_priority(entry), reason))
+            priority = URGENT_PRIORITY if reason != "policy" else self._engine_priority(entry)
+            out.append(Admission(request_id, entry.row, priority, reason))
         return out
 
     def _pick(self, now: float) -> tuple[_Entry, str]:
