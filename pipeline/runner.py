@@ -356,7 +356,7 @@ class Runner:
         shown = [None if x is None else x + FINISH_S for x in (f.eta_s, f.eta_low_s, f.eta_high_s)]
         # at risk as the warning says it (DeadlineTracker.steer): not from the engine's first seconds
         self.progress.set_forecast(shown[0], f.time_left_s if self.tracker.deadline else None,
-                                   f.will_miss and self.tracker.is_settled,
+                                   f.will_miss and self.tracker.trusts(f),
                                    {"remaining_tokens": round(f.remaining_tokens), "forecast_tokens_per_s":
                                     round(f.tokens_per_s, 2), "rows_expected_left": f.rows_expected_left,
                                     "eta_low_s": shown[1], "eta_high_s": shown[2], "cap": f.cap})

@@ -161,6 +161,32 @@ def test_an_engine_of_fast_steps_settles_after_its_first_steps():
     assert a == pytest.approx(0.004) and b == pytest.approx(0.00002)
 
 
+def test_a_fit_of_the_probes_quarter_alone_does_not_settle_the_warning():
+    """A step whose cost does not grow with the batch (a GPU's), seen at a quarter of the engine only: the fit
+    splits it half and half and costs a full engine's step 2.5 times too long, so no warning goes out on it
+    (one did, for a deadline the job then met); once steps near the engine's size are measured, it may."""
+    clock = FakeClock(0.0)
+    tracker = DeadlineTracker(100.0, 0.0, clock, max_tokens=512)
+    tracker.engine_started(64)
+    for _ in range(12):
+        tracker.steps.observe(16, 0, 0.02)
+    at_risk = Forecast(500.0, 1e5, 400, 200.0, 30.0, True, 390)
+    a, b, _ = tracker.steps.fit()
+    assert a + 64 * b == pytest.approx(0.05) and tracker.is_settled and not tracker.trusts(at_risk)
+    tracker.steer(at_risk, Scheduler(64, 1.0, Policy.FIFO))
+    assert not tracker.is_warned
+    for i in range(StepCost.AFTER_GROWTH + 4):   # the engine fills; its prefill steps count off the slow ones too
+        tracker.steps.observe(64, 500 if i < 4 else 0, 0.02)
+    a, b, _ = tracker.steps.fit()
+    assert a + 64 * b == pytest.approx(0.02) and tracker.trusts(at_risk)
+    last = Forecast(500.0, 1e3, 16, 200.0, 30.0, True, 10)   # 16 rows left: a fit of 16-sequence steps will do
+    fresh = DeadlineTracker(100.0, 0.0, clock, max_tokens=512)
+    fresh.engine_started(64)
+    for _ in range(12):
+        fresh.steps.observe(16, 0, 0.02)
+    assert fresh.trusts(last) and not fresh.trusts(at_risk)
+
+
 def test_the_warning_waits_for_the_steps_after_the_engines_first_seconds(caplog):
     """A forecast from the first seconds' slow steps expects nearly every row left undone: neither the warning
     nor the status's at-risk flag (runner: will_miss and is_settled) goes out on it; the first forecast from
@@ -170,7 +196,7 @@ def test_the_warning_waits_for_the_steps_after_the_engines_first_seconds(caplog)
     sched = Scheduler(64, 1.0, Policy.FIFO)
     tracker.engine_started(64)
     tracker.probe_done = True
-    for i in range(16):
+    for i in range(64):   # the engine full: the steps' size is the one the rows left run at
         tracker.admitted(f"r{i}", 200, 50)
     at_risk = Forecast(500.0, 1e5, 400, 200.0, 30.0, True, 390)
     warned = []
@@ -182,7 +208,7 @@ def test_the_warning_waits_for_the_steps_after_the_engines_first_seconds(caplog)
         tracker.after_step(0.1, [])
         if tracker.early_steps.num_steps >= MIN_STEPS:
             tracker.steer(at_risk, sched)
-            warned.append((tracker.is_settled, tracker.is_warned))
+            warned.append((tracker.trusts(at_risk), tracker.is_warned))
     assert warned[0] == (False, False) and warned[-1] == (True, True)
     assert all(settled == was_warned for settled, was_warned in warned)
     assert sum("deadline at risk" in m for m in caplog.messages) == 1

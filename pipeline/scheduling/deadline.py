@@ -188,6 +188,17 @@ class DeadlineTracker:
         rows. A forecast from a token rate alone (no step measured yet) counts as settled."""
         return self.steps.num_steps >= MIN_STEPS or self.early_steps.num_steps < MIN_STEPS
 
+    def trusts(self, f: Forecast) -> bool:
+        """Whether a forecast that says the deadline is at risk may say so (the warning, the status's flag): once
+        settled, and once the step cost's fit has told its fixed and per-sequence parts apart or has seen steps
+        near the size the rows left will run at. A fit of the probe's quarter alone splits that size's cost half
+        and half, which costs a full GPU engine's steps 2.5 times too long: it warned of a deadline the job then
+        met."""
+        if not self.is_settled:
+            return False
+        size = min(self.inflight.max_num_seqs, max(1, f.remaining_rows))
+        return self.step_cost.num_steps == 0 or self.step_cost.knows_per_seq or self.step_cost.spans(size)
+
     @property
     def step_cost(self) -> StepCost:
         """The steps measured since the engine settled, once there are a few; until then its first seconds' (slow,
@@ -237,7 +248,7 @@ class DeadlineTracker:
             if cap != scheduler.cap:
                 log.debug("rows in flight: %s", "the engine's capacity" if cap is None else f"at most {cap}")
             scheduler.cap = cap
-        if f.will_miss and not self.is_warned and self.is_settled:
+        if f.will_miss and not self.is_warned and self.trusts(f):
             self.is_warned = True
             self.warned_left = f.rows_expected_left
             log.warning(self.at_risk_message(f))

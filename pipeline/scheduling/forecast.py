@@ -84,9 +84,10 @@ class StepCost:
         if num_seqs <= 0 or seconds <= 0:
             return
         pending = self._pending
-        if self._unsettled and pending is None and not prefill_tokens:  # just after a jump: slow, left out
-            self._unsettled -= 1  # (and not counted: num_steps counts the steps the fit has)
-            return
+        if self._unsettled:  # the steps just after a jump, whatever they do, are slow: counted off one by one
+            self._unsettled -= 1
+            if pending is None and not prefill_tokens:  # a decode step among them: left out
+                return  # (and not counted: num_steps counts the steps the fit has)
         if pending is not None:  # the step after a prefill: part of it
             pending[0] += num_seqs
             pending[1] += 1
@@ -138,6 +139,13 @@ class StepCost:
         n, _, w = self._points()
         n = n[w >= 4]
         return len(n) >= 2 and n.min() <= 0.75 * n.max()
+
+    def spans(self, num_seqs: int) -> bool:
+        """Whether decode steps of at least three quarters of ``num_seqs`` sequences were measured (a fit of one
+        size then costs steps of num_seqs without stretching far)."""
+        n, _, w = self._points()
+        n = n[w >= 4]
+        return bool(len(n)) and n.max() >= 0.75 * num_seqs
 
     def fit(self) -> Optional[tuple[float, float, float]]:
         """(fixed s, s per sequence, s per prompt token prefilled), or None before any step."""
