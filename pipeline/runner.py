@@ -329,6 +329,10 @@ class Runner:
         if self.job.lock is not None:
             self.job.lock.heartbeat()
         self.annotator.refresh(self.scheduler, now)
+        last = self.tracker.last
+        if (last is not None and last.will_miss and not self.tracker.is_warned and not self.stopping
+                and self.tracker.trusts(last)):
+            self._last_forecast = -1e18  # at risk, and the step cost now known enough to say so: at once
         if now - self._last_forecast >= self._forecast_every:
             self._last_forecast = now
             t0 = time.thread_time()
