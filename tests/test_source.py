@@ -233,6 +233,13 @@ def test_a_folder_skips_hidden_and_underscore_folders(tmp_path, write_parquet):
     write_parquet(t, "in/sub/part-00001.parquet")
     s = source(tmp_path / "in")
     assert [f.name for f in s.files] == ["part-00000.parquet", "sub/part-00001.parquet"] and s.num_rows == 4
+    # a glob's matches too: `in/**/*.parquet` read Spark's attempt files again, and `in/*` failed on _SUCCESS
+    (tmp_path / "in" / "_SUCCESS").write_text("")
+    s = source(f"{tmp_path}/in/**/*.parquet")
+    assert [f.name for f in s.files] == ["part-00000.parquet", "sub/part-00001.parquet"] and s.num_rows == 4
+    assert [f.name for f in source(f"{tmp_path}/in/*").files] == ["part-00000.parquet"]
+    assert [f.name for f in source(f"{tmp_path}/in/_temporary/0/_temporary/attempt_1/*.parquet").files] == [
+        "part-00000.parquet"]                                             # in a hidden folder the glob names
 
 
 def test_string_view_ids_and_prompts(tmp_path):

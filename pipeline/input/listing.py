@@ -20,14 +20,16 @@ def glob_base(root: str) -> str:
 
 
 def is_data_file(path: str, suffixes: tuple[str, ...] = PARQUET_SUFFIXES, base: str = "") -> bool:
-    """A data file of a folder input: its name ends with one of suffixes, and neither it nor a folder between it
-    and ``base`` starts with "." or "_" (as pyarrow.dataset skips _SUCCESS, _temporary/, _delta_log/, .snapshot/)."""
-    name = posixpath.basename(path)
-    if not name.endswith(suffixes):
-        return False
+    """A data file of a folder input: its name ends with one of suffixes, and it is not hidden (``is_hidden``)."""
+    return posixpath.basename(path).endswith(suffixes) and not is_hidden(path, base)
+
+
+def is_hidden(path: str, base: str = "") -> bool:
+    """Whether the file, or a folder between it and ``base``, starts with "." or "_", as pyarrow.dataset skips
+    _SUCCESS, _temporary/, _delta_log/ and .snapshot/ (a folder's listing and a glob's matches alike)."""
     root = base.rstrip("/")
-    rel = path[len(root) + 1:] if root and path.startswith(root + "/") else name
-    return not any(part.startswith((".", "_")) for part in rel.split("/"))
+    rel = path[len(root) + 1:] if root and path.startswith(root + "/") else posixpath.basename(path)
+    return any(part.startswith((".", "_")) for part in rel.split("/"))
 
 
 def file_version(fs, path: str) -> str:

@@ -23,7 +23,8 @@ import pyarrow as pa
 
 from overnight.pipeline.config import InputConfig
 from overnight.pipeline.input.arrow_types import ColumnCastError, compatible, conform, is_id_type, is_text, plain
-from overnight.pipeline.input.listing import GLOB_CHARS, PARQUET_SUFFIXES, file_version, glob_base, is_data_file
+from overnight.pipeline.input.listing import (GLOB_CHARS, PARQUET_SUFFIXES, file_version, glob_base, is_data_file,
+                                              is_hidden)
 from overnight.pipeline.input.shards import Fragment, Selection, Shard, hash_shard, split
 from overnight.pipeline.output.faults import failpoint
 from overnight.pipeline.output.storage import unstrip, url_to_fs
@@ -118,10 +119,11 @@ class ParquetSource:
         """The input's data files in input order, and the folder their names are relative to."""
         fs = self.fs
         if any(c in root for c in GLOB_CHARS) and not fs.exists(root):  # "run [v2]/" is a path, if there is one
-            paths = sorted(p for p in fs.glob(root) if fs.isfile(p))
-            if not paths:
-                raise InputError(f"No files match {self.url}. Check the pattern, or pass a folder or file.")
             base = glob_base(root)
+            paths = sorted(p for p in fs.glob(root) if fs.isfile(p) and not is_hidden(p, base))
+            if not paths:
+                raise InputError(f"No files match {self.url} (files and folders whose names start with . or _ "
+                                 f"are left out). Check the pattern, or pass a folder or file.")
         elif fs.isdir(root):
             paths = sorted(p for p in fs.find(root) if is_data_file(p, self.SUFFIXES, root))
             if not paths:
