@@ -308,6 +308,15 @@ def test_deadline_at_risk_is_warned_by_five_percent_with_rows_left_within_twenty
     assert f.rows_expected_left == pytest.approx(left, rel=0.2)
 
 
+def test_a_forecast_that_misses_the_deadline_expects_a_row_left():
+    # a deadline at 99% of the makespan: the ETA passes the stop by seconds, while the rows' ends counted by the
+    # stop left out the drain's tail ("expect about 0 of 375 remaining rows to be left undone", it said)
+    base = simulate("longest-first", CPU, n_rows=400)
+    story = simulate("longest-first", CPU, n_rows=400, deadline_share=0.99, makespan=base.end)
+    missed = [f for _, _, f in story.samples if f.will_miss]
+    assert missed and all(f.rows_expected_left >= 1 for f in missed)
+
+
 def test_auto_with_the_shrinking_cap_does_more_rows_by_the_deadline_on_a_cpu():
     full = simulate("fifo", CPU)
     fifo = simulate("fifo", CPU, deadline_share=0.3, makespan=full.end)

@@ -172,6 +172,8 @@ def model_forecast(t, scheduler, lengths, counts, unread: int, mean_predicted: f
     tokens_per_s = max_num_seqs / step_full if step_full > 0 else 0.0
     will_miss = t.stop_at is not None and eta_s > left
     left_rows = max(0, round(rows - rows_by / per_row)) if t.stop_at is not None else 0
+    if will_miss:  # the rows' ends by the stop leave out the drain's tail and the prefills the ETA has: a miss by
+        left_rows = max(1, left_rows)  # a few seconds still leaves a row ("expect about 0 of 375 rows" it said)
     if cap is not None:
         cap = max(1, int(cap / per_row))  # the scheduler caps rows
     calibration = math.exp(model.mu + model.sigma ** 2 / 2)  # before max_tokens cuts the longest
