@@ -8,6 +8,7 @@ import json
 import duckdb
 import pyarrow as pa
 import pyarrow.parquet as pq
+import pytest
 
 from fakes import FakeEngine, given
 from overnight.pipeline.api import run_job
@@ -75,3 +76,28 @@ def test_retry_errors_rewrites_a_part_whole_and_removes_one_of_errors_only(tmp_p
     assert out.read_manifest()["counts"] == {"num_done": 3, "num_ok": 3, "num_error": 0, "num_parts": 2}
     assert out.drop_errors("id") == (0, 0)                              # nothing left to retry
 
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kill_at", [1, 2, 3])
+def test_a_retry_killed_at_any_write_loses_no_row(tmp_path, tiny_model, kill_at):
+    # the manifest's writes of a --retry-errors run: "not completed" before any part changes, the counts after,
+    # and the run's own. Killed at any, the rerun finds every row (the dropped ones were lost: the manifest still
+    # said completed over an unchanged input, and the rerun skipped the scan)
+    import os
+    import subprocess
+
+    from conftest import overnight_cmd
+
+    inp = tmp_path / "in.parquet"
+    prompts = ["word " * (i % 5 + 1) for i in range(20)]
+    prompts[3] = prompts[9] = None                                       # two error rows
+    pq.write_table(pa.table({"id": list(range(20)), "prompt": prompts}), inp)
+    out = tmp_path / "out"
+    cmd = [*overnight_cmd(), "run", str(inp), "--out", str(out), "--engine", "echo", "--model", tiny_model,
+           "--flush-rows", "4"]
+    assert subprocess.run(cmd, capture_output=True).returncode == 0
+    env = dict(os.environ, OVERNIGHT_FAILPOINTS=f"manifest.before_write=kill@{kill_at}")
+    assert subprocess.run([*cmd, "--retry-errors"], capture_output=True, env=env).returncode == -9
+    assert subprocess.run(cmd, capture_output=True).returncode == 0
+    assert [i for i, _ in rows_of(out)] == list(range(20))

@@ -172,11 +172,16 @@ class OutputDir:
 
         Each part that holds an error row is written again without it, in place (``write_atomic``: a reader, or
         a run killed meanwhile, finds the old part or the new one, never a mix); a part of error rows only is
-        removed. The manifest's counts follow. A part whose footer says every row is "ok" is not read."""
+        removed. The manifest's counts follow. A part whose footer says every row is "ok" is not read.
+
+        Before the first part changes, the manifest stops saying the job completed: a run killed meanwhile would
+        otherwise leave a completed job over an unchanged input, whose rerun skips the scan, and the rows dropped
+        would never be answered."""
         import pyarrow.compute as pc
         import pyarrow.parquet as pq
 
         dropped = touched = 0
+        marked = False
         for p in self.part_paths():
             try:
                 with self.fs.open(p, "rb") as f:
@@ -191,6 +196,12 @@ class OutputDir:
             keep = table.filter(pc.fill_null(pc.not_equal(table.column("status"), "error"), True))
             if keep.num_rows == table.num_rows:
                 continue
+            if not marked:
+                marked = True
+                manifest = self.read_manifest()
+                if manifest is not None and manifest.get("state") == "completed":
+                    manifest["state"] = "partial"  # rows are about to be not done
+                    self.write_manifest(manifest)
             dropped += table.num_rows - keep.num_rows
             touched += 1
             if keep.num_rows == 0:
