@@ -87,7 +87,7 @@ def test_per_row_overrides_are_honoured(tmp_path, model_path):
         "seed": [None, None, None, 7, 7, None, None],
         "stop": [None, None, ["Paris"], None, None, None, None],
         "messages": [None, None, None, None, None,
-                     [{"role": "system", "content": "You answer in one word."},
+                     [{"role": "developer", "content": "You answer in one word."},   # read as system
                       {"role": "user", "content": capital}], None],
     }), inp)
     out = tmp_path / "out"
