@@ -13,6 +13,7 @@ from overnight.pipeline.output.checkpoint import OutputDir, OutputError
 from overnight.pipeline.output.layout import combined_state, job_dirs
 from overnight.pipeline.output.lock import RunLock
 from overnight.pipeline.progress import fmt_duration
+from overnight.pipeline.report import eta_for
 
 EXIT_ORDER = (69, 1, 75)  # the job's exit code is the first of these any shard had, else 0
 
@@ -71,7 +72,7 @@ def shard_status(d, lock_of: OutputDir) -> dict:
     return {"shard": d.label, "state": state, "rows_total": total, "rows_done": done,
             "rows_left": 0 if state == "completed" else left,
             "output_tokens_per_s": st.get("output_tokens_per_s") if state == "running" else None,
-            "eta_s": st.get("eta_s") if state == "running" else (0.0 if state == "completed" else None),
+            "eta_s": eta_for(state, st.get("eta_s")),
             "exit_code": st.get("exit_code") if state != "running" else None,
             "attempts": len(m.get("attempts", [])), "updated_at": st.get("updated_at") or m.get("updated_at"),
             "run_id": m.get("run_id"), "out": d.out.shown()}
