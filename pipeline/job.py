@@ -15,7 +15,7 @@ from typing import Optional
 
 from overnight.pipeline.config import ConfigError, JobConfig
 from overnight.pipeline.input.openai_batch import is_jsonl_input
-from overnight.pipeline.input.shards import parse_shard
+from overnight.pipeline.input.shards import ROWS, parse_shard, rule_of
 from overnight.pipeline.input.source import ParquetSource, open_source
 from overnight.pipeline.input.stage import OpenModel, open_model
 from overnight.pipeline.output import manifest as mf
@@ -78,11 +78,14 @@ def open_job(cfg: JobConfig, fresh: bool = False, now: Optional[float] = None, r
                         f"shorter. Train one on runs of this model (`overnight predictor train OUT --save FILE`), "
                         f"or use --predictor online")
     shard = parse_shard(cfg.cluster.shard, cfg.cluster.shards)
-    source = open_source(cfg.input, shard)
+    source = open_source(cfg.input, shard, recorded_split(cfg.output.path, shard, fresh))
     check_layout(cfg.output.path, shard)
     if shard is not None:
         sel = source.selection
-        if sel.hash_of is None:
+        if sel.rule == ROWS:
+            log.info(f"shard {shard}: {sel.how} ({source.num_rows} rows with --limit)" if cfg.input.limit
+                     is not None else f"shard {shard}: {sel.how}")
+        elif sel.hash_of is None:
             log.info(f"shard {shard}: {sel.how}; this shard reads {len(sel.fragments)} of them ({source.num_rows} rows)")
         else:
             log.warning(f"shard {shard}: {sel.how}; every shard reads the whole input and keeps its own rows "
@@ -148,6 +151,7 @@ def _open_locked(cfg, fresh, source, out, model, fields, lock, deadline_at, marg
     if source.shard is not None:
         input_info["shard"] = str(source.shard)
         input_info["split"] = source.selection.how
+        input_info["split_rule"] = source.selection.rule
         input_info["listing"] = source.listing_digest()
     cfg_dict = cfg.to_dict()
     cfg_dict["input"]["path"] = redact(cfg_dict["input"]["path"] or "")
@@ -190,6 +194,19 @@ def _check_id_kind(scan: Scan, source, id_name: str) -> None:
                               f"ids of another kind never match the rows already done, so every row would be "
                               f"answered again. Give the column its {kind} ids back (cast it), or pass --fresh to "
                               f"answer every row again.")
+
+
+def recorded_split(url: str, shard, fresh: bool) -> str:
+    """The rule that splits the input among this job's shards: the one the shards in OUT began with (an OUT
+    begun before stop 42 keeps the old rule, or rows would move between shards that resume on their own), else
+    equal row ranges. --fresh leaves this shard's own folder out of it, since it starts over."""
+    if shard is None:
+        return ROWS
+    mine = job_out(url, shard).root
+    for d, m in read_manifests(url):
+        if m is not None and d.shard is not None and not (fresh and d.out.root == mine):
+            return rule_of(m.get("input"))
+    return ROWS
 
 
 def _check_other_shards(cfg, source, out, fields, given, fresh: bool = False) -> None:

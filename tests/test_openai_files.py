@@ -16,7 +16,7 @@ from overnight.pipeline.api import run_job
 from overnight.pipeline.config import InputConfig
 from overnight.pipeline.input import openai_batch
 from overnight.pipeline.input.openai_batch import OpenAIBatchSource
-from overnight.pipeline.input.shards import Fragment, Shard
+from overnight.pipeline.input.shards import FRAGMENTS, ROWS, Fragment, Shard
 from overnight.pipeline.input.source import InputError, open_source
 from overnight.pipeline.tools.inspection import open_results
 
@@ -124,9 +124,16 @@ def test_a_rewrite_of_the_same_size_is_not_taken_for_the_same_input(tmp_path, cf
     assert (s.state, s.num_ok) == ("completed", 6)
 
 
-@pytest.mark.parametrize("gz,how", [(False, "split by 3 row groups in 1 files"), (True, "split by a hash")])
-def test_shards_split_the_lines_and_answer_each_once(tmp_path, cfg, monkeypatch, gz, how):
+@pytest.mark.parametrize("gz,rule,how", [(False, ROWS, "rows 0 to 4"), (True, ROWS, "rows 0 to 4"),
+                                         (False, FRAGMENTS, "split by 3 row groups in 1 files"),
+                                         (True, FRAGMENTS, "split by a hash")])
+def test_shards_split_the_lines_and_answer_each_once(tmp_path, cfg, monkeypatch, gz, rule, how):
+    """Equal ranges of lines (a .gz file, one chunk read from its start, too); and the rule of OUTs begun before
+    stop 42, which they keep."""
+    import overnight.pipeline.job as job
+
     monkeypatch.setattr(openai_batch, "CHUNK_LINES", 4)
+    monkeypatch.setattr(job, "recorded_split", lambda url, shard, fresh: rule)
     path = write_lines(tmp_path / ("requests.jsonl.gz" if gz else "requests.jsonl"),
                        [chat(f"r{i}") for i in range(10)] + ["bad"])
     out = tmp_path / "out"
@@ -135,11 +142,12 @@ def test_shards_split_the_lines_and_answer_each_once(tmp_path, cfg, monkeypatch,
         c = cfg(path, out, cluster={"shard": f"{k}/2"})
         s = run_job(c, engine_factory=given(FakeEngine()), is_tty=False)
         counts.append(s.num_rows)
-        src = open_source(c.input, Shard(k, 2))
-        assert how in src.selection.how
+    assert how in open_source(c.input, Shard(0, 2), rule).selection.how
     ids = [r[0] for r in duckdb.sql(f"select coalesce(id, error) from read_parquet('{out}/shards/*/parts/*.parquet')"
                                     ).fetchall()]
     assert sum(counts) == 11 and len(ids) == len(set(ids)) == 11 and min(counts) > 0
+    if rule == ROWS:
+        assert counts == [5, 6]
 
 
 def test_plan_reads_request_lines(tmp_path, cfg):

@@ -19,7 +19,8 @@ from conftest import overnight_cmd
 from fakes import FakeEngine, given
 from overnight.pipeline.api import run_job
 from overnight.pipeline.config import ConfigError
-from overnight.pipeline.input.shards import Shard, assign, fragments_of, hash_shard, parse_shard, split
+from overnight.pipeline.input.shards import (FRAGMENTS, ROWS, Shard, assign, fragments_of, hash_shard, parse_shard,
+                                             split)
 from overnight.pipeline.input.source import InputFile
 from overnight.pipeline.output.checkpoint import OutputError
 from overnight.pipeline.tools.inspection import open_results
@@ -45,11 +46,48 @@ def write_input(folder: Path, sizes, row_group_size=None) -> Path:
 
 # -- the split ------------------------------------------------------------------------------------------
 
+def rows_of(files, share):
+    """(file, row) of every row a share reads."""
+    out = []
+    for f in share.fragments:
+        start = 0 if f.row_group is None else sum(files[f.file_index].row_groups[:f.row_group])
+        lo, hi = f.rows if f.rows else (0, f.num_rows)
+        out += [(f.file_index, start + r) for r in range(lo, hi)]
+    return out
+
+
+@pytest.mark.parametrize("sizes,n,groups", [([100, 137, 174, 211, 248], 3, 1), ([1000, 1, 1, 1], 3, 1),
+                                            ([4000, 10, 10, 10], 4, 4), ([5] * 7, 7, 1), ([5] * 7, 3, 2),
+                                            ([300, 10, 10, 10, 10, 10, 10], 2, 3), ([10, 10], 3, 1),
+                                            ([0, 7, 0, 5], 4, 1), ([2], 5, 1)])
+def test_shards_are_equal_ranges_of_rows_that_cover_the_input_once(sizes, n, groups):
+    files = listing(sizes, groups)
+    shares = [split(files, Shard(k, n)) for k in range(n)]
+    assert all(s.rule == ROWS and s.hash_of is None for s in shares)
+    rows = [rows_of(files, s) for s in shares]
+    every = [(i, r) for i, size in enumerate(sizes) for r in range(size)]
+    assert [x for share in rows for x in share] == every        # each row once, the shards in input order
+    loads = [s.num_rows for s in shares]
+    assert loads == [len(r) for r in rows] and max(loads) - min(loads) <= 1
+    assert shares == [split(listing(sizes, groups), Shard(k, n)) for k in range(n)]  # a pure function
+
+
+def test_a_range_takes_whole_files_and_row_groups_and_slices_only_at_its_ends():
+    files = listing([4000, 10, 10, 10], groups=4)   # one large file and three small ones: 1007 or 1008 rows each
+    first, last = split(files, Shard(0, 4)), split(files, Shard(3, 4))
+    assert [(f.file_index, f.row_group, f.rows) for f in first.fragments] == [(0, 0, None), (0, 1, (0, 7))]
+    assert [(f.file_index, f.row_group, f.rows) for f in last.fragments] == [(0, 3, (22, 1000)), (1, None, None),
+                                                                             (2, None, None), (3, None, None)]
+    assert "rows 3022 to 4029" in last.how and "in 4 files" in last.how
+
+
+# the rule of OUTs begun before stop 42, which they keep
+
 @pytest.mark.parametrize("sizes,n", [([100, 137, 174, 211, 248], 3), ([1000, 1, 1, 1], 3), ([5] * 7, 7),
                                      ([300, 10, 10, 10, 10, 10, 10], 2)])
-def test_files_split_into_disjoint_balanced_shares_that_cover_the_input(sizes, n):
+def test_old_rule_files_split_into_disjoint_shares_that_cover_the_input(sizes, n):
     files = listing(sizes)
-    shares = [split(files, Shard(k, n)) for k in range(n)]
+    shares = [split(files, Shard(k, n), FRAGMENTS) for k in range(n)]
     picked = [f.file_index for s in shares for f in s.fragments]
     assert sorted(picked) == list(range(len(sizes)))             # every file once
     assert all(s.fragments for s in shares)                      # no shard empty
@@ -58,20 +96,20 @@ def test_files_split_into_disjoint_balanced_shares_that_cover_the_input(sizes, n
     assert max(loads) - min(loads) <= max(sizes)                 # greedy: within one fragment of balanced
     for s in shares:                                             # each reads in input order
         assert [f.file_index for f in s.fragments] == sorted(f.file_index for f in s.fragments)
-    assert shares == [split(listing(sizes), Shard(k, n)) for k in range(n)]  # a pure function
+    assert shares == [split(listing(sizes), Shard(k, n), FRAGMENTS) for k in range(n)]  # a pure function
 
 
-def test_fewer_files_than_shards_split_by_row_groups():
+def test_old_rule_fewer_files_than_shards_split_by_row_groups():
     files = listing([400, 400], groups=4)
-    shares = [split(files, Shard(k, 4)) for k in range(4)]
+    shares = [split(files, Shard(k, 4), FRAGMENTS) for k in range(4)]
     assert all("row groups" in s.how for s in shares)
     got = sorted((f.file_index, f.row_group) for s in shares for f in s.fragments)
     assert got == [(i, g) for i in range(2) for g in range(4)]
     assert [s.num_rows for s in shares] == [200] * 4
 
 
-def test_fewer_fragments_than_shards_fall_back_to_a_hash_of_the_id():
-    s = split(listing([10, 10]), Shard(1, 3))
+def test_old_rule_fewer_fragments_than_shards_fall_back_to_a_hash_of_the_id():
+    s = split(listing([10, 10]), Shard(1, 3), FRAGMENTS)
     assert s.hash_of == Shard(1, 3) and "hash of the id" in s.how and s.num_rows is None
     # the hash is stable (not Python's per-process hash) and spreads ids
     assert hash_shard("abc", 3) == hash_shard("abc", 3)
@@ -79,7 +117,7 @@ def test_fewer_fragments_than_shards_fall_back_to_a_hash_of_the_id():
 
 
 def test_a_row_without_an_id_goes_to_the_shard_of_its_origin(tmp_path):
-    """Under the hash fallback, a row without an id (a request line without a custom_id) is keyed by its origin,
+    """Under the old rule's hash fallback, a row without an id (a request line without a custom_id) is keyed by its origin,
     "<file>#<row>" with the row number the error row names: after blank lines too."""
     from overnight.pipeline.config import InputConfig
     from overnight.pipeline.input.source import open_source
@@ -93,7 +131,7 @@ def test_a_row_without_an_id_goes_to_the_shard_of_its_origin(tmp_path):
     path.write_text("\n".join(lines) + "\n")
     origins = []
     for k in range(3):
-        src = open_source(InputConfig(path=str(path), batch_rows=16), Shard(k, 3))
+        src = open_source(InputConfig(path=str(path), batch_rows=16), Shard(k, 3), FRAGMENTS)
         assert src.selection.hash_of == Shard(k, 3)
         for sb in src.batches():
             ids = sb.batch.column("id").to_pylist()
@@ -188,6 +226,66 @@ def test_hash_shards_cover_a_small_input_once(tmp_path, cfg):
     per = [json.loads((out / "shards" / f"0000{k}-of-00003" / "manifest.json").read_text())["counts"]["num_done"]
            for k in range(3)]
     assert sum(per) == 40 and all(per)
+
+
+def _done_per_shard(out, n):
+    return [json.loads((out / "shards" / f"{k:05d}-of-{n:05d}" / "manifest.json").read_text())["counts"]["num_done"]
+            for k in range(n)]
+
+
+def test_one_large_file_and_small_ones_give_shards_of_equal_size(tmp_path, cfg):
+    """Before stop 42 these four files gave shards of 400, 10, 10 and 10 rows: the job took as long as its one
+    large shard."""
+    inp = write_input(tmp_path / "in", [400, 10, 10, 10], row_group_size=100)
+    out = tmp_path / "out"
+    for k in range(4):
+        assert run_job(cfg(inp, out, cluster={"shard": f"{k}/4"}), engine_factory=given(FakeEngine()),
+                       is_tty=False).exit_code == 0
+    assert _done_per_shard(out, 4) == [107, 108, 107, 108]
+    con, _ = open_results(str(out))
+    assert con.execute("select count(*), count(distinct id) from results").fetchone() == (430, 430)
+    m = json.loads((out / "shards" / "00001-of-00004" / "manifest.json").read_text())
+    assert m["input"]["split_rule"] == ROWS and "rows 107 to 214" in m["input"]["split"]
+
+
+def test_an_out_begun_with_the_old_split_keeps_it(tmp_path, cfg, monkeypatch):
+    """A shard of an OUT whose shards began before stop 42 splits as they did: with the new rule, shards 1-3
+    would answer again most of the 400 rows shard 0 holds, and never some of the small files' rows."""
+    import overnight.pipeline.job as job
+
+    inp = write_input(tmp_path / "in", [400, 10, 10, 10], row_group_size=100)
+    out = tmp_path / "out"
+    with monkeypatch.context() as m:       # shard 0 runs as the code before stop 42 did
+        m.setattr(job, "recorded_split", lambda url, shard, fresh: FRAGMENTS)
+        assert run_job(cfg(inp, out, cluster={"shard": "0/4"}), engine_factory=given(FakeEngine()),
+                       is_tty=False).exit_code == 0
+    path = out / "shards" / "00000-of-00004" / "manifest.json"
+    manifest = json.loads(path.read_text())
+    del manifest["input"]["split_rule"]    # which that code never wrote
+    path.write_text(json.dumps(manifest))
+    for k in range(1, 4):
+        assert run_job(cfg(inp, out, cluster={"shard": f"{k}/4"}), engine_factory=given(FakeEngine()),
+                       is_tty=False).exit_code == 0
+    assert _done_per_shard(out, 4) == [400, 10, 10, 10]
+    con, _ = open_results(str(out))
+    assert con.execute("select count(*), count(distinct id) from results").fetchone() == (430, 430)
+    # a new OUT, or one whose every shard starts over with --fresh, splits by equal ranges
+    assert job.recorded_split(str(out), Shard(0, 4), fresh=False) == FRAGMENTS
+    assert job.recorded_split(str(tmp_path / "new"), Shard(0, 4), fresh=False) == ROWS
+
+
+def test_jsonl_shards_slice_chunks_and_answer_each_line_once(tmp_path, cfg):
+    lines = [json.dumps({"custom_id": f"r{i}", "method": "POST", "url": "/v1/chat/completions",
+                         "body": {"messages": [{"role": "user", "content": f"q {i}"}]}}) for i in range(50)]
+    (tmp_path / "a.jsonl").write_text("\n".join(lines[:45]) + "\n")
+    (tmp_path / "b.jsonl").write_text("\n".join(lines[45:]) + "\n")
+    out = tmp_path / "out"
+    for k in range(3):
+        assert run_job(cfg(tmp_path / "*.jsonl", out, cluster={"shard": f"{k}/3"}),
+                       engine_factory=given(FakeEngine()), is_tty=False).exit_code == 0
+    assert _done_per_shard(out, 3) == [16, 17, 17]
+    con, _ = open_results(str(out))
+    assert con.execute("select count(*), count(distinct id) from results").fetchone() == (50, 50)
 
 
 def test_changing_the_number_of_shards_or_the_settings_is_refused(tmp_path, cfg):

@@ -154,18 +154,20 @@ def test_unknown_passthrough_column(write_parquet):
         source(p, passthrough=["nope"])
 
 
-def test_a_hash_split_of_an_input_without_ids_counts_its_rows(write_parquet):
+@pytest.mark.parametrize("rule", ["rows", "fragments"])
+def test_a_split_of_one_row_group_without_ids_counts_its_rows(write_parquet, rule):
+    """Equal ranges slice the one row group; the old rule (OUTs begun before stop 42) hashes the rows' origins."""
     from overnight.pipeline.input.shards import Shard
 
     p = write_parquet({"prompt": [f"p{i}" for i in range(100)]})
     counts = []
     for k in range(4):
-        s = ParquetSource(InputConfig(path=p), Shard(k, 4))
-        assert s.selection.hash_of is not None
+        s = ParquetSource(InputConfig(path=p), Shard(k, 4), rule)
+        assert (s.selection.hash_of is not None) == (rule == "fragments")
         read = sum(sb.batch.num_rows for sb in s.batches())
         assert s.num_rows == read > 0   # the count the job plans with is the rows it reads
         counts.append(read)
-    assert sum(counts) == 100
+    assert sum(counts) == 100 and (rule == "fragments" or counts == [25] * 4)
 
 
 def test_uint64_ids_above_int64_are_refused_when_the_source_opens(write_parquet):

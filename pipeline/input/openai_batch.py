@@ -27,8 +27,8 @@ from a JSONL file (``JsonlFile.internal_columns``) and are never passed through.
 Rows are numbered by their 1-based line number, so an error's origin ``requests.jsonl#7`` is line 7; blank
 lines are skipped. Opening the source counts each file's lines once, in one streaming pass (~1 GB/s locally,
 the store's read speed remotely), and notes the byte offset of every CHUNK_LINES-th line: the chunks are the
-file's "row groups", so ``--shard`` splits by files, else chunks (a ``.gz`` file is one chunk), else the hash of
-the id, as for Parquet. Reading streams lines, never loading a file whole, local or through fsspec.
+file's "row groups", which ``--shard`` and Ray work units split as they split a Parquet file's (a ``.gz`` file
+is one chunk, read from its start). Reading streams lines, never loading a file whole, local or through fsspec.
 """
 
 from __future__ import annotations
@@ -47,6 +47,7 @@ from overnight.pipeline.input.openai_body import (_COLUMNS, LineError, _is_text,
 from overnight.pipeline.input.source import (INPUT_ERROR_COLUMN, MODEL_COLUMN, RAW_PROMPT_COLUMN, InputError,
                                              InputFile, ParquetSource, SourceBatch, _first_line)
 from overnight.pipeline.input.listing import file_version, is_data_file
+from overnight.pipeline.input.shards import ROWS
 from overnight.pipeline.output.faults import failpoint
 from overnight.pipeline.output.storage import unstrip, url_to_fs
 
@@ -113,9 +114,9 @@ class OpenAIBatchSource(ParquetSource):
     SUFFIXES = SUFFIXES
     FILES = "JSONL files (*.jsonl, *.jsonl.gz)"
 
-    def __init__(self, cfg, shard=None):
+    def __init__(self, cfg, shard=None, split_rule=ROWS):
         self._warned: set[str] = set()
-        super().__init__(cfg, shard)
+        super().__init__(cfg, shard, split_rule)
 
     # -- discovery ---------------------------------------------------------------------------
     def _inspect(self, path: str, base: str) -> JsonlFile:

@@ -1,16 +1,15 @@
 """Shard K of N: which part of the input one job reads, as a pure function of the input listing and N.
 
 Every shard lists the input and reads the files' footers (never their rows), then computes the same
-partition on its own, with no coordinator:
+partition on its own, with no coordinator. The input's rows, in input order, are cut into N ranges of equal
+size (within one row): shard K reads rows [K*T//N, (K+1)*T//N) of the T rows. A range takes whole files and
+row groups where it can; at its two ends it reads a slice of one row group (a JSONL chunk), so two shards may
+each read the row group they share, and keep their own rows of it.
 
-- at least N files: whole files;
-- else at least N row groups: row groups;
-- else (fewer fragments than shards): each shard reads the input and keeps the rows whose id hashes to it.
-  That is logged, since every shard then reads every row.
-
-Fragments go to shards largest first, each to the shard with the fewest rows so far (ties: the lower shard,
-then input order), so each shard gets at least one fragment and about 1/N of the rows. A shard reads its
-fragments in input order.
+OUTs begun before this rule (stop 42) keep the rule they started with, ``FRAGMENTS``, since a shard's resume
+is its own and a new rule would move rows between shards: whole files when there are at least N, else row
+groups, each to the shard with the fewest rows so far (which left one large file and three small ones as
+shards of very unequal size), else a hash of the id. ``split_rule`` in a shard's manifest says which.
 
 ``--shard auto`` reads K and N from the cluster: a Slurm array (SLURM_ARRAY_TASK_ID, SLURM_ARRAY_TASK_COUNT,
 with SLURM_ARRAY_TASK_MIN and SLURM_ARRAY_TASK_STEP so that --array=1-8 or 0-14:2 count from 0), or a
@@ -31,6 +30,8 @@ SHARD_RE = re.compile(r"^\s*(\d+)\s*/\s*(\d+)\s*$")
 SLURM_VARS = ("SLURM_ARRAY_TASK_ID", "SLURM_ARRAY_TASK_COUNT")
 K8S_INDEX = "JOB_COMPLETION_INDEX"
 SHARDS_VAR = "OVERNIGHT_SHARDS"
+ROWS = "rows"            # equal ranges of the input's rows (OUTs begun from stop 42 on)
+FRAGMENTS = "fragments"  # whole files, else row groups, else a hash of the id (OUTs begun before)
 
 
 @dataclass(frozen=True)
@@ -63,6 +64,7 @@ class Selection:
     fragments: tuple[Fragment, ...]
     hash_of: Optional[Shard] = None
     how: str = ""
+    rule: str = ROWS
 
     @property
     def num_rows(self) -> Optional[int]:
@@ -121,17 +123,54 @@ def fragments_of(files) -> tuple[list[Fragment], list[Fragment]]:
     return whole, groups
 
 
-def split(files, shard: Shard) -> Selection:
-    """Shard ``shard.k``'s part of the input: a pure function of the listing (names, row groups) and N."""
+def split(files, shard: Shard, rule: str = ROWS) -> Selection:
+    """Shard ``shard.k``'s part of the input: a pure function of the listing (names, row groups), N and the rule."""
+    if rule == FRAGMENTS:
+        return _by_fragments(files, shard)
+    if rule != ROWS:
+        raise ConfigError(f"This OUT's shards split the input by {rule!r}, a rule this version of overnight does "
+                          f"not know. Finish the job with the version that began it, or choose another --out.")
+    total = sum(f.num_rows for f in files)
+    lo, hi = shard.k * total // shard.n, (shard.k + 1) * total // shard.n
+    frags, at = [], 0
+    for i, f in enumerate(files):
+        if at >= hi:
+            break
+        if f.num_rows and lo <= at and at + f.num_rows <= hi:
+            frags.append(Fragment(i, None, f.num_rows))
+        elif f.num_rows and at + f.num_rows > lo:
+            below = at
+            for g, rows in enumerate(f.row_groups):
+                a, b = max(lo, below), min(hi, below + rows)
+                if a < b:
+                    frags.append(Fragment(i, g, b - a, None if (a, b) == (below, below + rows)
+                                          else (a - below, b - below)))
+                below += rows
+        at += f.num_rows
+    files_read = len({fr.file_index for fr in frags})
+    how = (f"the input's {total} rows in {shard.n} equal ranges; this one is rows {lo} to {hi - 1}, in "
+           f"{files_read} file{'s' if files_read != 1 else ''}" if hi > lo else
+           f"the input's {total} rows in {shard.n} equal ranges; this one is empty (more shards than rows)")
+    return Selection(tuple(frags), how=how, rule=ROWS)
+
+
+def _by_fragments(files, shard: Shard) -> Selection:
+    """The rule of OUTs begun before stop 42: whole files, else row groups, else a hash of the id."""
     whole, groups = fragments_of(files)
     if len(whole) >= shard.n:
         frags, how = whole, f"{len(whole)} files"
     elif len(groups) >= shard.n:
         frags, how = groups, f"{len(groups)} row groups in {len(whole)} files"
     else:
-        return Selection((), hash_of=shard, how=f"the input has {len(groups)} row groups in {len(whole)} files, "
-                                                 f"fewer than {shard.n} shards: split by a hash of the id")
-    return Selection(tuple(assign(frags, shard.n)[shard.k]), how=f"split by {how}")
+        return Selection((), hash_of=shard, rule=FRAGMENTS,
+                         how=f"the input has {len(groups)} row groups in {len(whole)} files, fewer than "
+                             f"{shard.n} shards: split by a hash of the id")
+    return Selection(tuple(assign(frags, shard.n)[shard.k]), how=f"split by {how}", rule=FRAGMENTS)
+
+
+def rule_of(input_info: Optional[dict]) -> str:
+    """The split rule a shard's manifest (its ``input``) records; one written before stop 42 records none."""
+    return (input_info or {}).get("split_rule") or FRAGMENTS
 
 
 def assign(frags: list[Fragment], n: int) -> list[list[Fragment]]:

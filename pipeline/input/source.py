@@ -25,7 +25,7 @@ from overnight.pipeline.config import InputConfig
 from overnight.pipeline.input.arrow_types import ColumnCastError, compatible, conform, is_id_type, is_text, plain
 from overnight.pipeline.input.listing import (GLOB_CHARS, PARQUET_SUFFIXES, file_version, glob_base, is_data_file,
                                               is_hidden)
-from overnight.pipeline.input.shards import Fragment, Selection, Shard, hash_shard, split
+from overnight.pipeline.input.shards import ROWS, Fragment, Selection, Shard, hash_shard, split
 from overnight.pipeline.output.faults import failpoint
 from overnight.pipeline.output.storage import unstrip, url_to_fs
 
@@ -50,12 +50,12 @@ class InputError(Exception):
     "The input cannot be read as a job; the message names the file or column and the fix."
 
 
-def open_source(cfg: InputConfig, shard: Optional[Shard] = None) -> "ParquetSource":
+def open_source(cfg: InputConfig, shard: Optional[Shard] = None, split_rule: str = ROWS) -> "ParquetSource":
     """The input as a source: OpenAI Batch request lines (``*.jsonl``, ``*.jsonl.gz``, or a folder of them; see
-    ``input.openai_batch``), else Parquet."""
+    ``input.openai_batch``), else Parquet. ``split_rule``: how shards split it (``input.shards``)."""
     from overnight.pipeline.input.openai_batch import OpenAIBatchSource, is_jsonl_input
 
-    return (OpenAIBatchSource if is_jsonl_input(cfg.path) else ParquetSource)(cfg, shard)
+    return (OpenAIBatchSource if is_jsonl_input(cfg.path) else ParquetSource)(cfg, shard, split_rule)
 
 
 @dataclass(frozen=True)
@@ -94,7 +94,7 @@ class ParquetSource:
     SUFFIXES = PARQUET_SUFFIXES
     FILES = "Parquet files (*.parquet)"
 
-    def __init__(self, cfg: InputConfig, shard: Optional[Shard] = None):
+    def __init__(self, cfg: InputConfig, shard: Optional[Shard] = None, split_rule: str = ROWS):
         if not cfg.path:
             raise InputError("No input given. Pass a Parquet file, folder or glob as INPUT (or input.path in the config).")
         self.cfg = cfg
@@ -104,7 +104,7 @@ class ParquetSource:
         self.schema = self._unify()
         self._check_columns()
         self.shard = shard
-        self.selection: Optional[Selection] = split(self.files, shard) if shard is not None else None
+        self.selection: Optional[Selection] = split(self.files, shard, split_rule) if shard is not None else None
         self._hash_rows: Optional[int] = None
         # False where this job reads a share of the input that changes between attempts (Ray work units), so
         # done ids missing from it are not "removed from the input".

@@ -127,7 +127,7 @@ def _read_input(con, manifest: dict, url: str, out_url: str) -> bool:
     --limit (a shard's limit is its own). False when the input cannot be read."""
     from overnight.pipeline.config import InputConfig
     from overnight.pipeline.input.openai_batch import is_jsonl_input
-    from overnight.pipeline.input.shards import Shard
+    from overnight.pipeline.input.shards import Shard, rule_of
     from overnight.pipeline.input.source import InputError, open_source
 
     known = {f.name for f in dataclasses.fields(InputConfig)}
@@ -142,7 +142,7 @@ def _read_input(con, manifest: dict, url: str, out_url: str) -> bool:
     if jsonl and shards == [None]:
         return _load(con, _line_rows(url, cfg.limit))
     try:
-        sources = [open_source(cfg, shard) for shard in shards]
+        sources = [open_source(cfg, shard, rule_of(manifest.get("input"))) for shard in shards]
     except (InputError, OSError, ValueError):
         return False
     return _load(con, (b for source in sources for b in _source_rows(source)))
