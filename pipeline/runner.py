@@ -8,21 +8,21 @@
 
 A stop (the deadline, SIGTERM or SIGINT) ends refill and admission; rows in flight drain until a hard stop
 (the deadline itself, or the signal's grace period), then are aborted. What finished is flushed; exit 75.
-Elsewhere: the input stage (input.stage), the forecast and auto's order (scheduling.deadline), restarts
-(engine.supervisor), status and summary (report).
+Elsewhere: the tick and the stops (clockwork), the input stage (input.stage), the forecast and auto's order
+(scheduling.deadline), restarts (engine.supervisor), status and summary (report).
 """
 
 from __future__ import annotations
 
 import inspect
 import logging
-import math
 import sys
 import time
 from typing import Callable, Optional
 
 from overnight.buckets.annotate import LengthAnnotator
 from overnight.buckets.predictors import make_predictor
+from overnight.pipeline.clockwork import FORECAST_S, TICK_S, Clockwork
 from overnight.pipeline.engine import EngineError
 from overnight.pipeline.input.prefetch import Prefetcher
 from overnight.pipeline.input.resume import ResumeFilter
@@ -33,7 +33,7 @@ from overnight.pipeline.output.manifest import RunState
 from overnight.pipeline.output.storage import StorageError
 from overnight.pipeline.progress import Progress
 from overnight.pipeline.records import ENGINE_INTERNAL_ERROR, Result, Row
-from overnight.pipeline.report import Reporter, Summary, iso
+from overnight.pipeline.report import Reporter, Summary
 from overnight.pipeline.scheduling.deadline import DeadlineTracker
 from overnight.pipeline.scheduling.scheduler import Scheduler
 from overnight.pipeline.signals import StopRequests
@@ -41,14 +41,9 @@ from overnight.pipeline.tally import Tally
 
 log = logging.getLogger("overnight")
 
-TICK_S, FORECAST_S = 1.0, 2.0  # how often the loop measures, and how often it forecasts
-# Seconds from the last row to `overnight run`'s return: the last writes, the engine's processes' exit (jobs/cli.py
-# ENGINE_EXIT_S) and the interpreter's (about 1 s after importing vLLM). 2.7-3.3 s on this 2-core machine
-# (docs/BENCHMARKS.md); the ETA shown counts them, the deadline's forecast (rows done by the stop) does not.
-FINISH_S = 3.0
 
 
-class Runner:
+class Runner(Clockwork):
     def __init__(self, job, supervisor, is_tty: Optional[bool] = None, clock: Callable[[], float] = time.time,
                  signals: Optional[StopRequests] = None):
         self.job = job
@@ -300,87 +295,6 @@ class Runner:
             self.tracker.finished([r.predicted_tokens for r in rows], lengths, reasons)
             self._record(results)
         self.writer.maybe_flush()
-
-    # -- time, signals, deadline -----------------------------------------------------------------
-    def _tick(self) -> None:
-        now = self.clock()
-        if self.stopping is None:
-            if self._lock_lost():
-                self._begin_stop(f"another run took over {self.job.out.shown()}", now)
-            elif self.signals.first:
-                # the grace, but never past the deadline: everything is written by then
-                self._begin_stop(f"interrupted by {self.signals.first}", min(now + self.job.cfg.scheduler.grace_s,
-                                                                             self._deadline_stop()))
-            elif self.tracker.should_stop():
-                self._begin_stop("deadline reached", self._deadline_stop())
-        elif self.signals.first and not self.stopping.startswith("interrupted"):
-            # a signal during the deadline's drain: the drain gets --grace from now, if that ends sooner
-            hard = min(self.hard_stop_at, now + self.job.cfg.scheduler.grace_s)
-            self.stopping = f"interrupted by {self.signals.first} ({self.stopping})"
-            if hard < self.hard_stop_at:
-                self.hard_stop_at = hard
-                log.warning(f"{self.stopping}: {self.scheduler.num_running} rows in flight, draining them until "
-                            f"{iso(hard)} (a second signal aborts at once)")
-        if now - self._last_tick < TICK_S:
-            return
-        self._last_tick = now
-        self.tracker.observe(self.generated_estimate)
-        self.progress.tick()
-        if self.job.lock is not None:
-            self.job.lock.heartbeat()
-        self.annotator.refresh(self.scheduler, now)
-        last = self.tracker.last
-        if (last is not None and last.will_miss and not self.tracker.is_warned and not self.stopping
-                and self.tracker.trusts(last)):
-            self._last_forecast = -1e18  # at risk, and the step cost now known enough to say so: at once
-        if now - self._last_forecast >= self._forecast_every:
-            self._last_forecast = now
-            t0 = time.thread_time()
-            self._forecast()
-            # a forecast takes a few ms (the drain simulation); it may take at most 0.2% of the loop's time. Its
-            # own CPU time, not the wall clock's: on a busy machine one forecast preempted for 40 ms would
-            # otherwise put the next 20 s off (samples 24 s apart on a 2-core machine running the engine beside it)
-            self._forecast_every = max(FORECAST_S, 500 * (time.thread_time() - t0))
-
-    def _lock_lost(self) -> bool:
-        return self.job.lock is not None and self.job.lock.lost
-
-    def _lost_message(self) -> str:
-        unsaved = self.writer.num_unsaved + len(self.writer.buffer)
-        return (f"another run took over {self.job.out.shown()} ({self.job.lock.taken_by()}): this run stopped "
-                f"and wrote nothing more there ({unsaved} finished rows not saved; the other run answers them). "
-                f"Let that run finish, and give each run its own --out")
-
-    def _forecast(self) -> None:
-        # Rows an earlier attempt did are left out of the unread rows; a Ray worker's units are not its folder's
-        # rows, so it knows only those it has met.
-        before = self.job.scan.num_done if self.job.source.sees_every_row else self.tally.num_resumed
-        f = self.tracker.forecast_job(self.scheduler, self.tally, before, self.engine.max_num_seqs)
-        # The ETA shown is the command's return: the last row's, and then the job's end (FINISH_S).
-        shown = [None if x is None else x + FINISH_S for x in (f.eta_s, f.eta_low_s, f.eta_high_s)]
-        # at risk as the warning says it (DeadlineTracker.steer): not from the engine's first seconds
-        self.progress.set_forecast(shown[0], f.time_left_s if self.tracker.deadline else None,
-                                   f.will_miss and self.tracker.trusts(f),
-                                   {"remaining_tokens": round(f.remaining_tokens), "forecast_tokens_per_s":
-                                    round(f.tokens_per_s, 2), "rows_expected_left": f.rows_expected_left,
-                                    "eta_low_s": shown[1], "eta_high_s": shown[2], "cap": f.cap})
-        if not self.stopping:
-            self.tracker.steer(f, self.scheduler)
-        self.reporter.on_forecast()
-
-    def _deadline_stop(self) -> float:
-        """When rows still in flight are aborted at the deadline (inf without one)."""
-        if self.tracker.deadline is None:
-            return math.inf
-        return self.tracker.stop_at if self.job.cfg.scheduler.on_deadline == "abort" else self.tracker.deadline
-
-    def _begin_stop(self, reason: str, hard_stop_at: float) -> None:
-        self.stopping = reason
-        self.hard_stop_at = hard_stop_at
-        self.scheduler.is_admitting = False
-        n = self.scheduler.num_running
-        how = "aborting them" if hard_stop_at <= self.clock() else f"draining them until {iso(hard_stop_at)}"
-        log.warning(f"{reason}: stopped admitting rows; {n} rows in flight, {how} (a second signal aborts at once)")
 
     def _abort_in_flight(self, engine_alive: bool = True) -> None:
         ids = self.scheduler.drain_running()

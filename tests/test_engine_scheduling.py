@@ -145,8 +145,8 @@ def test_early_warning_comes_before_five_percent_of_rows(warm, tmp_path, monkeyp
     # The default policy, as the warm run: an engine of another scheduling policy would start within the budget.
     # A two-row job first, so that the engine is running (the tests before may have replaced the module's).
     invoke("run", inp, "--out", tmp_path / "warm", "--limit", "2", "--max-tokens", "4")
-    # The ETA shown counts the job's end after the last row (runner.FINISH_S); made large here to be seen.
-    monkeypatch.setattr("overnight.pipeline.runner.FINISH_S", 1000.0)
+    # The ETA shown counts the job's end after the last row (clockwork.FINISH_S); made large here to be seen.
+    monkeypatch.setattr("overnight.pipeline.clockwork.FINISH_S", 1000.0)
     result = invoke("run", inp, "--out", out, "--max-tokens", "128", "--time-budget", "20s",
                     code=75)
     timeline = json.loads((out / "timeline.json").read_text())
