@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import json
+import logging
 
 import click
 
 from overnight.jobs.options import user_errors
+
+log = logging.getLogger("overnight")
 
 
 @click.command("inspect")
@@ -50,7 +53,14 @@ def inspect_cmd(out: str, sql: str, fmt: str, price_per_hour) -> None:
         else:
             click.echo(render(columns, rows, csv=(fmt == "csv")))
         return
-    for line in summary_lines(con, m, price_per_hour):
+    state = None
+    if m:
+        from overnight.pipeline.tools.status import job_status
+        try:
+            state = job_status(out)["state"]  # a killed run: stopped, not the manifest's running
+        except Exception as e:  # (the summary below still holds)
+            log.debug("the job's state for inspect: %s", e)
+    for line in summary_lines(con, m, price_per_hour, state):
         click.echo(line)
 
 

@@ -211,3 +211,15 @@ def test_error_lines_say_what_kind_of_failure(tmp_path):
     assert kind(f"a.parquet#1: prompt is 9 tokens, {NO_ROOM_FOR_OUTPUT}=8; shorten") == \
         (400, "invalid_request_error", "context_length_exceeded")
     assert kind("a.parquet#1: temperature is -1.0; it must be 0 (greedy) to 2") == (400, "invalid_request_error", None)
+
+
+def test_a_row_whose_own_deadline_passed_counts_as_expired(tmp_path, cfg, write_parquet):
+    """Its line is OpenAI's batch_expired, and the summary counts it there, not among the errors."""
+    inp = write_parquet({"id": ["a", "b", "c"], "prompt": ["hi", "yo", "hey"],
+                         "deadline": [None, "2020-01-01T00:00:00Z", None]})
+    out = tmp_path / "out"
+    assert run_job(cfg(inp, out), engine_factory=given(FakeEngine()), is_tty=False).exit_code == 0
+    info = export(str(out), "openai", str(tmp_path / "o.jsonl"), str(tmp_path / "e.jsonl"))
+    assert (info["ok"], info["errors"], info["expired"]) == (2, 0, 1)
+    [line] = [json.loads(x) for x in (tmp_path / "e.jsonl").read_text().splitlines()]
+    assert line["custom_id"] == "b" and line["error"]["code"] == "batch_expired"

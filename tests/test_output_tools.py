@@ -64,6 +64,13 @@ def test_status_does_not_take_an_earlier_attempts_status_for_the_latest(tmp_path
     shard = s["per_shard"][0]
     assert (shard["state"], shard["exit_code"], shard["attempts"], shard["rows_left"]) == ("stopped", None, 2, 2)
     assert "rows: 4 done of 6, 2 left; - tok/s; ETA ?; exit code -" in status_lines(s)
+    # inspect tells the state as status does: the manifest still says running
+    from click.testing import CliRunner
+    from overnight.jobs.cli import cli
+
+    assert json.loads((out / "manifest.json").read_text())["state"] == "running"
+    r = CliRunner().invoke(cli, ["inspect", str(out)], catch_exceptions=False)
+    assert r.exit_code == 0 and "state: stopped  attempts: 2" in r.output, r.output
 
 
 # -- C: duplicate ids are neither done nor left --------------------------------------------------------------

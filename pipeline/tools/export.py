@@ -335,8 +335,12 @@ def _openai(con, manifest: dict, in_order: bool, output: str, errors: Optional[s
                 out.write(_json(ok_line(rid, choices, ptok, otok, finished, adapter or model, raw)) + "\n")
                 ok += 1
             else:
-                err.write(_json(error_line(rid, error or "failed")) + "\n")
-                bad += 1
+                line = error_line(rid, error or "failed")
+                err.write(_json(line) + "\n")
+                if line["response"] is None:  # its own deadline passed before it ran: OpenAI's batch_expired
+                    expired += 1
+                else:
+                    bad += 1
         if in_order:  # rows of the input that no part holds (by id, or without one by origin): not done
             done = f"select {_result_key(id_col)} k from results"
             left = con.execute(f"select arg_min(_id, _pos), min(_pos) from (select *, {INPUT_KEY} _key from _input) "

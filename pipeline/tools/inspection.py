@@ -71,16 +71,20 @@ def _empty_results(manifest: dict):
     return schema.schema.empty_table()
 
 
-def summary_lines(con, manifest: Optional[dict], price_per_hour: Optional[float] = None) -> list[str]:
+def summary_lines(con, manifest: Optional[dict], price_per_hour: Optional[float] = None,
+                  state: Optional[str] = None) -> list[str]:
+    """state: the job's state as `overnight status` tells it (a run killed while it ran is stopped, where its
+    manifest still says running); the manifest's when not given."""
     lines = []
     if manifest:
         c = manifest.get("counts", {})
         attempts = manifest.get("attempts", [])
+        state = state or manifest.get("state")
         if manifest.get("shards"):
-            lines.append(f"job in {len(manifest['shards'])} shard folders  state: {manifest.get('state')}  "
+            lines.append(f"job in {len(manifest['shards'])} shard folders  state: {state}  "
                          f"attempts: {len(attempts)}  (per shard: overnight status)")
         else:
-            lines.append(f"run {manifest.get('run_id')}  state: {manifest.get('state')}  attempts: {len(attempts)}")
+            lines.append(f"run {manifest.get('run_id')}  state: {state}  attempts: {len(attempts)}")
         lines.append(f"model: {manifest.get('fingerprint_fields', {}).get('model')}  "
                      f"input: {manifest.get('input', {}).get('url')} "
                      f"({c['num_rows'] if c.get('num_rows') is not None else '?'} rows)")
