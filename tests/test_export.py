@@ -223,3 +223,46 @@ def test_a_row_whose_own_deadline_passed_counts_as_expired(tmp_path, cfg, write_
     assert (info["ok"], info["errors"], info["expired"]) == (2, 0, 1)
     [line] = [json.loads(x) for x in (tmp_path / "e.jsonl").read_text().splitlines()]
     assert line["custom_id"] == "b" and line["error"]["code"] == "batch_expired"
+
+
+def _rows(n):
+    return {"id": [f"r{i:03d}" for i in range(n)][::-1], "prompt": [f"q {i} " + "word " * (i * 7 % 11) for i in range(n)]}
+
+
+def test_a_rerun_with_a_lower_limit_keeps_every_row_in_input_order(tmp_path, cfg, write_parquet):
+    """OUT holds the 60 rows of a first run; the rerun's --limit 10 covers 10 of them. Every row is exported in
+    input order, and none is said to be never done (the rows past the limit were placed last, in part order)."""
+    rows = _rows(60)
+    inp = write_parquet(rows)
+    out = tmp_path / "out"
+    run_job(cfg(inp, out), engine_factory=given(FakeEngine()), is_tty=False)
+    run_job(cfg(inp, out, input={"limit": 10}), engine_factory=given(FakeEngine()), is_tty=False)
+    info = export(str(out), "parquet", str(tmp_path / "all.parquet"))
+    assert info["rows"] == 60 and info["in_input_order"]
+    assert [r[0] for r in duckdb.sql(f"select id from '{tmp_path / 'all.parquet'}'").fetchall()] == rows["id"]
+    info = export(str(out), "openai", str(tmp_path / "o.jsonl"), str(tmp_path / "e.jsonl"))
+    assert (info["ok"], info["expired"]) == (60, 0)
+
+
+def test_each_shard_keeps_its_own_limit(tmp_path, cfg, write_parquet):
+    """Shard 0 of 2 ran with --limit 5, shard 1 without: export reads each shard's rows to its own limit, so the
+    order holds and shard 1's rows are not taken for rows never done (or shard 0's past its limit for the job's)."""
+    rows = _rows(40)
+    inp = write_parquet(rows)
+    out = tmp_path / "out"
+    run_job(cfg(inp, out, input={"limit": 5}, cluster={"shard": "0/2"}), engine_factory=given(FakeEngine()),
+            is_tty=False)
+    run_job(cfg(inp, out, cluster={"shard": "1/2"}), engine_factory=given(FakeEngine()), is_tty=False)
+    want = rows["id"][:5] + rows["id"][20:]
+    info = export(str(out), "parquet", str(tmp_path / "all.parquet"))
+    assert info["rows"] == 25 and info["in_input_order"]
+    assert [r[0] for r in duckdb.sql(f"select id from '{tmp_path / 'all.parquet'}'").fetchall()] == want
+    info = export(str(out), "openai", str(tmp_path / "o.jsonl"), str(tmp_path / "e.jsonl"))
+    assert (info["ok"], info["expired"]) == (25, 0)
+    # and the other way round: shard 1 limited, shard 0 not; shard 1's rows past its limit were never the job's
+    out2 = tmp_path / "out2"
+    run_job(cfg(inp, out2, cluster={"shard": "0/2"}), engine_factory=given(FakeEngine()), is_tty=False)
+    run_job(cfg(inp, out2, input={"limit": 3}, cluster={"shard": "1/2"}), engine_factory=given(FakeEngine()),
+            is_tty=False)
+    info = export(str(out2), "openai", str(tmp_path / "o2.jsonl"), str(tmp_path / "e2.jsonl"))
+    assert (info["ok"], info["expired"]) == (23, 0)

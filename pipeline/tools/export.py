@@ -8,7 +8,8 @@
                             limit) go to the --errors file, or into the output when none is given
 
 Input order comes from the input itself, at the path the manifest records, read as the run read it, up to its
---limit: through the run's own source (``input.source``: its listing, and for derived ids its file names and
+--limit (each shard's own; past it only when OUT holds rows beyond it, as after a rerun with a lower --limit, and
+only the rows within it are the job's, which the openai format says were never done): through the run's own source (``input.source``: its listing, and for derived ids its file names and
 row numbers) for Parquet; OpenAI Batch request lines streamed line by line (each line's custom_id and endpoint).
 Rows whose id is no longer in the input come last. The OpenAI lines themselves are built in openai_lines.py.
 """
@@ -44,6 +45,7 @@ def _q(text: str) -> str:
 # /v1/completions (its prompt went to the model raw; false for every Parquet row), and for a row without an id its
 # origin ("<file>#<row>"), which its error row's message starts with.
 INPUT_SCHEMA = pa.schema([("_id", pa.string()), ("_pos", pa.int64()), ("_raw", pa.bool_()), ("_origin", pa.string())])
+LOADED_SCHEMA = INPUT_SCHEMA.append(pa.field("_in_job", pa.bool_()))  # the row is within the run's --limit
 
 
 def _key(id_expr: str, origin_expr: str) -> str:
@@ -70,7 +72,7 @@ def _ordered(con, manifest: dict, out_url: str) -> tuple[str, bool]:
     if id_col not in cols:
         return "select * from results", False
     for url in _input_urls(manifest, out_url):
-        if _read_input(con, manifest, url, out_url):
+        if _read_input(con, manifest, url, out_url, id_col):
             return _in_order(id_col, cols), True
     return "select * from results", False  # the input moved or is not reachable from here: finish order
 
@@ -122,13 +124,14 @@ def _run_folders(manifest: dict, out_url: str) -> list[str]:
     return list(dict.fromkeys(os.sep.join(p[:-len(tail)]) or os.sep for p in outs if p[-len(tail):] == tail))
 
 
-def _read_input(con, manifest: dict, url: str, out_url: str) -> bool:
-    """The table ``_input`` of the input at ``url``: its rows as the run read them, in input order and up to its
-    --limit (a shard's limit is its own). False when the input cannot be read."""
+def _read_input(con, manifest: dict, url: str, out_url: str, id_col: str) -> bool:
+    """The table ``_input`` of the input at ``url``: its rows as the run read them, in input order, and whether each
+    is within the run's --limit (``_in_job``; a shard's limit is its own, from its own manifest). Read up to the
+    limit, and past it only when OUT holds rows beyond it (a rerun lowered --limit), for their places in the
+    order. False when the input cannot be read."""
     from overnight.pipeline.config import InputConfig
     from overnight.pipeline.input.openai_batch import is_jsonl_input
-    from overnight.pipeline.input.shards import Shard, rule_of
-    from overnight.pipeline.input.source import InputError, open_source
+    from overnight.pipeline.input.shards import Shard
 
     known = {f.name for f in dataclasses.fields(InputConfig)}
     given = {k: v for k, v in ((manifest.get("config") or {}).get("input") or {}).items() if k in known}
@@ -137,20 +140,65 @@ def _read_input(con, manifest: dict, url: str, out_url: str) -> bool:
         jsonl = is_jsonl_input(url)
     except Exception:  # a folder of both kinds (the run would have refused it), a config this version refuses
         return False
-    n = max((d.shard.n for d in job_dirs(out_url) if d.shard is not None), default=None)
-    shards = [None] if n is None or cfg.limit is None else [Shard(k, n) for k in range(n)]
-    if jsonl and shards == [None]:
-        return _load(con, _line_rows(url, cfg.limit))
+    dirs = [d for d in job_dirs(out_url) if d.shard is not None]
+    n = max((d.shard.n for d in dirs), default=None)
+    plan = [(None, cfg.limit)]
+    if n is not None:
+        own = {d.shard.k: _limit_of(d.out.read_manifest(), cfg.limit) for d in dirs}
+        plan = [(Shard(k, n), own.get(k, cfg.limit)) for k in range(n)]  # (a shard not begun: the job's)
+        if all(limit is None for _, limit in plan):
+            plan = [(None, None)]  # every row, as the shards' ranges together read them
+    if not _load_plan(con, cfg, manifest, url, jsonl, plan, past_limit=False):
+        return False
+    if any(limit is not None for _, limit in plan) and _unplaced(con, id_col):
+        return _load_plan(con, cfg, manifest, url, jsonl, plan, past_limit=True)
+    return True
+
+
+def _limit_of(m: Optional[dict], default: Optional[int]) -> Optional[int]:
+    """A job folder's --limit, as its manifest's latest attempt ran with it."""
+    return ((m.get("config") or {}).get("input") or {}).get("limit") if m else default
+
+
+def _unplaced(con, id_col: str) -> bool:
+    """Whether results hold a row the table ``_input`` does not."""
+    return con.execute(f"select count(*) from (select {_result_key(id_col)} k from results) "
+                       f"where k not in (select {INPUT_KEY} from _input)").fetchall()[0][0] > 0
+
+
+def _load_plan(con, cfg, manifest: dict, url: str, jsonl: bool, plan, past_limit: bool) -> bool:
+    """Load ``_input`` from each (shard, --limit) of ``plan``: up to the limit, or (past_limit) every row."""
+    from overnight.pipeline.input.shards import rule_of
+    from overnight.pipeline.input.source import InputError, open_source
+
+    def read_to(limit):
+        return None if past_limit else limit
+
+    if jsonl and plan[0][0] is None:
+        return _load(con, _marked(_line_rows(url, read_to(plan[0][1])), plan[0][1]))
     try:
-        sources = [open_source(cfg, shard, rule_of(manifest.get("input"))) for shard in shards]
+        sources = [(open_source(dataclasses.replace(cfg, limit=read_to(limit)), shard,
+                                rule_of(manifest.get("input"))), limit) for shard, limit in plan]
     except (InputError, OSError, ValueError):
         return False
-    return _load(con, (b for source in sources for b in _source_rows(source)))
+    return _load(con, (b for source, limit in sources for b in _marked(_source_rows(source), limit)))
+
+
+def _marked(batches, limit: Optional[int]):
+    """Batches of INPUT_SCHEMA with ``_in_job``: whether each row is within --limit (counted from the first)."""
+    import numpy as np
+
+    seen = 0
+    for b in batches:
+        n = b.num_rows
+        flags = pa.array(np.ones(n, bool) if limit is None else np.arange(seen, seen + n) < limit)
+        seen += n
+        yield pa.record_batch([*b.columns, flags], schema=LOADED_SCHEMA)
 
 
 def _load(con, batches) -> bool:
-    """Stream record batches of INPUT_SCHEMA into the table ``_input`` (the input is never loaded whole)."""
-    reader = pa.RecordBatchReader.from_batches(INPUT_SCHEMA, batches)
+    """Stream record batches of LOADED_SCHEMA into the table ``_input`` (the input is never loaded whole)."""
+    reader = pa.RecordBatchReader.from_batches(LOADED_SCHEMA, batches)
     try:
         con.register("_input_rows", reader)
         con.execute("create or replace temp table _input as select * from _input_rows")
@@ -344,7 +392,7 @@ def _openai(con, manifest: dict, in_order: bool, output: str, errors: Optional[s
         if in_order:  # rows of the input that no part holds (by id, or without one by origin): not done
             done = f"select {_result_key(id_col)} k from results"
             left = con.execute(f"select arg_min(_id, _pos), min(_pos) from (select *, {INPUT_KEY} _key from _input) "
-                               f"where _key not in (select k from ({done}) where k is not null) "
+                               f"where _in_job and _key not in (select k from ({done}) where k is not null) "
                                f"group by _key order by 2")  # a duplicate id's later rows were skipped, not left
             while batch := left.fetchmany(10_000):
                 for rid, _ in batch:
