@@ -15,6 +15,7 @@ import pytest
 
 from fakes import FakeEngine, given
 from overnight.pipeline.api import run_job
+from overnight.pipeline.config import MAX_N
 from overnight.pipeline.input.source import InputError
 
 
@@ -71,6 +72,25 @@ def test_decimal_sampling_columns_are_numbers(tmp_path, cfg, write_parquet):
     rows = {r["id"]: r for r in _parts(tmp_path / "out").to_pylist()}
     assert (s.num_ok, s.num_error) == (1, 1) and rows[1]["status"] == "ok"
     assert rows[2]["error"] == "in.parquet#1: max_tokens is Decimal('2.5') (Decimal); it must be an integer"
+
+
+def test_a_huge_whole_number_is_shown_short_in_its_error(tmp_path, cfg, write_parquet):
+    inp = write_parquet({"id": [1, 2], "prompt": ["a", "b"], "n": [1.0, 1e300]})
+    s = run_job(cfg(inp, tmp_path / "out"), engine_factory=given(FakeEngine()), is_tty=False)
+    rows = {r["id"]: r for r in _parts(tmp_path / "out").to_pylist()}
+    assert (s.num_ok, s.num_error) == (1, 1)
+    assert rows[2]["error"] == f"in.parquet#1: n is 1e+300; it must be 1 to {MAX_N} (completions of the row)"
+
+
+def test_a_file_without_the_id_column_the_others_have_is_refused(tmp_path, cfg):
+    """Its rows would each have been an error row (a null id), the file never answered."""
+    folder = tmp_path / "in"
+    folder.mkdir()
+    pq.write_table(pa.table({"id": ["a"], "prompt": ["hi"]}), folder / "a.parquet")
+    pq.write_table(pa.table({"prompt": ["yo", "hey"]}), folder / "b.parquet")
+    with pytest.raises(InputError, match=r"b.parquet has no id column 'id', which other input files have "
+                                         r"\(.*a.parquet\)\. Add the column to it, or run it as a job of its own"):
+        run_job(cfg(folder, tmp_path / "out"), engine_factory=given(FakeEngine()), is_tty=False)
 
 
 def test_nanosecond_timestamps_pass_through_exactly(tmp_path, cfg, write_parquet):

@@ -9,6 +9,8 @@ import json
 import duckdb
 import fsspec
 import pytest
+import pyarrow as pa
+import pyarrow.parquet as pq
 
 from fakes import FakeEngine, given
 from openai_lines import chat, completion, rows_of, write_lines
@@ -57,6 +59,14 @@ def test_fsspec_urls_folders_globs_and_gzip(tmp_path):
     folder = open_source(InputConfig(path=str(tmp_path / "d")))
     assert [f.name for f in folder.files] == ["b.jsonl", "sub/c.jsonl.gz"] and folder.num_rows == 3
     assert [r["id"] for r in rows_of(open_source(InputConfig(path=f"{tmp_path}/d/*.jsonl")))] == ["l1"]
+    # a glob whose matches are JSONL files is JSONL, though it ends otherwise (both kinds: .jsonl and .jsonl.gz)
+    write_lines(tmp_path / "d" / "e.jsonl.gz", [chat("g3")])
+    for glob in (f"{tmp_path}/d/*.jsonl*", f"{tmp_path}/d/*"):
+        assert [r["id"] for r in rows_of(open_source(InputConfig(path=glob)))] == ["l1", "g3"], glob
+    pq.write_table(pa.table({"id": ["p"], "prompt": ["x"]}), tmp_path / "d" / "f.parquet")
+    with pytest.raises(InputError, match=f"The glob {tmp_path}/d/\\* matches both Parquet and JSONL files. Point "
+                                         f"INPUT at one kind, with a glob such as {tmp_path}/d/\\*.jsonl"):
+        open_source(InputConfig(path=f"{tmp_path}/d/*"))
 
 
 def test_a_folder_skips_files_in_hidden_and_underscore_folders(tmp_path, write_parquet):

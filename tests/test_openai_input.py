@@ -171,6 +171,8 @@ BAD = [
     ('{"custom_id": "deep", "metadata": ' + "[" * 5000 + "]" * 5000 + "}",
      f"requests.jsonl#23: line 23 is nested too deeply to read (over about {sys.getrecursionlimit()} levels of "
      f"arrays and objects); flatten its values"),
+    (chat("huge", max_tokens=10 ** 30), "requests.jsonl#24: line 24: body.max_tokens is 1000000000000000000000000000000 "
+                                        "(int); it is out of range: give a whole number between -2**63 and 2**63-1"),
 ]
 
 

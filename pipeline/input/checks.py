@@ -37,10 +37,16 @@ def _integer(value, name: str) -> int:
     return value
 
 
+def _whole(v: int) -> str:
+    """An integer as a message shows it: 1e+300 (from a float column), not its 301 digits."""
+    text = str(v)
+    return text if len(text) <= 24 else f"{float(v):.3g}"
+
+
 def _max_tokens(value) -> int:
     v = _integer(value, "max_tokens")
     if v < 1:
-        raise RowError(f"max_tokens is {v}; it must be at least 1 (or null for the job default)")
+        raise RowError(f"max_tokens is {_whole(v)}; it must be at least 1 (or null for the job default)")
     return v
 
 
@@ -67,7 +73,7 @@ PRIORITY_BOUND = 2 ** 31
 def _seed(value) -> int:
     v = _integer(value, "seed")
     if not -SEED_BOUND <= v <= SEED_BOUND:
-        raise RowError(f"seed is {v}; it must be within ±2**62 ({SEED_BOUND})")
+        raise RowError(f"seed is {_whole(v)}; it must be within ±2**62 ({SEED_BOUND})")
     return v
 
 
@@ -97,7 +103,7 @@ def _penalty(name: str):
 def _min_tokens(value) -> int:
     v = _integer(value, "min_tokens")
     if v < 0:
-        raise RowError(f"min_tokens is {v}; it must be 0 or more")
+        raise RowError(f"min_tokens is {_whole(v)}; it must be 0 or more")
     return v
 
 
@@ -179,14 +185,14 @@ def _choice(value) -> dict:
 def _n(value) -> int:
     v = _integer(value, "n")
     if not 1 <= v <= MAX_N:
-        raise RowError(f"n is {v}; it must be 1 to {MAX_N} (completions of the row)")
+        raise RowError(f"n is {_whole(v)}; it must be 1 to {MAX_N} (completions of the row)")
     return v
 
 
 def _logprobs(value) -> int:
     v = _integer(value, "logprobs")
     if not 0 <= v <= MAX_LOGPROBS:
-        raise RowError(f"logprobs is {v}; it must be 0 to {MAX_LOGPROBS} (top alternatives per token), or null for "
+        raise RowError(f"logprobs is {_whole(v)}; it must be 0 to {MAX_LOGPROBS} (top alternatives per token), or null for "
                        f"none")
     return v
 
@@ -272,7 +278,7 @@ _OVERRIDE_CHECKS = {
 def _priority(value) -> tuple[str, int]:
     v = _integer(value, "priority")
     if not -PRIORITY_BOUND < v < PRIORITY_BOUND:
-        raise RowError(f"priority is {v}; it must be within ±2**31 ({PRIORITY_BOUND}), lower runs sooner")
+        raise RowError(f"priority is {_whole(v)}; it must be within ±2**31 ({PRIORITY_BOUND}), lower runs sooner")
     return "priority", v
 
 

@@ -46,7 +46,7 @@ from overnight.pipeline.input.openai_body import (_COLUMNS, LineError, _is_text,
                                                   _short)
 from overnight.pipeline.input.source import (INPUT_ERROR_COLUMN, MODEL_COLUMN, RAW_PROMPT_COLUMN, InputError,
                                              InputFile, ParquetSource, SourceBatch, _first_line)
-from overnight.pipeline.input.listing import file_version, is_data_file
+from overnight.pipeline.input.listing import GLOB_CHARS, file_version, glob_base, is_data_file, is_hidden
 from overnight.pipeline.input.shards import ROWS
 from overnight.pipeline.output.faults import failpoint
 from overnight.pipeline.output.storage import unstrip, url_to_fs
@@ -70,25 +70,30 @@ MESSAGES_TYPE = pa.list_(pa.struct([("role", pa.string()), ("content", pa.string
 
 
 def is_jsonl_input(path: Optional[str]) -> bool:
-    """INPUT names JSONL: a file or glob ending in .jsonl / .jsonl.gz, or a folder that holds such files and no
-    Parquet files."""
+    """INPUT names JSONL: a file or glob ending in .jsonl / .jsonl.gz, or a folder or glob whose data files are
+    such files and no Parquet files (``dir/*.jsonl*``, ``dir/*``)."""
     if not path:
         return False
     if path.rstrip("/").endswith(SUFFIXES):
         return True
     try:
         fs, root = url_to_fs(path)
-        if any(c in root for c in "*?[") or not fs.isdir(root):
+        if any(c in root for c in GLOB_CHARS) and not fs.exists(root):  # ("run [v2]/" is a path, if there is one)
+            base = glob_base(root)
+            paths, what = [p for p in fs.glob(root) if not is_hidden(p, base)], f"The glob {path} matches"
+        elif fs.isdir(root):
+            base, paths, what = root, fs.find(root), f"Folder {path} holds"
+        else:
             return False
-        paths = fs.find(root)
     except (OSError, ValueError):
         return False  # the Parquet source says what is wrong with the path
     # the files a folder input reads: none inside a "." or "_" folder (_temporary/, .snapshot/ ...)
-    jsonl = any(is_data_file(p, SUFFIXES, root) for p in paths)
-    parquet = any(is_data_file(p, ParquetSource.SUFFIXES, root) for p in paths)
+    jsonl = any(is_data_file(p, SUFFIXES, base) for p in paths)
+    parquet = any(is_data_file(p, ParquetSource.SUFFIXES, base) for p in paths)
     if jsonl and parquet:
-        raise InputError(f"Folder {path} holds both Parquet and JSONL files. Point INPUT at one kind, with a glob "
-                         f"such as {path.rstrip('/')}/*.jsonl or {path.rstrip('/')}/*.parquet.")
+        where = glob_base(path) if what.startswith("The glob") else path.rstrip("/")
+        raise InputError(f"{what} both Parquet and JSONL files. Point INPUT at one kind, with a glob "
+                         f"such as {where}/*.jsonl or {where}/*.parquet.")
     return jsonl
 
 

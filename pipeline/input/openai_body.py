@@ -95,7 +95,11 @@ def _parameters(body: dict, line_no: int) -> dict:
             out[column] = [int(v) for v in value]
         elif pa.types.is_integer(t):
             if not _is_int(value):
-                raise LineError(f"{where} is {_short(value)} ({type(value).__name__}); it must be an integer")
+                whole = (isinstance(value, int) and not isinstance(value, bool)) or (
+                    isinstance(value, float) and value.is_integer())
+                raise LineError(f"{where} is {_short(value)} ({type(value).__name__}); " +
+                                ("it is out of range: give a whole number between -2**63 and 2**63-1" if whole
+                                 else "it must be an integer"))
             out[column] = int(value)
         else:
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(float(value)):

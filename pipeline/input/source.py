@@ -221,6 +221,13 @@ class ParquetSource:
             raise InputError(f"Id column {cfg.id_column!r} is not in {self.url} (columns: {', '.join(schema.names)}). "
                              f"Fix --id-column, or leave it out to derive each row's id from its file and row.")
         if cfg.id_column in names:
+            having = next(f for f in self.files if cfg.id_column in f.schema.names)
+            for f in self.files:
+                if cfg.id_column not in f.schema.names:  # its rows would all be error rows (null ids)
+                    raise InputError(
+                        f"{unstrip(self.fs, f.path)} has no id column {cfg.id_column!r}, which other input files "
+                        f"have ({unstrip(self.fs, having.path)}). Add the column to it, or run it as a job of its "
+                        f"own (without one, each row's id comes from its file and row).")
             t = schema.field(cfg.id_column).type
             if not is_id_type(t):
                 raise InputError(f"Id column {cfg.id_column!r} in {self.url} has type {t}; ids must be integers "
