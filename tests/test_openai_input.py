@@ -173,6 +173,8 @@ BAD = [
      f"arrays and objects); flatten its values"),
     (chat("huge", max_tokens=10 ** 30), "requests.jsonl#24: line 24: body.max_tokens is 1000000000000000000000000000000 "
                                         "(int); it is out of range: give a whole number between -2**63 and 2**63-1"),
+    ('{"custom_id": "ctl", "body": "a\tb"}', "requests.jsonl#25: line 25 is not valid JSON (Invalid control character "
+                                           "at column 32); write each request as one JSON object on one line"),
 ]
 
 

@@ -237,7 +237,8 @@ class OpenAIBatchSource(ParquetSource):
                 raise LineError(f"line {line_no} is not valid UTF-8 (at byte {e.start + 1}); re-encode the file as "
                                 f"UTF-8") from None
             except json.JSONDecodeError as e:
-                raise LineError(f"line {line_no} is not valid JSON ({e.msg} at column {e.colno}); write each "
+                why = e.msg.removesuffix(" at")  # ("Invalid control character at": an "at at column")
+                raise LineError(f"line {line_no} is not valid JSON ({why} at column {e.colno}); write each "
                                 f"request as one JSON object on one line") from None
             except RecursionError:  # json's decoder recurses once per level of nesting
                 raise LineError(f"line {line_no} is nested too deeply to read (over about "
