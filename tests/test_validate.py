@@ -88,6 +88,13 @@ def test_messages_column():
     assert parsed[1].prompt == "plain" and parsed[1].messages is None
 
 
+def test_a_null_chat_without_a_prompt_column_says_so():
+    parsed, errors = parse({"messages": ['[{"role": "user", "content": "Hi"}]', None]})
+    assert [p.messages for p in parsed] == [[{"role": "user", "content": "Hi"}]]
+    assert errors[0].error == ("in.parquet#1: messages column 'messages' is null, and the input has no prompt column "
+                               "'prompt'; give the row a chat")
+
+
 def test_messages_as_json_string():
     parsed, errors = parse({"messages": ['[{"role": "user", "content": "Hi"}]']})
     assert errors == [] and parsed[0].messages == [{"role": "user", "content": "Hi"}]

@@ -137,6 +137,9 @@ def parse_batch(sb: SourceBatch, cfg: InputConfig, defaults: dict, passthrough: 
                     sched[key] = value
             chat = _messages(messages[i]) if messages is not None and messages[i] is not None else None
             prompt = None
+            if chat is None and messages is not None and cfg.prompt_column not in names:
+                raise RowError(f"messages column {cfg.messages_column!r} is null, and the input has no prompt "
+                               f"column {cfg.prompt_column!r}; give the row a chat")
             if chat is None:
                 prompt = _prompt(prompts[i], cfg.prompt_column)
             for col in kept:
