@@ -32,6 +32,18 @@ def test_ids_of_another_kind_are_refused_not_answered_again(tmp_path, cfg, write
     assert (s.num_ok, s.num_resumed) == (3, 0)
 
 
+def test_a_rerun_counts_the_error_rows_of_null_ids_as_already_done(tmp_path, cfg, write_parquet):
+    """A row without an id is an error row, matched on a resume by its origin: it is not answered again, and it
+    counts among the rows already done (it did not: 3 of 5)."""
+    out = tmp_path / "out"
+    inp = write_parquet({"id": ["a", None, "b", None, "c"], "prompt": ["hi"] * 5})
+    s = run_job(cfg(inp, out), engine_factory=given(FakeEngine()), is_tty=False)
+    assert (s.num_ok, s.num_error) == (3, 2)
+    write_parquet({"id": ["a", None, "b", None, "c", "d"], "prompt": ["hi"] * 6})   # one row more: a full pass
+    s = run_job(cfg(inp, out), engine_factory=given(FakeEngine()), is_tty=False)
+    assert (s.num_resumed, s.num_ok, s.num_error, s.num_done) == (5, 4, 2, 6)
+
+
 def test_results_no_longer_in_the_input_are_not_counted_done_once_it_is_read(tmp_path, cfg, write_parquet):
     out = tmp_path / "out"
     inp = write_parquet({"id": list(range(20)), "prompt": ["hi"] * 20})

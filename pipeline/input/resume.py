@@ -143,7 +143,9 @@ class ResumeFilter:
             if len(self.scan.null_origins):
                 origins = pa.concat_arrays([self._origins(sb, i) for sb, i in g.split(null)])
                 ok, oc, _ = keys_of(origins)
-                keep[null[~self.scan.null_origins.contains(ok, oc)]] = True
+                held = self.scan.null_origins.contains(ok, oc)
+                keep[null[~held]] = True
+                self.tally.num_resumed += int(held.sum())  # its error row is done, as a resumed id's row is
             else:
                 keep[null] = True
         if dup.any():
