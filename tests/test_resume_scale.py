@@ -221,7 +221,7 @@ def test_null_ids_are_matched_by_origin_and_int_ids_work(tmp_path):
     f = ResumeFilter(out.scan("id"), Tally(0), out.url)
     sb = batch({"id": pa.array([1, None, 2, None], pa.int64()), "prompt": ["a", "b", "c", "d"]})
     assert passing(f, sb) == [(2, 2), (3, None)]
-    assert f.tally.num_resumed == 1
+    assert f.tally.num_resumed == 2   # id 1, and row 1's error row (by its origin)
 
 
 def test_inputs_without_an_id_column_match_by_file_and_row(tmp_path):
