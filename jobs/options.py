@@ -337,12 +337,19 @@ def build_config(input_path: Optional[str], out: Optional[str], config_file: Opt
     return resolve(config_layer(input_path, out, **options), config_file)
 
 
+class ConfigUsageError(click.ClickException):
+    """A bad option value or config file: exit 2, bad usage, as for the options Click checks itself."""
+    exit_code = 2
+
+
 def user_errors(f: Callable) -> Callable:
-    """Turn the library's own exceptions into clean `Error: ...` messages."""
+    """Turn the library's own exceptions into clean `Error: ...` messages (exit 2 for a config's, else 1)."""
     @functools.wraps(f)
     def wrapper(*args, **kwargs):
         try:
             return f(*args, **kwargs)
+        except ConfigError as e:
+            raise ConfigUsageError(str(e)) from None
         except USER_ERRORS as e:
             raise click.ClickException(str(e)) from None
     return wrapper

@@ -59,6 +59,7 @@ def run(input_path, out, config_file, fresh, retry_errors, as_json, **options):
     from overnight.pipeline.streams import filtered_stderr, reserved_stdout
 
     from overnight.jobs.options import USER_ERRORS
+    from overnight.pipeline.config import ConfigError
 
     def failed(e: Exception, code: int, stdout=None) -> None:
         """A job that fails before it has a summary: the error on stderr and, with --json, still one JSON document
@@ -74,6 +75,8 @@ def run(input_path, out, config_file, fresh, retry_errors, as_json, **options):
 
     try:
         cfg = build_config(input_path, out, config_file, options)
+    except ConfigError as e:  # an option's value or the config file's: bad usage, as Click's own checks say it
+        failed(e, 2)
     except USER_ERRORS as e:
         failed(e, 1)
     verbose = logging.getLogger("overnight").isEnabledFor(logging.DEBUG)

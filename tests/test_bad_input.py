@@ -155,13 +155,13 @@ CASES = [
          prefix="Error: {root}/in.parquet: row group 0 (rows from 0) cannot be read (",
          suffix="). The file is damaged: re-export it, or remove it from the input (rows already answered are "
                 "kept). If it is on remote storage that failed, rerun: the job resumes."),
-    Case("yaml unknown key", lambda e: ["run", "--config", e.text("job.yaml", "sampling:\n  temprature: 0.5\n")], 1,
+    Case("yaml unknown key", lambda e: ["run", "--config", e.text("job.yaml", "sampling:\n  temprature: 0.5\n")], 2,
          "Error: {root}/job.yaml: unknown key sampling.temprature in sampling. Valid keys: choice, "
          "frequency_penalty, json_schema, logprobs, max_tokens, min_tokens, n, presence_penalty, regex, "
          "repetition_penalty, seed, stop, stop_token_ids, temperature, top_k, top_p."),
-    Case("yaml wrong type", lambda e: ["run", "--config", e.text("job.yaml", "engine:\n  max_num_seqs: lots\n")], 1,
+    Case("yaml wrong type", lambda e: ["run", "--config", e.text("job.yaml", "engine:\n  max_num_seqs: lots\n")], 2,
          "Error: {root}/job.yaml: engine.max_num_seqs must be an integer, got 'lots'."),
-    Case("invalid yaml", lambda e: ["run", "--config", e.text("job.yaml", "sampling: [oops\n")], 1,
+    Case("invalid yaml", lambda e: ["run", "--config", e.text("job.yaml", "sampling: [oops\n")], 2,
          prefix="Error: {root}/job.yaml is not valid YAML: "),
     Case("missing model folder", lambda e: run_args(e, e.rows(), "--model", str(e.root / "no-model")), 1,
          "Error: Model folder {root}/no-model does not exist. Pass an existing folder, a hub id such as "
@@ -262,7 +262,7 @@ def test_bad_input(case: Case, tmp_path, tiny_model):
     result = CliRunner(env=ECHO).invoke(cli, [str(a) for a in args])
     assert result.exit_code == case.code, result.output
     root = str(tmp_path)
-    if case.code == 1:
+    if case.code in (1, 2):  # the job failed, or bad usage (a config's value: exit 2)
         message = result.stderr.strip()
         if case.message is not None:
             assert message == case.message.format(root=root)

@@ -236,7 +236,7 @@ def test_yaml_input_is_read_as_the_config(command, tmp_path):
     bad.write_text("engine:\n  max_num_seq: 8\n")
     argv = [command, str(bad)] + (["--out", str(tmp_path / "o")] if command == "run" else [])
     result = CliRunner().invoke(cli, argv)
-    assert result.exit_code == 1, result.output
+    assert result.exit_code == 2, result.output   # bad usage, in every command
     assert f"Error: {bad}: unknown key engine.max_num_seq" in result.output
 
 
