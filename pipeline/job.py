@@ -15,7 +15,7 @@ from typing import Optional
 
 from overnight.pipeline.config import ConfigError, JobConfig
 from overnight.pipeline.input.openai_batch import is_jsonl_input
-from overnight.pipeline.input.shards import ROWS, parse_shard, rule_of
+from overnight.pipeline.input.shards import FRAGMENTS, ROWS, parse_shard, rule_of
 from overnight.pipeline.input.source import ParquetSource, open_source
 from overnight.pipeline.input.stage import OpenModel, open_model
 from overnight.pipeline.output import manifest as mf
@@ -163,6 +163,13 @@ def _open_locked(cfg, fresh, source, out, model, fields, lock, deadline_at, marg
         manifest["counts"] = counts_from_scan(scan, source.num_rows)
     _still_ours(lock, out)
     out.write_manifest(manifest)
+    if source.shard is not None:
+        try:
+            _check_split(cfg, source, out)
+        except OutputError:
+            if previous is None:  # begun just now (nothing but the manifest written): as if it never began
+                out.clear()
+            raise
     return OpenJob(cfg, source, out, model, scan, schema, manifest, deadline_at, margin_s, lock,
                    unchanged=unchanged, lazy_engine=scan.num_done > 0)
 
@@ -197,16 +204,37 @@ def _check_id_kind(scan: Scan, source, id_name: str) -> None:
 
 
 def recorded_split(url: str, shard, fresh: bool) -> str:
-    """The rule that splits the input among this job's shards: the one the shards in OUT began with (an OUT
-    begun before stop 42 keeps the old rule, or rows would move between shards that resume on their own), else
-    equal row ranges. --fresh leaves this shard's own folder out of it, since it starts over."""
+    """The rule that splits the input among this job's shards: this shard's own, as it began (an OUT begun before
+    stop 42 keeps the old rule: a shard resumes on its own, and a new rule would move rows between shards); for a
+    shard that has none yet, or starts over with --fresh, the other shards' in OUT; else equal row ranges. Shards
+    that disagree are refused (``_check_split``)."""
     if shard is None:
         return ROWS
     mine = job_out(url, shard).root
-    for d, m in read_manifests(url):
-        if m is not None and d.shard is not None and not (fresh and d.out.root == mine):
-            return rule_of(m.get("input"))
-    return ROWS
+    found = [(d, m) for d, m in read_manifests(url) if m is not None and d.shard is not None]
+    own = [m for d, m in found if d.out.root == mine]
+    if own and not fresh:
+        return rule_of(own[0].get("input"))
+    return next((rule_of(m.get("input")) for d, m in found if d.out.root != mine), ROWS)
+
+
+def _check_split(cfg, source, out) -> None:
+    """Every shard in OUT splits the input by the rule this one does: shards of two rules would miss some rows
+    and answer others twice. Asked before this shard writes, and again just after it wrote its manifest, which
+    catches shards started over at once with --fresh, each from the other's old manifest."""
+    mine = source.selection.rule
+    for d, m in read_manifests(cfg.output.path):
+        if m is None or d.shard is None or d.out.root == out.root:
+            continue
+        theirs = rule_of(m.get("input"))
+        if theirs != mine:
+            raise OutputError(f"Shard {d.label} of this job in {cfg.output.path} split the input by {SPLITS[theirs]}"
+                              f", and shard {source.shard} by {SPLITS[mine]}: together they would miss some rows "
+                              f"and answer others twice. Run shard {source.shard} again with --fresh, alone: it "
+                              f"then splits as the others do.")
+
+
+SPLITS = {ROWS: "equal row ranges", FRAGMENTS: "whole files and row groups (the rule of an older overnight)"}
 
 
 def _check_other_shards(cfg, source, out, fields, given, fresh: bool = False) -> None:
@@ -216,6 +244,7 @@ def _check_other_shards(cfg, source, out, fields, given, fresh: bool = False) ->
     went first)."""
     if source.shard is None:
         return
+    _check_split(cfg, source, out)
     listing = source.listing_digest()
     for d, m in read_manifests(cfg.output.path):
         if m is None or d.shard is None:

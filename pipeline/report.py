@@ -129,6 +129,10 @@ def nothing_to_do(job) -> Summary:
     return summary(Tally(0), job.run_id, job.out.shown(), mf.RunState.COMPLETED, 0, message, {})
 
 
+# status.json's figures of the attempt that ran the engine, which an attempt that finds nothing to do keeps
+MEASURED = ("out", "model", "output_tokens", "elapsed_s", "output_tokens_per_s", "cost", "startup", "scheduler")
+
+
 def already_done(job) -> Summary:
     """A completed job whose input is unchanged (same files, sizes and times): nothing to read, no engine."""
     c = job.manifest.get("counts", {})
@@ -140,8 +144,11 @@ def already_done(job) -> Summary:
     t = Tally(c.get("num_rows", 0), c.get("num_ok", 0), c.get("num_error", 0), c.get("num_output_tokens", 0))
     t.num_resumed = t.num_done
     t.num_duplicates, t.num_removed = c.get("num_duplicates", 0), c.get("num_removed")  # as the run that completed
-    status = {"state": "completed", "exit_code": 0, "message": message, "run_id": job.run_id,
-              "rows": t.rows(0), "engine_started": False, "updated_at": mf.now_iso()}
+    # What the run that completed measured stays (its token rate, which `plan --out` reads; its cost, timings)
+    status = {**{k: v for k, v in (job.out.read_status() or {}).items() if k in MEASURED},
+              "state": "completed", "exit_code": 0, "message": message, "run_id": job.run_id,
+              "attempt": len(job.manifest["attempts"]), "rows": t.rows(0), "eta_s": 0.0, "engine_started": False,
+              "updated_at": mf.now_iso()}
     job.out.write_status(status)
     return summary(t, job.run_id, job.out.shown(), mf.RunState.COMPLETED, 0, message, {})
 
@@ -167,6 +174,7 @@ class Reporter:
         # Earlier attempts' samples (a resumed job's story goes on), the last 2,000 of them.
         attempt = len(job.manifest["attempts"])
         self.earlier = [s for s in job.out.read_timeline() if s.get("attempt", 0) < attempt][-2000:]
+        self.earlier_rate = (job.out.read_status() or {}).get("output_tokens_per_s")
         out = job.cfg.output
         self.metrics = None
         if out.metrics_file or out.metrics_port:
@@ -213,7 +221,9 @@ class Reporter:
             "rows": self.tally.rows(self.scheduler.num_running),
             "output_tokens": self.tally.num_output_tokens,
             "elapsed_s": round(self.tally.elapsed(), 3),
-            "output_tokens_per_s": self.tally.tokens_per_s(),
+            # an attempt that never started the engine (every row was done) keeps the rate the last one measured
+            "output_tokens_per_s": (self.tally.tokens_per_s() if self.supervisor.engine is not None
+                                    else self.earlier_rate),
             "cost": cost_dict(self.tally.engine_seconds, self.tally.num_done, self.job.cfg.output.price_per_hour),
             "eta_s": eta_for(state.value, self.progress.eta_seconds()),
             "engine_started": self.supervisor.engine is not None,  # false: a resume found nothing left to do

@@ -87,10 +87,12 @@ def test_a_file_without_the_id_column_the_others_have_is_refused(tmp_path, cfg):
     folder = tmp_path / "in"
     folder.mkdir()
     pq.write_table(pa.table({"id": ["a"], "prompt": ["hi"]}), folder / "a.parquet")
+    pq.write_table(pa.table({"prompt": pa.array([], pa.string())}), folder / "b.parquet")   # empty: no matter
+    assert run_job(cfg(folder, tmp_path / "out"), engine_factory=given(FakeEngine()), is_tty=False).num_ok == 1
     pq.write_table(pa.table({"prompt": ["yo", "hey"]}), folder / "b.parquet")
     with pytest.raises(InputError, match=r"b.parquet has no id column 'id', which other input files have "
                                          r"\(.*a.parquet\)\. Add the column to it, or run it as a job of its own"):
-        run_job(cfg(folder, tmp_path / "out"), engine_factory=given(FakeEngine()), is_tty=False)
+        run_job(cfg(folder, tmp_path / "out2"), engine_factory=given(FakeEngine()), is_tty=False)
 
 
 def test_nanosecond_timestamps_pass_through_exactly(tmp_path, cfg, write_parquet):

@@ -63,6 +63,10 @@ def test_fsspec_urls_folders_globs_and_gzip(tmp_path):
     write_lines(tmp_path / "d" / "e.jsonl.gz", [chat("g3")])
     for glob in (f"{tmp_path}/d/*.jsonl*", f"{tmp_path}/d/*"):
         assert [r["id"] for r in rows_of(open_source(InputConfig(path=glob)))] == ["l1", "g3"], glob
+    (tmp_path / "d" / "notes.txt").write_text("not a request\n")   # a glob reads all it matches: refused, named
+    with pytest.raises(InputError, match=r"matches JSONL files and .*notes.txt, which is not one .* Narrow the glob"):
+        open_source(InputConfig(path=f"{tmp_path}/d/*"))
+    (tmp_path / "d" / "notes.txt").unlink()
     pq.write_table(pa.table({"id": ["p"], "prompt": ["x"]}), tmp_path / "d" / "f.parquet")
     with pytest.raises(InputError, match=f"The glob {tmp_path}/d/\\* matches both Parquet and JSONL files. Point "
                                          f"INPUT at one kind, with a glob such as {tmp_path}/d/\\*.jsonl"):

@@ -123,3 +123,24 @@ def test_a_shard_not_started_leaves_the_jobs_rows_unknown(tmp_path, cfg):
     con, m = open_results(str(out))
     lines = summary_lines(con, m)
     assert "(? rows)" in lines[1] and "rows: 5 (5 ok, 0 error, and the rows of 1 shard not started)" in lines[2]
+
+
+def test_a_rerun_with_nothing_to_do_keeps_the_measured_rate(tmp_path, cfg, write_parquet):
+    """`plan --out` reads the token rate the last run measured from status.json: a rerun that found every row
+    done (by the input's stamp, or by reading it all) wrote a status without it, and plan's ETA became unknown."""
+    import os
+
+    from overnight.pipeline.scheduling.plan import measured_throughput
+
+    out = tmp_path / "out"
+    inp = write_parquet({"id": list(range(20)), "prompt": ["hi there"] * 20})
+    run_job(cfg(inp, out), engine_factory=given(FakeEngine()), is_tty=False)
+    rate = measured_throughput(str(out))
+    assert rate and rate > 0
+    s = run_job(cfg(inp, out), engine_factory=given(FakeEngine()), is_tty=False)     # the stamp: nothing read
+    assert s.message.startswith("nothing to do") and measured_throughput(str(out)) == rate
+    os.utime(inp, (1, 1))                                                             # read it all: every row done
+    s = run_job(cfg(inp, out), engine_factory=given(FakeEngine()), is_tty=False)
+    assert s.num_resumed == 20 and measured_throughput(str(out)) == rate
+    st = job_status(str(out))
+    assert (st["state"], st["rows_done"], st["eta_s"]) == ("completed", 20, 0.0)

@@ -269,9 +269,70 @@ def test_an_out_begun_with_the_old_split_keeps_it(tmp_path, cfg, monkeypatch):
     assert _done_per_shard(out, 4) == [400, 10, 10, 10]
     con, _ = open_results(str(out))
     assert con.execute("select count(*), count(distinct id) from results").fetchone() == (430, 430)
-    # a new OUT, or one whose every shard starts over with --fresh, splits by equal ranges
+    # its shards keep the old rule, a shard started over with --fresh too (it splits as the others do); a new
+    # OUT splits by equal ranges
     assert job.recorded_split(str(out), Shard(0, 4), fresh=False) == FRAGMENTS
+    assert job.recorded_split(str(out), Shard(2, 4), fresh=True) == FRAGMENTS
     assert job.recorded_split(str(tmp_path / "new"), Shard(0, 4), fresh=False) == ROWS
+
+
+def _legacy_shard(tmp_path, cfg, monkeypatch, inp, out, k, n):
+    """Shard k of n as the code before stop 42 ran it: the old rule, and no split_rule in its manifest."""
+    import overnight.pipeline.job as job
+
+    with monkeypatch.context() as m:
+        m.setattr(job, "recorded_split", lambda url, shard, fresh: FRAGMENTS)
+        assert run_job(cfg(inp, out, cluster={"shard": f"{k}/{n}"}), engine_factory=given(FakeEngine()),
+                       is_tty=False).exit_code == 0
+    path = out / "shards" / f"{k:05d}-of-{n:05d}" / "manifest.json"
+    manifest = json.loads(path.read_text())
+    del manifest["input"]["split_rule"]
+    path.write_text(json.dumps(manifest))
+
+
+def test_shards_of_two_rules_are_refused(tmp_path, cfg, monkeypatch):
+    """Shards of two rules together miss rows and answer others twice. Shard 1 started over with --fresh while
+    shard 0 did too, each from the other's old manifest (a race): shard 0 wrote first, as equal ranges, and
+    shard 1's resume is refused, until it starts over with --fresh, alone, and splits as shard 0 does."""
+    import overnight.pipeline.job as job
+
+    inp = write_input(tmp_path / "in", [400, 10, 10, 10], row_group_size=100)
+    out = tmp_path / "out"
+    _legacy_shard(tmp_path, cfg, monkeypatch, inp, out, 1, 2)
+    one = out / "shards" / "00001-of-00002"
+    one.rename(tmp_path / "aside")        # shard 0 sees no other manifest: shard 1's folder was being cleared
+    assert run_job(cfg(inp, out, cluster={"shard": "0/2"}), fresh=True, engine_factory=given(FakeEngine()),
+                   is_tty=False).exit_code == 0
+    (tmp_path / "aside").rename(one)
+    assert job.recorded_split(str(out), Shard(1, 2), fresh=False) == FRAGMENTS   # its own, as it began
+    with pytest.raises(OutputError, match=r"Shard 0/2 of this job .* split the input by equal row ranges, and "
+                                          r"shard 1/2 by whole files and row groups .*: together they would miss "
+                                          r"some rows and answer others twice. Run shard 1/2 again with --fresh"):
+        run_job(cfg(inp, out, cluster={"shard": "1/2"}), engine_factory=given(FakeEngine()), is_tty=False)
+    assert run_job(cfg(inp, out, cluster={"shard": "1/2"}), fresh=True, engine_factory=given(FakeEngine()),
+                   is_tty=False).exit_code == 0
+    con, _ = open_results(str(out))
+    assert con.execute("select count(*), count(distinct id) from results").fetchone() == (430, 430)
+
+
+def test_a_shard_that_meets_another_rule_after_writing_its_manifest_leaves_nothing(tmp_path, cfg, monkeypatch):
+    """The check after the manifest's write: the other shard's manifest came while this one opened. A shard just
+    begun removes its manifest again, so that the other, which wrote first, runs on unrefused."""
+    import overnight.pipeline.job as job
+
+    inp = write_input(tmp_path / "in", [400, 10, 10, 10], row_group_size=100)
+    out = tmp_path / "out"
+    _legacy_shard(tmp_path, cfg, monkeypatch, inp, out, 1, 2)
+    monkeypatch.setattr(job, "recorded_split", lambda url, shard, fresh: ROWS)
+    real = job._check_other_shards
+    monkeypatch.setattr(job, "_check_other_shards", lambda *a, **k: None)   # shard 1's manifest not there yet
+    with pytest.raises(OutputError, match="together they would miss some rows"):
+        run_job(cfg(inp, out, cluster={"shard": "0/2"}), engine_factory=given(FakeEngine()), is_tty=False)
+    assert not (out / "shards" / "00000-of-00002" / "manifest.json").exists()
+    monkeypatch.setattr(job, "_check_other_shards", real)
+    monkeypatch.setattr(job, "recorded_split", lambda url, shard, fresh: FRAGMENTS)  # (shard 1's, as it finds)
+    assert run_job(cfg(inp, out, cluster={"shard": "1/2"}), engine_factory=given(FakeEngine()),
+                   is_tty=False).exit_code == 0
 
 
 def test_jsonl_shards_slice_chunks_and_answer_each_line_once(tmp_path, cfg):

@@ -80,7 +80,8 @@ def is_jsonl_input(path: Optional[str]) -> bool:
         fs, root = url_to_fs(path)
         if any(c in root for c in GLOB_CHARS) and not fs.exists(root):  # ("run [v2]/" is a path, if there is one)
             base = glob_base(root)
-            paths, what = [p for p in fs.glob(root) if not is_hidden(p, base)], f"The glob {path} matches"
+            paths = [p for p in fs.glob(root) if not is_hidden(p, base) and fs.isfile(p)]
+            what = f"The glob {path} matches"
         elif fs.isdir(root):
             base, paths, what = root, fs.find(root), f"Folder {path} holds"
         else:
@@ -90,10 +91,15 @@ def is_jsonl_input(path: Optional[str]) -> bool:
     # the files a folder input reads: none inside a "." or "_" folder (_temporary/, .snapshot/ ...)
     jsonl = any(is_data_file(p, SUFFIXES, base) for p in paths)
     parquet = any(is_data_file(p, ParquetSource.SUFFIXES, base) for p in paths)
+    glob = what.startswith("The glob")
+    where = glob_base(path) if glob else path.rstrip("/")
     if jsonl and parquet:
-        where = glob_base(path) if what.startswith("The glob") else path.rstrip("/")
         raise InputError(f"{what} both Parquet and JSONL files. Point INPUT at one kind, with a glob "
                          f"such as {where}/*.jsonl or {where}/*.parquet.")
+    other = next((p for p in paths if not p.endswith(SUFFIXES)), None) if glob and jsonl else None
+    if other is not None:  # a glob reads every file it matches, as the job's input
+        raise InputError(f"{what} JSONL files and {unstrip(fs, other)}, which is not one (*.jsonl, *.jsonl.gz). "
+                         f"Narrow the glob, e.g. {where}/*.jsonl*.")
     return jsonl
 
 

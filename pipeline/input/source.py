@@ -223,7 +223,7 @@ class ParquetSource:
         if cfg.id_column in names:
             having = next(f for f in self.files if cfg.id_column in f.schema.names)
             for f in self.files:
-                if cfg.id_column not in f.schema.names:  # its rows would all be error rows (null ids)
+                if cfg.id_column not in f.schema.names and f.num_rows:  # its rows would all be null-id errors
                     raise InputError(
                         f"{unstrip(self.fs, f.path)} has no id column {cfg.id_column!r}, which other input files "
                         f"have ({unstrip(self.fs, having.path)}). Add the column to it, or run it as a job of its "
