@@ -16,6 +16,7 @@ import pytest
 from fakes import FakeEngine, given
 from overnight.pipeline.api import run_job
 from overnight.pipeline.job import open_job
+from overnight.pipeline.output.checkpoint import OutputError
 from overnight.pipeline.tools.export import export
 from overnight.pipeline.tools.inspection import open_results, summary_lines
 from overnight.pipeline.tools.status import job_status, status_lines
@@ -234,3 +235,19 @@ def test_an_out_named_with_glob_characters_reads_its_own_parts(tmp_path, cfg, wr
     info = export(str(out), "parquet", str(tmp_path / "all.parquet"))
     assert info == {"rows": 2, "in_input_order": True, "output": str(tmp_path / "all.parquet")}
     assert os.path.exists(tmp_path / "all.parquet")
+
+
+def test_a_damaged_part_is_named_not_a_traceback(tmp_path, cfg, write_parquet):
+    """A part damaged on its storage: inspect and export say which, and the fix; deleted, a rerun answers its rows
+    again."""
+    inp = write_parquet({"id": ["a", "b", "c"], "prompt": ["hi", "yo", "hey"]})
+    out = tmp_path / "out"
+    run_job(cfg(inp, out), engine_factory=given(FakeEngine()), is_tty=False)
+    part = sorted((out / "parts").glob("part-*.parquet"))[0]
+    part.write_bytes(part.read_bytes()[:100])
+    with pytest.raises(OutputError, match=f"{part}: a result part cannot be read .* Delete the damaged part and "
+                                          f"rerun the job"):
+        open_results(str(out))
+    part.unlink()
+    s = run_job(cfg(inp, out), engine_factory=given(FakeEngine()), is_tty=False)
+    assert s.exit_code == 0 and open_results(str(out))[0].execute("select count(*) from results").fetchall() == [(3,)]

@@ -44,11 +44,30 @@ def open_results(url: str):
     parts = [_literal(unstrip(d.out.fs, p)) for d in dirs for p in d.out.part_paths()]
     if parts:
         listed = ", ".join("'" + p.replace("'", "''") + "'" for p in parts)
-        con.sql(f"create view results as select * from read_parquet([{listed}], union_by_name = true)")
+        try:
+            con.sql(f"create view results as select * from read_parquet([{listed}], union_by_name = true)")
+        except duckdb.Error as e:  # a part that is not Parquet (damaged on its storage): name it, not a traceback
+            raise OutputError(f"{_damaged(dirs) or url}: a result part cannot be read "
+                              f"({str(e).strip().splitlines()[0]}). Delete the damaged part and rerun the job, "
+                              f"which answers its rows again; then inspect it.") from None
     else:  # no part yet (a job stopped before its first flush): no rows, with the columns parts will have
         con.register("_no_parts", _empty_results(manifest or {}))
         con.sql("create view results as select * from _no_parts")
     return con, manifest
+
+
+def _damaged(dirs) -> Optional[str]:
+    """The first part whose footer cannot be read, as a user names it."""
+    import pyarrow.parquet as pq
+
+    for d in dirs:
+        for p in d.out.part_paths():
+            try:
+                with d.out.fs.open(p, "rb") as f:
+                    pq.ParquetFile(f).metadata
+            except Exception:
+                return d.out.shown("parts", p.rsplit("/", 1)[-1])
+    return None
 
 
 def _literal(path: str) -> str:
