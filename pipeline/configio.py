@@ -16,15 +16,36 @@ from typing import Any, Optional, Union
 from overnight.pipeline.config import ConfigError, JobConfig
 
 
+def _loader():
+    """YAML's safe loader without YAML 1.1's base-60 numbers: ``time_budget: 1:30`` is the text 1:30 (which
+    --time-budget refuses, naming the forms it takes), not 90 seconds."""
+    import re
+
+    import yaml
+
+    class Loader(yaml.SafeLoader):
+        pass
+
+    numbers = ("tag:yaml.org,2002:int", "tag:yaml.org,2002:float")
+    Loader.yaml_implicit_resolvers = {k: [(tag, rx) for tag, rx in v if tag not in numbers]
+                                      for k, v in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+    Loader.add_implicit_resolver(numbers[0], re.compile(
+        r"^(?:[-+]?0b[0-1_]+|[-+]?0[0-7_]+|[-+]?(?:0|[1-9][0-9_]*)|[-+]?0x[0-9a-fA-F_]+)$"), list("-+0123456789"))
+    Loader.add_implicit_resolver(numbers[1], re.compile(
+        r"^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+][0-9]+)?|\.[0-9_]+(?:[eE][-+][0-9]+)?"
+        r"|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"), list("-+0123456789."))
+    return Loader
+
+
 def load_yaml(path: str) -> dict:
-    """Read a YAML config with ``yaml.safe_load``; errors name the file."""
+    """Read a YAML config safely (``yaml.SafeLoader``, less base-60 numbers); errors name the file."""
     import yaml
 
     from overnight.pipeline.output.storage import open_file
 
     try:
         with open_file(path, "rb") as f:
-            data = yaml.safe_load(f)
+            data = yaml.load(f, Loader=_loader())
     except FileNotFoundError:
         raise ConfigError(f"Config file {path} does not exist. Check the path given to --config.") from None
     except yaml.YAMLError as e:

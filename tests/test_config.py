@@ -116,6 +116,17 @@ def test_yaml_is_loaded_safely(tmp_path):
         load_yaml(str(p))
 
 
+def test_yaml_has_no_base_60_numbers(tmp_path):
+    """YAML 1.1 read an unquoted 1:30 as 90, so `time_budget: 1:30` ran 90 seconds where --time-budget 1:30 is
+    refused; `deadline: 06:00` was 360."""
+    path = tmp_path / "c.yaml"
+    path.write_text("scheduler:\n  time_budget: 1:30\n  deadline: 06:00\nsampling:\n  max_tokens: 1_000\n"
+                    "  temperature: 0.5\n")
+    data = load_yaml(str(path))
+    assert data["scheduler"] == {"time_budget": "1:30", "deadline": "06:00"}
+    assert data["sampling"] == {"max_tokens": 1000, "temperature": 0.5}
+
+
 def test_precedence_preset_then_yaml_then_cli(tmp_path):
     p = tmp_path / "job.yaml"
     p.write_text("sampling:\n  max_tokens: 99\n  temperature: 0.5\nengine:\n  max_num_seqs: 8\n")
