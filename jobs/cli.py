@@ -19,17 +19,22 @@ from overnight.jobs.tune import tune
 
 
 class OvernightGroup(click.Group):
-    """A usage error keeps the run's promises: with `run --json`, still one JSON document on stdout, and with
-    --log-format json, a JSON line on stderr."""
+    """An error keeps the promises of the options: with --log-format json, a JSON line on stderr (in every
+    command, and for an unknown command too), and for a usage error with `run --json`, still one JSON document on
+    stdout."""
 
     def invoke(self, ctx: click.Context):
         args = [*ctx._protected_args, *ctx.args]
         try:
             return super().invoke(ctx)
-        except click.UsageError as e:
+        except click.ClickException as e:
             logger = logging.getLogger("overnight")
+            if ctx.params.get("log_format") == "json" and not getattr(logger, "json_lines", False):
+                setup_logging(ctx.params.get("verbose", False), "json")  # (an unknown command: before the callback)
             if getattr(logger, "json_lines", False):
                 e.show = lambda file=None, message=e.format_message(): logger.error(f"Error: {message}")
+            if not isinstance(e, click.UsageError):
+                raise
             if args[:1] == ["run"] and "--json" in args[1:]:
                 import json
 

@@ -48,9 +48,14 @@ def test_log_format_json_puts_one_object_on_each_stderr_line(tmp_path, tiny_mode
     assert done.stdout.startswith("overnight: done:")   # stdout keeps the summary
     failed = overnight("--log-format", "json", "run", str(inp), "--out", str(tmp_path / "out2"), "--engine", "echo",
                        "--temperature", "9", "--model", tiny_model, check=False)   # its error line too
-    assert failed.returncode == 1
+    assert failed.returncode == 2   # a bad option's value: bad usage
     assert [json.loads(ln)["message"] for ln in failed.stderr.splitlines() if ln.strip()] == [
         "Error: configuration: sampling.temperature is 9.0; it must be 0 (greedy) to 2."]
+    for args, code, message in [(("status", str(tmp_path / "nope")), 1, "Error: Output folder "),
+                                (("bogus",), 2, "Error: No such command 'bogus'.")]:  # other commands' errors too
+        other = overnight("--log-format", "json", *args, check=False)
+        lines = [json.loads(ln) for ln in other.stderr.splitlines() if ln.strip()]
+        assert other.returncode == code and len(lines) == 1 and lines[0]["message"].startswith(message), other.stderr
     usage = overnight("--log-format", "json", "run", str(inp), "--out", str(tmp_path / "out3"), "--policy", "soon",
                       "--json", check=False)   # a usage error: a JSON line on stderr, and run --json's document
     assert usage.returncode == 2

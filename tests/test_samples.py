@@ -243,7 +243,7 @@ def test_the_cli_registers_adapters(write_parquet, tmp_path, tiny_model):
     assert t.num_rows == 4 and set(t.column("text").to_pylist()) >= {"echo of 33 prompt tokens through sql"}
     bad = CliRunner().invoke(cli, ["run", inp, "--out", str(tmp_path / "o2"), "--model", tiny_model, "--engine",
                                    "echo", "--lora", "sql"])
-    assert bad.exit_code == 1 and "Error: --lora sql: give the adapter as NAME=PATH" in bad.output
+    assert bad.exit_code == 2 and "Error: --lora sql: give the adapter as NAME=PATH" in bad.output  # bad usage
 
 
 def test_a_request_lines_model_picks_a_registered_adapter(write_parquet, tmp_path, cfg, tiny_model, caplog):
