@@ -210,12 +210,22 @@ def test_the_deadline_stops_every_worker_then_a_rerun_completes(tmp_path, cfg, l
     assert 0 < expected <= 1200
     con, m = open_results(str(out))   # workers' folders are not shards: the job's total and its rows not done
     assert f"rows: {len(first)} ({len(first)} ok, 0 error, {1200 - len(first)} not done)" in summary_lines(con, m)
+    assert summary_lines(con, m)[0].startswith("job in 2 Ray worker folders  state: partial")
+    # a driver killed (SIGKILL) leaves its last status, older than what its workers' folders hold
+    path = out / "status.json"
+    driver = json.loads(path.read_text())
+    path.write_text(json.dumps({**driver, "state": "running", "rows": {**driver["rows"], "done": 10,
+                                                                        "remaining": 1190}}))
+    st = job_status(str(out))
+    assert (st["state"], st["rows_done"], st["rows_left"]) == ("stopped", len(first), 1200 - len(first))
+    path.write_text(json.dumps(driver))
+    # the rerun on one worker: w1's folder is not run, and its rows still count in the summary
     s2 = run_on_ray(cfg(inp, out, engine={"kind": "echo", "max_num_seqs": 64}, sampling={"max_tokens": 20}),
-                    False, 2, is_tty=False)
-    assert (s2.state, s2.exit_code) == ("completed", 0)
+                    False, 1, is_tty=False)
+    assert (s2.state, s2.exit_code, s2.num_ok, s2.num_done) == ("completed", 0, 1200, 1200)
     ids = ids_in(out)
     assert len(ids) == len(set(ids)) == 1200
-    # the rows done count every folder's rows, the first attempt's too (each worker took fewer this time)
+    # the rows done count every folder's rows, the first attempt's too
     st = job_status(str(out))
     assert (st["rows_done"], st["rows_left"]) == (1200, 0) and sum(w["rows_done"] for w in st["per_shard"]) == 1200
     assert json.loads((out / "status.json").read_text())["rows"]["done"] == 1200
@@ -302,3 +312,16 @@ def test_retry_errors_answers_every_worker_folders_error_rows_again(tmp_path, cf
     assert sorted(ids_in(out)) == list(range(12))                       # each id once, every row ok
     assert duckdb.sql(f"select distinct status from read_parquet('{out}/workers/*/parts/*.parquet')").fetchall() \
         == [("ok",)]
+
+
+def test_a_ray_cluster_that_cannot_be_reached_is_named_with_its_fix(tmp_path, cfg, monkeypatch):
+    """--ray-address auto without a running cluster: exit 69 (as an engine that cannot start, which a scheduler
+    retries later) with the fix, not Ray's 47-line traceback."""
+    from overnight.pipeline.engine import EngineError
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    assert not ray.is_initialized()
+    inp = write_input(tmp_path / "in", 1, 10, 10)
+    with pytest.raises(EngineError, match=r"Cannot reach the Ray cluster at auto \(.*\)\. Start it \(`ray start "
+                                          r"--head` on its head node\)"):
+        run_on_ray(cfg(inp, tmp_path / "out"), False, 2, "auto", is_tty=False)

@@ -98,8 +98,16 @@ def run_on_ray(cfg: JobConfig, fresh: bool, workers: int, address: Optional[str]
             # A local cluster gets a slot for every worker, even beyond the machine's cores (echo engines, or
             # small models sharing the cores); a real cluster offers what it has.
             cpus = None if address else max(os.cpu_count() or 1, workers)
-            ray.init(address=address, num_cpus=cpus, include_dashboard=False, log_to_driver=True,
-                     configure_logging=False)
+            try:
+                ray.init(address=address, num_cpus=cpus, include_dashboard=False, log_to_driver=True,
+                         configure_logging=False)
+            except (ConnectionError, RuntimeError, ValueError) as e:  # exit 69, as an engine that cannot start
+                from overnight.pipeline.engine import EngineError
+                why = (str(e).strip().splitlines() or [type(e).__name__])[0]
+                raise EngineError(f"Cannot reach the Ray cluster at {address} ({why}). Start it (`ray start "
+                                  f"--head` on its head node), give its address with --ray-address or "
+                                  f"RAY_ADDRESS, or leave both out to start a local cluster on this machine; nothing "
+                                  f"was run.") from None
         driver = Driver(ray, wcfg, units, total, workers, root, lock, deadline_at, started, is_tty,
                         cfg.output.log_every_seconds, source.files, margin if deadline_at else 0.0, early=signals)
         return driver.run(on_started)
@@ -124,8 +132,11 @@ class Driver:
         self.coordinator = ray.remote(Coordinator).options(num_cpus=0, name=self.coordinator_name,
                                                            namespace=NAMESPACE).remote(units)
         # Rows done in each worker folder: from the manifests at the start, then from each worker's status.
-        self.done_in = {d.worker: (d.out.read_manifest() or {}).get("counts", {}).get("num_done", 0)
-                        for d in job_dirs(cfg.output.path) if d.worker is not None}
+        # each worker folder's counts as this run found them (a folder no worker of this run takes, when a rerun
+        # has fewer workers, still holds its rows)
+        self.counts_before = {d.worker: (d.out.read_manifest() or {}).get("counts", {})
+                              for d in job_dirs(cfg.output.path) if d.worker is not None}
+        self.done_in = {i: c.get("num_done", 0) for i, c in self.counts_before.items()}
         self.done_before = sum(self.done_in.values())
         self.progress = Progress(total, min(self.done_before, total), log_every, is_tty=is_tty)
         self.signals: list[str] = []
@@ -343,9 +354,11 @@ class Driver:
         else:
             self.root.write_status(self._status(state, code, statuses, pending, 0.0 if complete else None,
                                                 message))
-        ok = sum(r["num_ok"] for r in results.values())
-        err = sum(r["num_error"] for r in results.values())
-        toks = sum(r["num_output_tokens"] for r in results.values())
+        idle = [c for i, c in self.counts_before.items() if i not in results]  # folders no worker ran this time
+        ok = sum(r["num_ok"] for r in results.values()) + sum(c.get("num_ok") or 0 for c in idle)
+        err = sum(r["num_error"] for r in results.values()) + sum(c.get("num_error") or 0 for c in idle)
+        toks = (sum(r["num_output_tokens"] for r in results.values())
+                + sum(c.get("num_output_tokens") or 0 for c in idle))
         elapsed = time.time() - self.started
         this_attempt = sum(r["output_tokens_per_s"] * r["elapsed_s"] for r in results.values())
         return Summary(run_id=f"ray-{self.num_workers}-workers", out=self.root.shown(), state=state, exit_code=code,

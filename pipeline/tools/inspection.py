@@ -100,8 +100,10 @@ def summary_lines(con, manifest: Optional[dict], price_per_hour: Optional[float]
         attempts = manifest.get("attempts", [])
         state = state or manifest.get("state")
         if manifest.get("shards"):
-            lines.append(f"job in {len(manifest['shards'])} shard folders  state: {state}  "
-                         f"attempts: {len(attempts)}  (per shard: overnight status)")
+            ray = all(str(x.get("shard", "")).startswith("w") for x in manifest["shards"])  # workers/w<i>
+            kind = "Ray worker" if ray else "shard"
+            lines.append(f"job in {len(manifest['shards'])} {kind} folders  state: {state}  "
+                         f"(per {kind.split()[-1]}: overnight status)")
         else:
             lines.append(f"run {manifest.get('run_id')}  state: {state}  attempts: {len(attempts)}")
         lines.append(f"model: {manifest.get('fingerprint_fields', {}).get('model')}  "

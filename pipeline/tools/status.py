@@ -130,8 +130,13 @@ def _ray_status(out: OutputDir, dirs, driver: dict) -> dict:
     workers = [shard_status(d, out) for d in dirs if d.worker is not None]
     for w in workers:
         w["rows_total"] = w["rows_left"] = None  # a worker's share is whatever units it took
+    done, left = rows.get("done", 0), rows.get("remaining")
+    if state == "stopped":  # a driver killed: its last status is older than what its workers' folders hold
+        held = sum(w["rows_done"] or 0 for w in workers)
+        if held > done and isinstance(rows.get("total"), int):
+            done, left = min(held, rows["total"]), max(0, rows["total"] - held)
     return {"out": out.shown(), "state": state, "shards": None, "workers": driver.get("workers"),
-            "rows_total": rows.get("total"), "rows_done": rows.get("done", 0), "rows_left": rows.get("remaining"),
+            "rows_total": rows.get("total"), "rows_done": done, "rows_left": left,
             "output_tokens_per_s": driver.get("output_tokens_per_s") if state == "running" else None,
             "eta_s": driver.get("eta_s"), "exit_code": driver.get("exit_code"), "per_shard": workers}
 
