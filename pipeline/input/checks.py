@@ -192,8 +192,8 @@ def _n(value) -> int:
 def _logprobs(value) -> int:
     v = _integer(value, "logprobs")
     if not 0 <= v <= MAX_LOGPROBS:
-        raise RowError(f"logprobs is {_whole(v)}; it must be 0 to {MAX_LOGPROBS} (top alternatives per token), or null for "
-                       f"none")
+        raise RowError(f"logprobs is {_whole(v)}; it must be 0 to {MAX_LOGPROBS} (top alternatives per token), or "
+                       f"null for none")
     return v
 
 
