@@ -11,7 +11,8 @@ Input order comes from the input itself, at the path the manifest records, read 
 --limit (each shard's own; past it only when OUT holds rows beyond it, as after a rerun with a lower --limit, and
 only the rows within it are the job's, which the openai format says were never done): through the run's own
 source (``input.source``: its listing, and for derived ids its file names and row numbers) for Parquet; OpenAI
-Batch request lines streamed line by line (each line's custom_id and endpoint). Rows whose id is no longer in the input come last. The OpenAI lines themselves are built in openai_lines.py.
+Batch request lines streamed line by line (each line's custom_id and endpoint). Rows whose id is no longer in
+the input come last. The OpenAI lines themselves are built in openai_lines.py.
 """
 
 from __future__ import annotations
