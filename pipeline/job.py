@@ -218,12 +218,13 @@ def recorded_split(url: str, shard, fresh: bool) -> str:
     return next((rule_of(m.get("input")) for d, m in found if d.out.root != mine), ROWS)
 
 
-def _check_split(cfg, source, out) -> None:
+def _check_split(cfg, source, out, manifests=None) -> None:
     """Every shard in OUT splits the input by the rule this one does: shards of two rules would miss some rows
-    and answer others twice. Asked before this shard writes, and again just after it wrote its manifest, which
-    catches shards started over at once with --fresh, each from the other's old manifest."""
+    and answer others twice. Asked before this shard writes (``manifests``: OUT's, as read then), and again just
+    after it wrote its manifest, which catches shards started over at once with --fresh, each from the other's
+    old manifest."""
     mine = source.selection.rule
-    for d, m in read_manifests(cfg.output.path):
+    for d, m in (read_manifests(cfg.output.path) if manifests is None else manifests):
         if m is None or d.shard is None or d.out.root == out.root:
             continue
         theirs = rule_of(m.get("input"))
@@ -244,9 +245,10 @@ def _check_other_shards(cfg, source, out, fields, given, fresh: bool = False) ->
     went first)."""
     if source.shard is None:
         return
-    _check_split(cfg, source, out)
+    manifests = read_manifests(cfg.output.path)
+    _check_split(cfg, source, out, manifests)
     listing = source.listing_digest()
-    for d, m in read_manifests(cfg.output.path):
+    for d, m in manifests:
         if m is None or d.shard is None:
             continue
         if d.out.root != out.root and not fresh and not mf.same_settings(m, fields, given):
