@@ -182,3 +182,26 @@ def test_s3_input_and_output_on_the_real_engine(s3, model_path):
     q = invoke("inspect", out, "--sql", "select count(*) as n, min(length(text)) > 0 as texts from results",
                "--format", "csv")
     assert q.output.split() == ["n,texts", "6,True"]
+
+
+def test_shards_of_unequal_files_split_into_equal_ranges(tmp_path, model_path):
+    """Two files of 9 and 3 rows, two shards: 6 rows each (whole files gave 9 and 3), every id answered once by
+    the real engine, and export puts them back in input order."""
+    rows = real_prompts(12)
+    inp = tmp_path / "in"
+    inp.mkdir()
+    pq.write_table(rows.slice(0, 9), inp / "a.parquet")
+    pq.write_table(rows.slice(9, 3), inp / "b.parquet")
+    out = tmp_path / "out"
+    for k in range(2):
+        invoke("run", inp, "--out", out, *FAST, "--shard", f"{k}/2")
+    done = [json.loads((out / "shards" / f"0000{k}-of-00002" / "manifest.json").read_text()) for k in range(2)]
+    assert [m["counts"]["num_ok"] for m in done] == [6, 6]
+    assert {m["input"]["split_rule"] for m in done} == {"rows"}
+    t = pq.read_table([str(p) for p in sorted(out.glob("shards/*/parts/*.parquet"))]).to_pylist()
+    assert sorted(r["id"] for r in t) == sorted(rows.column("id").to_pylist())
+    assert all(r["status"] == "ok" and r["text"].strip() for r in t)
+    status = json.loads(invoke("status", out, "--json").output)
+    assert (status["state"], status["rows_done"], status["exit_code"]) == ("completed", 12, 0)
+    invoke("export", out, "--output", tmp_path / "all.parquet")
+    assert pq.read_table(tmp_path / "all.parquet").column("id").to_pylist() == rows.column("id").to_pylist()
