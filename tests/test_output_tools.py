@@ -251,3 +251,26 @@ def test_a_damaged_part_is_named_not_a_traceback(tmp_path, cfg, write_parquet):
     part.unlink()
     s = run_job(cfg(inp, out), engine_factory=given(FakeEngine()), is_tty=False)
     assert s.exit_code == 0 and open_results(str(out))[0].execute("select count(*) from results").fetchall() == [(3,)]
+
+
+# -- I: a run killed between writing a part and updating its manifest ------------------------------------------
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_status_counts_the_part_a_killed_run_wrote_before_its_manifest(tmp_path, write_parquet, tiny_model, n):
+    import subprocess
+
+    from conftest import overnight_cmd
+
+    inp = write_parquet({"id": [f"q{i}" for i in range(30)], "prompt": [f"question {i}?" for i in range(30)]})
+    out = tmp_path / "out"
+    args = [*overnight_cmd(), "run", inp, "--out", str(out), "--model", tiny_model, "--engine", "echo",
+            "--echo-step-ms", "2", "--max-num-seqs", "4", "--flush-rows", "5", "--max-tokens", "8", "--n", str(n)]
+    r = subprocess.run(args, env={**os.environ, "OVERNIGHT_FAILPOINTS": "part.after_write=kill@3"},
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == -9, r.stderr[-2000:]
+    in_parts = duckdb.connect().execute(
+        f"select count(distinct id) from read_parquet('{out}/parts/*.parquet')").fetchone()[0]
+    assert json.loads((out / "manifest.json").read_text())["counts"]["num_done"] < in_parts
+    s = job_status(str(out))
+    assert (s["state"], s["rows_done"], s["rows_left"]) == ("stopped", in_parts, 30 - in_parts)
+    assert s["per_shard"][0]["rows_done"] == in_parts

@@ -47,6 +47,35 @@ def duplicates(d) -> int:
     return (((st or {}).get("rows") or {}).get("duplicates") or 0) if is_current(st, m) else 0
 
 
+def unrecorded_rows(out: OutputDir, counts: dict) -> int:
+    """Rows in the parts that the manifest's counts do not know yet: a run killed between writing a part and
+    updating its manifest leaves one such part (the next run's scan counts it). Only the parts past the
+    manifest's ``num_parts`` are read, and of them only the sample_index column; a row of n samples counts once."""
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    from overnight.pipeline.output.checkpoint import PART_RE
+
+    known = counts.get("num_parts")
+    if not isinstance(known, int):
+        return 0
+    paths = sorted(out.part_paths(), key=lambda p: int(PART_RE.match(p.rsplit("/", 1)[-1]).group(1)))
+    rows = 0
+    for p in paths[known:]:
+        try:
+            with out.fs.open(p, "rb") as f:
+                pf = pq.ParquetFile(f, pre_buffer=False)
+                if "sample_index" not in pf.schema_arrow.names:
+                    rows += pf.metadata.num_rows
+                    continue
+                col = pf.read(columns=["sample_index"], use_threads=False).column(0)
+                rows += col.length() - pc.sum(pc.fill_null(pc.not_equal(col, 0), False).cast("int64")).as_py() \
+                    if col.length() else 0
+        except (OSError, ValueError):  # a damaged part: inspect names it with its fix; status counts what it can
+            continue
+    return rows
+
+
 def shard_status(d, lock_of: OutputDir) -> dict:
     st, m = d.out.read_status() or {}, d.out.read_manifest() or {}
     if not is_current(st, m):
@@ -62,6 +91,8 @@ def shard_status(d, lock_of: OutputDir) -> dict:
     done = max(rows.get("done") or 0, counts.get("num_done") or 0)
     if rows.get("removed"):  # the run knows of results no longer in the input: the manifest counts them, it not
         done = rows.get("done") or 0
+    extra = unrecorded_rows(d.out, counts) if state != "running" and state != "completed" else 0
+    done += extra
     # Duplicate ids are skipped, neither done nor left; a completed job has none left.
     dup = rows.get("duplicates") or counts.get("num_duplicates") or 0
     if d.worker is not None:  # a Ray worker's folder: all the rows it holds (its units this attempt are fewer)
@@ -69,6 +100,8 @@ def shard_status(d, lock_of: OutputDir) -> dict:
     elif total is not None:  # the output's rows may include some no longer in the input
         done = min(done, max(0, total - dup))
     left = rows.get("remaining", None if total is None else max(0, total - done - dup))
+    if extra and left is not None:
+        left = max(0, left - extra)
     return {"shard": d.label, "state": state, "rows_total": total, "rows_done": done,
             "rows_left": 0 if state == "completed" else left,
             "output_tokens_per_s": st.get("output_tokens_per_s") if state == "running" else None,
