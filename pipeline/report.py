@@ -47,6 +47,8 @@ class Summary:
         resumed = f", {self.num_resumed} already done" if self.num_resumed else ""
         dup = f", {self.num_duplicates} duplicate ids skipped" if self.num_duplicates else ""
         dup += f", {self.num_removed} no longer in the input" if self.num_removed else ""
+        beyond = self.num_ok + self.num_error - self.num_done - (self.num_removed or 0)
+        dup += f"; the output holds {beyond} rows beyond this input's (a lower --limit)" if beyond > 0 else ""
         tail = f"; {self.message}" if self.message and (self.state in ("partial", "interrupted") or
                                                        not self.num_rows) else ""
         cost = self.extra.get("cost") or {}
@@ -142,8 +144,8 @@ def already_done(job) -> Summary:
     mf.end_attempt(job.manifest, mf.RunState.COMPLETED, message)
     job.out.write_manifest(job.manifest)
     t = Tally(c.get("num_rows", 0), c.get("num_ok", 0), c.get("num_error", 0), c.get("num_output_tokens", 0))
-    t.num_resumed = t.num_done
     t.num_duplicates, t.num_removed = c.get("num_duplicates", 0), c.get("num_removed")  # as the run that completed
+    t.num_resumed = t.num_done_here
     # What the run that completed measured stays (its token rate, which `plan --out` reads; its cost, timings)
     status = {**{k: v for k, v in (job.out.read_status() or {}).items() if k in MEASURED},
               "state": "completed", "exit_code": 0, "message": message, "run_id": job.run_id,

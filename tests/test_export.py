@@ -236,7 +236,12 @@ def test_a_rerun_with_a_lower_limit_keeps_every_row_in_input_order(tmp_path, cfg
     inp = write_parquet(rows)
     out = tmp_path / "out"
     run_job(cfg(inp, out), engine_factory=given(FakeEngine()), is_tty=False)
-    run_job(cfg(inp, out, input={"limit": 10}), engine_factory=given(FakeEngine()), is_tty=False)
+    s = run_job(cfg(inp, out, input={"limit": 10}), engine_factory=given(FakeEngine()), is_tty=False)
+    # the summary and inspect say why OUT holds more rows than this run's input
+    assert "10/10 rows (60 ok, 0 error, 10 already done; the output holds 50 rows beyond this input's" in s.line()
+    from overnight.pipeline.tools.inspection import open_results, summary_lines
+
+    assert "(10 rows within --limit 10)" in summary_lines(*open_results(str(out)))[1]
     info = export(str(out), "parquet", str(tmp_path / "all.parquet"))
     assert info["rows"] == 60 and info["in_input_order"]
     assert [r[0] for r in duckdb.sql(f"select id from '{tmp_path / 'all.parquet'}'").fetchall()] == rows["id"]

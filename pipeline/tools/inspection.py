@@ -90,6 +90,11 @@ def _empty_results(manifest: dict):
     return schema.schema.empty_table()
 
 
+def _limit(manifest: dict) -> str:
+    limit = ((manifest.get("config") or {}).get("input") or {}).get("limit")
+    return f" within --limit {limit}" if isinstance(limit, int) else ""
+
+
 def summary_lines(con, manifest: Optional[dict], price_per_hour: Optional[float] = None,
                   state: Optional[str] = None) -> list[str]:
     """state: the job's state as `overnight status` tells it (a run killed while it ran is stopped, where its
@@ -108,7 +113,7 @@ def summary_lines(con, manifest: Optional[dict], price_per_hour: Optional[float]
             lines.append(f"run {manifest.get('run_id')}  state: {state}  attempts: {len(attempts)}")
         lines.append(f"model: {manifest.get('fingerprint_fields', {}).get('model')}  "
                      f"input: {manifest.get('input', {}).get('url')} "
-                     f"({c['num_rows'] if c.get('num_rows') is not None else '?'} rows)")
+                     f"({c['num_rows'] if c.get('num_rows') is not None else '?'} rows{_limit(manifest)})")
     columns = {r[0] for r in con.execute("describe results").fetchall()}
     # With n > 1 a row's samples are output rows of their own (sample_index 0 .. n-1): a row counts once.
     row = "coalesce(sample_index, 0) = 0" if "sample_index" in columns else "true"
