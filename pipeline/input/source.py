@@ -2,7 +2,7 @@
 
 Opening a source checks every file's footer (schema and row count), unifies
 the schemas as one dataset, and checks the columns the job needs, so a bad job
-stops before the engine starts. A folder is read recursively, leaving out files
+stops before the engine starts (the checks: input.schema_checks). A folder is read recursively, leaving out files
 and folders whose names start with "_" or "." (_SUCCESS, _temporary/, .snapshot/),
 as pyarrow.dataset does. Reading then streams record batches, one row
 group at a time; the dataset is never loaded whole.
@@ -22,9 +22,11 @@ from typing import ClassVar, Iterator, Optional
 import pyarrow as pa
 
 from overnight.pipeline.config import InputConfig
-from overnight.pipeline.input.arrow_types import ColumnCastError, compatible, conform, is_id_type, is_text, plain
+from overnight.pipeline.input.arrow_types import ColumnCastError, conform
 from overnight.pipeline.input.listing import (GLOB_CHARS, PARQUET_SUFFIXES, file_version, glob_base, is_data_file,
                                               is_hidden)
+from overnight.pipeline.input.schema_checks import InputError, check_columns, check_id_range, unify
+from overnight.pipeline.input.schema_checks import first_line as _first_line  # noqa: F401 (its users import it here)
 from overnight.pipeline.input.shards import ROWS, Fragment, Selection, Shard, hash_shard, split
 from overnight.pipeline.output.faults import failpoint
 from overnight.pipeline.output.storage import unstrip, url_to_fs
@@ -42,12 +44,6 @@ INPUT_ERROR_COLUMN = "_input_error"
 RAW_PROMPT_COLUMN = "_raw_prompt"
 # A request's body.model (OpenAI Batch input): the name of a registered adapter picks it (openai_batch.ModelRoute).
 MODEL_COLUMN = "_model"
-
-_INT64_MAX = 2 ** 63 - 1
-
-
-class InputError(Exception):
-    "The input cannot be read as a job; the message names the file or column and the fix."
 
 
 def open_source(cfg: InputConfig, shard: Optional[Shard] = None, split_rule: str = ROWS) -> "ParquetSource":
@@ -101,8 +97,8 @@ class ParquetSource:
         self.url = cfg.path
         self.fs, root = url_to_fs(cfg.path)
         self.files = self._discover(root)
-        self.schema = self._unify()
-        self._check_columns()
+        self.schema = unify(self.fs, self.url, self.files)
+        check_columns(cfg, self.fs, self.url, self.files, self.schema)
         self.shard = shard
         self.selection: Optional[Selection] = split(self.files, shard, split_rule) if shard is not None else None
         self._hash_rows: Optional[int] = None
@@ -148,95 +144,11 @@ class ParquetSource:
         except (pa.ArrowException, OSError, ValueError) as e:  # a damaged footer fails in any of these
             raise InputError(f"{shown} is not a readable Parquet file ({_first_line(e)}). "
                              f"Re-export it as Parquet, or remove it from the input.") from None
-        self._check_id_range(meta, schema, shown, path)
+        check_id_range(self.fs, self.cfg.id_column, meta, schema, shown, path)
         name = posixpath.relpath(path, base) if base else path
         groups = tuple(meta.row_group(g).num_rows for g in range(meta.num_row_groups))
         return InputFile(path=path, name=name, num_rows=meta.num_rows, schema=schema, row_groups=groups,
                          version=file_version(self.fs, path))
-
-    def _check_id_range(self, meta, schema: pa.Schema, shown: str, path: str) -> None:
-        """A uint64 id column must hold no value above int64's maximum, which the results' id column cannot
-        hold: known from the row groups' statistics, without reading a row."""
-        name = self.cfg.id_column
-        if name not in schema.names or schema.field(name).type != pa.uint64():
-            return
-        for g in range(meta.num_row_groups):
-            group = meta.row_group(g)
-            col = next((group.column(j) for j in range(group.num_columns)
-                        if group.column(j).path_in_schema == name), None)
-            stats = col.statistics if col is not None else None
-            if stats is not None and stats.has_min_max:
-                fits = stats.max <= _INT64_MAX
-            else:  # no statistics: the row group's ids are read once
-                import pyarrow.compute as pc
-                import pyarrow.parquet as pq
-
-                with self.fs.open(path, "rb") as f:
-                    top = pc.max(pq.ParquetFile(f).read_row_group(g, columns=[name]).column(0)).as_py()
-                fits = top is None or top <= _INT64_MAX
-            if not fits:
-                raise InputError(f"Id column {name!r} in {shown} is uint64 and holds values above "
-                                 f"{_INT64_MAX}; the results keep "
-                                 f"integer ids as int64. Cast the column to int64 or string, or name another column "
-                                 f"with --id-column.")
-
-    # -- schema ------------------------------------------------------------------------------
-    def _unify(self) -> pa.Schema:
-        seen: dict[str, tuple[pa.DataType, InputFile]] = {}
-        for f in self.files:
-            for fld in f.schema:
-                if fld.name not in seen:
-                    seen[fld.name] = (fld.type, f)
-                    continue
-                t0, f0 = seen[fld.name]
-                if not compatible(t0, fld.type):
-                    raise InputError(
-                        f"Column {fld.name!r} has type {t0} in {unstrip(self.fs, f0.path)} but {fld.type} in "
-                        f"{unstrip(self.fs, f.path)}. Mixed schemas cannot be read as one dataset: cast the "
-                        f"column to one type in every file.")
-        try:
-            return pa.unify_schemas([plain(f.schema) for f in self.files], promote_options="permissive")
-        except (pa.ArrowInvalid, pa.ArrowTypeError) as e:
-            raise InputError(f"The files of {self.url} have schemas that cannot be read as one dataset "
-                             f"({_first_line(e)}). Cast the columns to one type in every file.") from None
-
-    def _check_columns(self) -> None:
-        cfg, schema = self.cfg, self.schema
-        names = set(schema.names)
-        prompt, messages = cfg.prompt_column, cfg.messages_column
-        if prompt not in names and messages not in names:
-            raise InputError(
-                f"{self.url} has no column {prompt!r} (columns: {', '.join(schema.names)}). "
-                f"Name the prompt column with --prompt-column, or add a {messages!r} column of chats.")
-        for f in self.files:
-            fnames = set(f.schema.names)
-            if prompt not in fnames and messages not in fnames:
-                raise InputError(f"{unstrip(self.fs, f.path)} has no column {prompt!r} or {messages!r} "
-                                 f"(columns: {', '.join(f.schema.names)}). Every input file needs the prompt column.")
-        if prompt in names and not is_text(schema.field(prompt).type):
-            raise InputError(
-                f"Column {prompt!r} in {self.url} has type {schema.field(prompt).type}; prompts must be strings. "
-                f"Pick the text column with --prompt-column.")
-        if cfg.id_column not in names and cfg.id_column != InputConfig.id_column:
-            raise InputError(f"Id column {cfg.id_column!r} is not in {self.url} (columns: {', '.join(schema.names)}). "
-                             f"Fix --id-column, or leave it out to derive each row's id from its file and row.")
-        if cfg.id_column in names:
-            having = next(f for f in self.files if cfg.id_column in f.schema.names)
-            for f in self.files:
-                if cfg.id_column not in f.schema.names and f.num_rows:  # its rows would all be null-id errors
-                    raise InputError(
-                        f"{unstrip(self.fs, f.path)} has no id column {cfg.id_column!r}, which other input files "
-                        f"have ({unstrip(self.fs, having.path)}). Add the column to it, or run it as a job of its "
-                        f"own (without one, each row's id comes from its file and row).")
-            t = schema.field(cfg.id_column).type
-            if not is_id_type(t):
-                raise InputError(f"Id column {cfg.id_column!r} in {self.url} has type {t}; ids must be integers "
-                                 f"or strings. Cast it, or name another column with --id-column.")
-        if isinstance(cfg.passthrough, list):
-            missing = [c for c in cfg.passthrough if c not in names]
-            if missing:
-                raise InputError(f"Passthrough column {missing[0]!r} is not in {self.url} "
-                                 f"(columns: {', '.join(schema.names)}). Fix --passthrough.")
 
     # -- properties --------------------------------------------------------------------------
     def input_stamp(self) -> str:
@@ -436,8 +348,3 @@ class ParquetSource:
 def _head(sb: SourceBatch, n: int) -> SourceBatch:
     rows = sb.row_numbers[:n] if sb.row_numbers is not None else None
     return SourceBatch(sb.file, sb.start, sb.batch.slice(0, n), rows)
-
-
-def _first_line(e: Exception) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0] if text else type(e).__name__

@@ -1,0 +1,111 @@
+"""The input's files as one dataset, checked before the engine starts: their schemas unified (a column of two
+types refused, naming both files), the columns a job needs present and of the right type in every file, and a uint64
+id column's values within int64 (from the row groups' statistics)."""
+
+from __future__ import annotations
+
+import pyarrow as pa
+
+from overnight.pipeline.config import InputConfig
+from overnight.pipeline.input.arrow_types import compatible, is_id_type, is_text, plain
+from overnight.pipeline.output.storage import unstrip
+
+INT64_MAX = 2 ** 63 - 1
+
+
+class InputError(Exception):
+    "The input cannot be read as a job; the message names the file or column and the fix."
+
+
+def first_line(e: Exception) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
+def check_id_range(fs, id_column: str, meta, schema: pa.Schema, shown: str, path: str) -> None:
+    """A uint64 id column must hold no value above int64's maximum, which the results' id column cannot
+    hold: known from the row groups' statistics, without reading a row."""
+    name = id_column
+    if name not in schema.names or schema.field(name).type != pa.uint64():
+        return
+    for g in range(meta.num_row_groups):
+        group = meta.row_group(g)
+        col = next((group.column(j) for j in range(group.num_columns)
+                    if group.column(j).path_in_schema == name), None)
+        stats = col.statistics if col is not None else None
+        if stats is not None and stats.has_min_max:
+            fits = stats.max <= INT64_MAX
+        else:  # no statistics: the row group's ids are read once
+            import pyarrow.compute as pc
+            import pyarrow.parquet as pq
+
+            with fs.open(path, "rb") as f:
+                top = pc.max(pq.ParquetFile(f).read_row_group(g, columns=[name]).column(0)).as_py()
+            fits = top is None or top <= INT64_MAX
+        if not fits:
+            raise InputError(f"Id column {name!r} in {shown} is uint64 and holds values above "
+                             f"{INT64_MAX}; the results keep "
+                             f"integer ids as int64. Cast the column to int64 or string, or name another column "
+                             f"with --id-column.")
+
+
+def unify(fs, url: str, files: list) -> pa.Schema:
+    """The files' schemas as one dataset's: a column of two types that cannot be read as one is refused, naming
+    both files."""
+    seen: dict = {}
+    for f in files:
+        for fld in f.schema:
+            if fld.name not in seen:
+                seen[fld.name] = (fld.type, f)
+                continue
+            t0, f0 = seen[fld.name]
+            if not compatible(t0, fld.type):
+                raise InputError(
+                    f"Column {fld.name!r} has type {t0} in {unstrip(fs, f0.path)} but {fld.type} in "
+                    f"{unstrip(fs, f.path)}. Mixed schemas cannot be read as one dataset: cast the "
+                    f"column to one type in every file.")
+    try:
+        return pa.unify_schemas([plain(f.schema) for f in files], promote_options="permissive")
+    except (pa.ArrowInvalid, pa.ArrowTypeError) as e:
+        raise InputError(f"The files of {url} have schemas that cannot be read as one dataset "
+                         f"({first_line(e)}). Cast the columns to one type in every file.") from None
+
+
+def check_columns(cfg: InputConfig, fs, url: str, files: list, schema: pa.Schema) -> None:
+    """The columns a job needs: the prompt (or chat) column in every file, the id column's type and presence, the
+    passthrough columns."""
+    names = set(schema.names)
+    prompt, messages = cfg.prompt_column, cfg.messages_column
+    if prompt not in names and messages not in names:
+        raise InputError(
+            f"{url} has no column {prompt!r} (columns: {', '.join(schema.names)}). "
+            f"Name the prompt column with --prompt-column, or add a {messages!r} column of chats.")
+    for f in files:
+        fnames = set(f.schema.names)
+        if prompt not in fnames and messages not in fnames:
+            raise InputError(f"{unstrip(fs, f.path)} has no column {prompt!r} or {messages!r} "
+                             f"(columns: {', '.join(f.schema.names)}). Every input file needs the prompt column.")
+    if prompt in names and not is_text(schema.field(prompt).type):
+        raise InputError(
+            f"Column {prompt!r} in {url} has type {schema.field(prompt).type}; prompts must be strings. "
+            f"Pick the text column with --prompt-column.")
+    if cfg.id_column not in names and cfg.id_column != InputConfig.id_column:
+        raise InputError(f"Id column {cfg.id_column!r} is not in {url} (columns: {', '.join(schema.names)}). "
+                         f"Fix --id-column, or leave it out to derive each row's id from its file and row.")
+    if cfg.id_column in names:
+        having = next(f for f in files if cfg.id_column in f.schema.names)
+        for f in files:
+            if cfg.id_column not in f.schema.names and f.num_rows:  # its rows would all be null-id errors
+                raise InputError(
+                    f"{unstrip(fs, f.path)} has no id column {cfg.id_column!r}, which other input files "
+                    f"have ({unstrip(fs, having.path)}). Add the column to it, or run it as a job of its "
+                    f"own (without one, each row's id comes from its file and row).")
+        t = schema.field(cfg.id_column).type
+        if not is_id_type(t):
+            raise InputError(f"Id column {cfg.id_column!r} in {url} has type {t}; ids must be integers "
+                             f"or strings. Cast it, or name another column with --id-column.")
+    if isinstance(cfg.passthrough, list):
+        missing = [c for c in cfg.passthrough if c not in names]
+        if missing:
+            raise InputError(f"Passthrough column {missing[0]!r} is not in {url} "
+                             f"(columns: {', '.join(schema.names)}). Fix --passthrough.")
