@@ -98,7 +98,12 @@ def run_on_ray(cfg: JobConfig, fresh: bool, workers: int, address: Optional[str]
             # A local cluster gets a slot for every worker, even beyond the machine's cores (echo engines, or
             # small models sharing the cores); a real cluster offers what it has.
             cpus = None if address else max(os.cpu_count() or 1, workers)
+            from overnight.pipeline.cluster.address import unreachable
+
             try:
+                why = unreachable(address)
+                if why:
+                    raise ConnectionError(why)
                 ray.init(address=address, num_cpus=cpus, include_dashboard=False, log_to_driver=True,
                          configure_logging=False)
             except (ConnectionError, RuntimeError, ValueError) as e:  # exit 69, as an engine that cannot start
