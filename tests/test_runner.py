@@ -91,6 +91,11 @@ def test_max_tokens_is_clipped_to_the_context(write_parquet, tmp_path, cfg):
     run_job(cfg(inp, tmp_path / "out", sampling={"max_tokens": 500}), engine_factory=given(eng), is_tty=False)
     row = output(tmp_path / "out").to_pylist()[0]
     assert row["prompt_tokens"] + row["output_tokens"] == 64 and row["finish_reason"] == "length"
+    # min_tokens comes down with it: vLLM refuses min_tokens above max_tokens, a max_tokens the user never set
+    run_job(cfg(inp, tmp_path / "out2", sampling={"max_tokens": 500, "min_tokens": 100}),
+            engine_factory=given(FakeEngine(max_model_len=64, length_of=lambda ids: 10_000)), is_tty=False)
+    row = output(tmp_path / "out2").to_pylist()[0]
+    assert row["status"] == "ok" and row["prompt_tokens"] + row["output_tokens"] == 64, row
 
 
 def test_fingerprint_mismatch_is_refused_and_fresh_starts_over(data, tmp_path, cfg):

@@ -51,6 +51,9 @@ class EchoEngine:
                    step_sleep=cfg.echo_step_ms / 1000, record=False)
 
     def add(self, request_id, prompt_token_ids, sampling, priority=0):
+        if (sampling.get("min_tokens") or 0) > sampling["max_tokens"]:  # as vLLM's SamplingParams refuses it
+            raise ValueError(f"min_tokens must be less than or equal to max_tokens={sampling['max_tokens']}, got "
+                             f"{sampling['min_tokens']}.")
         target = min(sampling["max_tokens"], self.length_of(prompt_token_ids))
         self.waiting[request_id] = {"n": len(prompt_token_ids), "target": target, "done": 0,
                                     "length": target == sampling["max_tokens"], "samples": sampling.get("n", 1),

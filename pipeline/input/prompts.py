@@ -77,8 +77,10 @@ class PromptBuilder:
                 errors.append(err)
                 continue
             sampling = p.sampling
-            if sampling["max_tokens"] > limit - n:
+            if sampling["max_tokens"] > limit - n:  # the room the context leaves, for max_tokens and min_tokens
                 sampling = dict(sampling, max_tokens=limit - n)
+                if (sampling.get("min_tokens") or 0) > limit - n:
+                    sampling["min_tokens"] = limit - n
             rows.append(Row(id=p.id, prompt_token_ids=ids, sampling=sampling, passthrough=p.passthrough,
                             origin=p.origin, prompt_hash=p.prompt_hash, **p.scheduling))
             predictor_texts.append(prompt_text(p.prompt, p.messages))
