@@ -45,6 +45,26 @@ def test_invalid_utf8_in_a_binary_prompt_column():
                                "(b'\\xff'); re-encode the file as UTF-8")
 
 
+def test_request_columns_stored_as_binary_are_read_as_text():
+    """Writers that store strings without Parquet's UTF8 annotation give binary columns: a row's stop, schema,
+    choice, lora and chat are read as the text they hold, as a binary prompt is; bytes that are not UTF-8 make an
+    error row naming the column."""
+    b = pa.binary()
+    parsed, errors = parse({
+        "id": ["a", "b", "c", "d"], "prompt": pa.array([b"hi", b"yo", b"x", None], b),
+        "stop": pa.array([b"STOP", None, None, None], b),
+        "json_schema": pa.array([None, b'{"type": "object"}', None, None], b),
+        "choice": pa.array([None, None, [b"yes", b"no"], None], pa.list_(b)),
+        "messages": pa.array([None, None, None, b'[{"role": "user", "content": "hey"}]'], b),
+        "regex": pa.array([None, None, None, b"[a-z]+"], pa.large_binary())})
+    assert errors == [] and [p.id for p in parsed] == ["a", "b", "c", "d"]
+    assert parsed[0].sampling["stop"] == ["STOP"]
+    assert "json" in parsed[1].sampling["structured"] and parsed[2].sampling["structured"]["choice"] == ["yes", "no"]
+    assert parsed[3].messages == [{"role": "user", "content": "hey"}]
+    parsed, errors = parse({"id": ["e"], "prompt": ["hi"], "choice": pa.array([[b"ok", b"\xff"]], pa.list_(b))})
+    assert parsed == [] and "choice is not valid text: byte 0 is not valid UTF-8" in errors[0].error
+
+
 def test_per_row_overrides():
     parsed, errors = parse({
         "prompt": ["a", "b", "c"],

@@ -190,6 +190,10 @@ def _column(batch: pa.RecordBatch, name: str) -> list:
     """The column's values as Python objects; a value Python cannot hold is a _BadText (text that is not UTF-8)
     or an _Unreadable (a timestamp out of range, say), which makes its row an error row."""
     col = batch.column(name)
+    if _is_bytes(col.type):  # text stored without Parquet's UTF8 annotation, as some writers do: read as text
+        return _texts(col)
+    if (pa.types.is_list(col.type) or pa.types.is_large_list(col.type)) and _is_bytes(col.type.value_type):
+        return [None if v is None else _decoded_list(v) for v in col.to_pylist()]
     try:
         return col.to_pylist()
     except MemoryError:
@@ -262,6 +266,16 @@ def _texts(col: pa.Array) -> list:
         return col.to_pylist()
     except UnicodeDecodeError:
         return [None if v is None else _decode(v) for v in col.cast(pa.binary()).to_pylist()]
+
+
+def _is_bytes(t: pa.DataType) -> bool:
+    return pa.types.is_binary(t) or pa.types.is_large_binary(t)
+
+
+def _decoded_list(values: list):
+    """A list of byte strings as text; a _BadText for the whole value where one is not UTF-8."""
+    out = [None if v is None else _decode(v) for v in values]
+    return next((x for x in out if isinstance(x, _BadText)), out)
 
 
 def _decode(raw: bytes):
