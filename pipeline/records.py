@@ -106,6 +106,8 @@ class Result:
     engine_seconds: Optional[float] = None
     # The row's completions when it asked for n > 1 or logprobs: the writer makes one output row of each.
     samples: Optional[list[Sample]] = None
+    # The LoRA adapter that answered the row (its name, as registered with --lora): the output's model column.
+    adapter: Optional[str] = None
 
     @classmethod
     def failed(cls, id: Any, passthrough: dict, error: str, at: Optional[float] = None) -> "Result":
@@ -137,6 +139,7 @@ class Result:
             prompt_hash=row.prompt_hash,
             engine_seconds=engine_seconds,
             samples=fin.samples,
+            adapter=row.sampling.get("lora"),
         )
 
 

@@ -132,6 +132,7 @@ def test_a_lora_adapter_per_row(job):
     assert got[4]["status"] == "error" and "lora is 'missing', which is not a registered adapter (registered: " \
                                            "random)" in got[4]["error"]
     assert got[2]["lora"] == "random" and got[0]["lora"] is None and all(got[i]["text"] for i in (0, 1, 2, 3, 5))
+    assert got[2]["model"] == got[3]["model"] == "random" and got[0]["model"] == alone[0]["model"] != "random"
 
     def first(r, k=4):
         return [t["token_id"] for t in r["logprobs"][:k]], [t["logprob"] for t in r["logprobs"][:k]]

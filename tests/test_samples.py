@@ -227,6 +227,18 @@ def test_rows_pick_registered_adapters_and_the_fingerprint_names_them(write_parq
     assert "sample_index" not in got["a"]                                                # no n, no logprobs
     fields = json.loads((out / "manifest.json").read_text())["fingerprint_fields"]
     assert fields["lora"] == {"poem": loras["poem"], "sql": loras["sql"]}
+    # the model column names the adapter that answered the row, whatever is passed through; the export follows it
+    inp = write_parquet({"id": ["a", "b", "c"], "prompt": ["x?", "y?", "z?"], "lora": [None, "  sql ", "poem"]})
+    out = tmp_path / "none"
+    run_job(cfg(inp, out, engine={"lora": loras}, input={"passthrough": "none"}), engine_factory=given(FakeEngine()),
+            is_tty=False)
+    got = {r["id"]: r for r in parts(out).to_pylist()}
+    base = got["a"]["model"]
+    assert "lora" not in got["a"] and (got["b"]["model"], got["c"]["model"]) == ("sql", "poem") and base != "sql"
+    export(str(out), "openai", str(tmp_path / "none.jsonl"))
+    answered = {x["custom_id"]: x["response"]["body"]["model"]
+                for x in map(json.loads, (tmp_path / "none.jsonl").read_text().splitlines())}
+    assert answered == {"a": base, "b": "sql", "c": "poem"}
 
 
 def test_the_cli_registers_adapters(write_parquet, tmp_path, tiny_model):

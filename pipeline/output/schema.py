@@ -88,7 +88,7 @@ class OutputSchema:
         for name in ("queued_at", "first_token_at", "finished_at"):
             cols[name] = [None if getattr(r, name) is None else int(getattr(r, name) * 1000) for r in results]
         cols["run_id"] = [run_id] * n
-        cols["model"] = [model] * n
+        cols["model"] = [r.adapter or model for r in results]  # a row run through an adapter: the adapter
         arrays = [pa.array(cols[f.name], type=f.type) for f in self.schema]
         return pa.Table.from_arrays(arrays, schema=self.schema)
 

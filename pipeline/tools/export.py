@@ -107,7 +107,11 @@ def _openai(con, manifest: dict, in_order: bool, output: str, errors: Optional[s
     cols = {r[0] for r in con.execute("describe results").fetchall()}
     index = "sample_index" if "sample_index" in cols else "0"
     logprobs = "logprobs" if "logprobs" in cols else "null"
-    lora = "lora::varchar" if "lora" in cols else "null"   # a row's adapter answers as its model, as in vLLM
+    # A row's adapter answers as its model, as in vLLM: the model column names it (an OUT written before it did:
+    # the row's lora column, when passed through)
+    quoted = model.replace("'", "''")
+    before = "nullif(trim(lora::varchar), '')" if "lora" in cols else "null"
+    lora = f"case when model is distinct from '{quoted}' then model else {before} end"
     query = _in_order(id_col, cols, raw=True) if in_order else f"select *, {_raw_guess(manifest, cols)} as {RAW} " \
                                                                f"from results"
     cur = con.execute(f"select \"{id_col}\", status, text, finish_reason, prompt_tokens, output_tokens, error, "
