@@ -360,6 +360,23 @@ def test_vllm_logprobs_become_the_column_shape():
     assert token_logprobs([5], positions[:1], 0)[0]["top_logprobs"] == []
 
 
+def test_a_row_whose_any_sample_vllm_ended_or_failed_is_not_an_answer():
+    """vLLM gives each of a row's n completions its own finish_reason: one "error" or "abort" among them makes the
+    row's, so the runner writes an error row (or leaves it to a rerun), not n - 1 answers and a cut text."""
+    from overnight.pipeline.engine.vllm import VllmEngine
+
+    out = lambda i, reason: SimpleNamespace(index=i, text=f"t{i}", finish_reason=reason, token_ids=[1, 2],
+                                            logprobs=None)
+    outputs = [SimpleNamespace(request_id=rid, finished=True, prompt_token_ids=[1], metrics=None,
+                               outputs=[out(1, r1), out(0, r0)])
+               for rid, r0, r1 in (("ok", "stop", "length"), ("err", "stop", "error"), ("ab", "abort", "stop"))]
+    engine = VllmEngine.__new__(VllmEngine)
+    engine.engine, engine._top_k, engine.num_preemptions = SimpleNamespace(step=lambda: outputs), {}, 0
+    got = {f.request_id: f for f in engine.step()}
+    assert {k: f.finish_reason for k, f in got.items()} == {"ok": "stop", "err": "error", "ab": "abort"}
+    assert [x.finish_reason for x in got["ok"].samples] == ["stop", "length"] and got["ok"].num_output_tokens == 4
+
+
 def test_samples_share_the_rows_engine_time_in_the_table():
     from overnight.pipeline.output.schema import OutputSchema
 

@@ -235,10 +235,12 @@ class VllmEngine:
                 samples = [Sample(s.index, s.text, s.finish_reason, len(s.token_ids),
                                   None if top_k is None else token_logprobs(s.token_ids, s.logprobs, top_k))
                            for s in outs]
+            # a row of n samples that vLLM ended ("abort") or failed ("error") in any sample is not a whole answer
+            reason = next((r for r in ("error", "abort") if any(s.finish_reason == r for s in outs)), c.finish_reason)
             finished.append(Finished(
                 request_id=o.request_id,
                 text=c.text,
-                finish_reason=c.finish_reason,
+                finish_reason=reason,
                 num_prompt_tokens=len(o.prompt_token_ids or ()),
                 num_output_tokens=len(c.token_ids) if len(outs) == 1 else sum(len(s.token_ids) for s in outs),
                 first_token_at=first_token_at,
