@@ -113,6 +113,22 @@ def test_bad_shard_specs_say_what_was_looked_for(text, env, shards, message):
     assert message in str(e.value)
 
 
+def test_a_shard_auto_finds_no_shard_exits_2_as_bad_usage(tmp_path, write_parquet, tiny_model):
+    """--shard auto is resolved by the job, not by the options' checks: its errors are bad usage (2) still, as a
+    bad --shard K/N's are, which a scheduler does not retry."""
+    import subprocess
+
+    from conftest import overnight_cmd
+
+    inp = write_parquet({"id": ["a"], "prompt": ["hi"]})
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_ARRAY", "JOB_COMPLETION", "OVERNIGHT_"))}
+    for extra, more in (({}, []), ({"JOB_COMPLETION_INDEX": "4"}, ["--shards", "4"])):
+        r = subprocess.run([*overnight_cmd(), "run", inp, "--out", str(tmp_path / "out"), "--model", tiny_model,
+                            "--engine", "echo", "--shard", "auto", *more], env={**env, **extra},
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode == 2 and "Error: " in r.stderr, (r.returncode, r.stderr[-1000:])
+
+
 # -- shards as jobs -------------------------------------------------------------------------------------
 
 def test_shards_read_only_their_fragments_and_together_answer_each_id_once(tmp_path, cfg, monkeypatch):
