@@ -7,11 +7,15 @@ import click
 from overnight.jobs.options import build_config, input_options, sampling_options, user_errors
 
 
-def int_list(text: str) -> list[int]:
+def int_list(text: str, option: str) -> list[int]:
     try:
-        return [int(x) for x in text.split(",") if x.strip()]
+        values = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
-        raise click.BadParameter(f"{text!r} is not a comma-separated list of integers") from None
+        raise click.BadParameter(f"{text!r} is not a comma-separated list of integers", param_hint=option) from None
+    if not values or min(values) < 1:
+        raise click.BadParameter(f"{text!r}: give one or more positive integers, comma-separated (e.g. 64,128)",
+                                 param_hint=option)
+    return values
 
 
 @click.command()
@@ -50,8 +54,13 @@ def tune(input_path, config_file, batched_tokens, seqs, sample, time_limit, save
 
     from overnight.pipeline.streams import filtered_stderr, reserved_stdout
 
-    b, s = int_list(batched_tokens), int_list(seqs)
+    b, s = int_list(batched_tokens, "--batched-tokens"), int_list(seqs, "--seqs")
     cfg = build_config(input_path, None, config_file, options)
+    if cfg.engine.kind != "vllm":
+        from overnight.pipeline.config import ConfigError
+
+        raise ConfigError(f"tune measures vLLM's own throughput; engine.kind is {cfg.engine.kind!r} (from "
+                          f"$OVERNIGHT_ENGINE or the config). Unset OVERNIGHT_ENGINE, or set engine.kind: vllm.")
     verbose = logging.getLogger("overnight").isEnabledFor(logging.DEBUG)
     # stdout: only tune's own table and preset; what vLLM prints goes to stderr (without the noise unless -v)
     with filtered_stderr(verbose), reserved_stdout() as stdout:

@@ -240,6 +240,22 @@ def test_yaml_input_is_read_as_the_config(command, tmp_path):
     assert f"Error: {bad}: unknown key engine.max_num_seq" in result.output
 
 
+def test_tune_refuses_the_echo_engine_and_empty_lists(write_parquet, tiny_model, monkeypatch):
+    """tune measures vLLM: with the echo engine named ($OVERNIGHT_ENGINE) it would start vLLM anyway, and lists of
+    no setting measured nothing. Both are bad usage (2), before any engine starts."""
+    import overnight.pipeline.engine.vllm as vllm_engine
+
+    monkeypatch.setattr(vllm_engine.VllmEngine, "from_config", classmethod(lambda *a, **k: pytest.fail("started")))
+    inp = write_parquet({"id": ["a"], "prompt": ["hi"]})
+    monkeypatch.setenv("OVERNIGHT_ENGINE", "echo")
+    r = CliRunner().invoke(cli, ["tune", inp, "--model", tiny_model])
+    assert r.exit_code == 2 and "tune measures vLLM's own throughput; engine.kind is 'echo'" in r.output, r.output
+    monkeypatch.delenv("OVERNIGHT_ENGINE")
+    for option, value in (("--seqs", ","), ("--batched-tokens", "0,2048")):
+        r = CliRunner().invoke(cli, ["tune", inp, "--model", tiny_model, option, value])
+        assert r.exit_code == 2 and f"Invalid value for {option}: {value!r}: give one or more positive" in r.output
+
+
 def test_unknown_option_names_are_refused():
     with pytest.raises(TypeError, match="kv_cache_space_gib"):
         opts.config_layer(kv_cache_space_gib=2.0)
