@@ -22,6 +22,7 @@ class LengthData:
     finished_at: np.ndarray     # for replaying an online predictor in finish order
     sources: list[str]
     models: list[str] = field(default_factory=list)  # the models the runs served (--model as given), each once
+    num_repeats: int = 0  # rows left out because a later row had the same prompt
 
     def __len__(self) -> int:
         return len(self.actual)
@@ -45,7 +46,9 @@ def output_name(column: str, manifest: dict) -> str:
     return f"input_{column}" if column in set(RESULT_FIELDS) | set(SAMPLE_FIELDS) else column
 
 
-def load_outputs(urls: list[str]) -> LengthData:
+def load_outputs(urls: list[str], one_per_prompt: bool = False) -> LengthData:
+    """The runs' ok rows (a row of n samples by its first); with ``one_per_prompt``, for training, each prompt's
+    latest row only."""
     from overnight.pipeline.output.layout import job_manifest
     from overnight.pipeline.tools.inspection import open_results
 
@@ -89,5 +92,20 @@ def load_outputs(urls: list[str]) -> LengthData:
             finished.append(float(fin or 0.0))
     if not actual:
         raise DatasetError(f"{', '.join(urls)} hold no finished ok rows to learn from.")
+    repeats = 0
+    if one_per_prompt:
+        # One row per prompt, the latest finished: the same prompts in two runs (a dataset run again, a folder
+        # given twice) or twice in one would sit on both sides of the holdout split and of the cross-validation's
+        # folds, and the tau they report would be the model remembering them (0.24 on one run, 0.77 on it and a
+        # copy of it).
+        latest: dict = {}
+        for i, (text, fin) in enumerate(zip(texts, finished)):
+            j = latest.get(text)
+            if j is None or fin >= finished[j]:
+                latest[text] = i
+        keep = sorted(latest.values())
+        repeats = len(texts) - len(keep)
+        texts, ptok, caps, actual, hit, stored, finished = (
+            [v[i] for i in keep] for v in (texts, ptok, caps, actual, hit, stored, finished))
     return LengthData(featurize(texts, ptok, caps), np.asarray(actual, dtype=np.float64), np.asarray(hit),
-                      np.asarray(stored), np.asarray(finished), list(urls), models)
+                      np.asarray(stored), np.asarray(finished), list(urls), models, repeats)
