@@ -98,13 +98,16 @@ class Runner(Clockwork):
             cfg, model = self.job.cfg, self.job.model
             if self.signals.first:  # asked to stop while the job opened: no engine, nothing run, exit 75
                 self.stopping = f"interrupted by {self.signals.first} before the engine started"
+            elif self._too_late():
+                pass
             elif not (self.job.lazy_engine and model.context_known):  # a guessed context: ask the engine
                 model = model.with_context(self._start_engine().max_model_len)
             self.reader = Prefetcher(prepare(cfg, self.job.source, model, self.annotator, self.resume,
                                              self.job.source.passthrough_columns(), self.tally))
-            if not self.signals.first and (self.engine is not None or self._has_work()):
-                self.engine = self.engine or self._start_engine()
-                self._loop()
+            if not self.signals.first and not self.stopping and (self.engine is not None or self._has_work()):
+                if self.engine is not None or not self._too_late():
+                    self.engine = self.engine or self._start_engine()
+                    self._loop()
             if self.input_error is not None:
                 raise self.input_error
             if self._lock_lost():
@@ -153,6 +156,13 @@ class Runner(Clockwork):
         self.tally.engine_ready_at = time.time()
         self.writer.last_flush = self.writer.clock()  # flush_seconds count from a running engine, not its start
         return self.engine
+
+    def _too_late(self) -> bool:
+        """The deadline's stop time came while the job opened (its tokenizer, a resume's scan, a lock's wait):
+        the engine is not started, as it would be stopped at once after minutes of starting. Exit 75."""
+        if self.tracker.should_stop():
+            self.stopping = "deadline reached before the engine started"
+        return self.stopping is not None
 
     def _has_work(self) -> bool:
         """On a resume, read until a row is left to answer: a rerun that finds all done starts no engine. The

@@ -82,6 +82,33 @@ def test_a_signal_while_the_job_opens_stops_it_before_the_engine(tmp_path, cfg, 
     assert run_job(cfg(inp, tmp_path / "out"), engine_factory=given(FakeEngine()), is_tty=False).num_ok == 2
 
 
+
+def test_a_deadline_that_passes_while_the_job_opens_starts_no_engine(tmp_path, cfg, write_parquet, monkeypatch):
+    """The stop time came while the job opened (a tokenizer's load, a lock's wait): vLLM is not started, to be
+    stopped at once minutes later. Exit 75, nothing lost; a rerun with time answers every row."""
+    import time
+
+    from overnight.pipeline import api
+
+    opened = api.open_job
+
+    def slow_open(*a, **k):
+        job = opened(*a, **k)
+        time.sleep(1.2)
+        return job
+
+    def no_engine(*a, **k):
+        raise AssertionError("the engine was started")
+
+    monkeypatch.setattr(api, "open_job", slow_open)
+    inp = write_parquet({"id": [1, 2], "prompt": ["a", "b"]})
+    sched = {"time_budget": "1s", "safety_margin_s": 0}
+    s = run_job(cfg(inp, tmp_path / "out", scheduler=sched), engine_factory=no_engine, is_tty=False)
+    assert (s.exit_code, s.num_ok) == (75, 0) and "deadline reached before the engine started" in s.message
+    monkeypatch.undo()
+    assert run_job(cfg(inp, tmp_path / "out"), engine_factory=given(FakeEngine()), is_tty=False).num_ok == 2
+
+
 def test_an_out_that_cannot_be_a_folder_is_named(tmp_path, cfg, write_parquet):
     inp = write_parquet({"id": [1], "prompt": ["a"]})
     with pytest.raises(OutputError, match=r"Output folder .*in.parquet/sub cannot be used \(NotADirectoryError"):

@@ -113,9 +113,9 @@ def test_bad_shard_specs_say_what_was_looked_for(text, env, shards, message):
     assert message in str(e.value)
 
 
-def test_a_shard_auto_finds_no_shard_exits_2_as_bad_usage(tmp_path, write_parquet, tiny_model):
-    """--shard auto is resolved by the job, not by the options' checks: its errors are bad usage (2) still, as a
-    bad --shard K/N's are, which a scheduler does not retry."""
+def test_what_only_the_job_resolves_exits_2_as_bad_usage(tmp_path, write_parquet, tiny_model):
+    """--shard auto and a deadline are resolved by the job, not by the options' checks: their errors are bad usage
+    (2) still, as a bad --shard K/N's are, which a scheduler does not retry."""
     import subprocess
 
     from conftest import overnight_cmd
@@ -126,6 +126,11 @@ def test_a_shard_auto_finds_no_shard_exits_2_as_bad_usage(tmp_path, write_parque
         r = subprocess.run([*overnight_cmd(), "run", inp, "--out", str(tmp_path / "out"), "--model", tiny_model,
                             "--engine", "echo", "--shard", "auto", *more], env={**env, **extra},
                            capture_output=True, text=True, timeout=120)
+        assert r.returncode == 2 and "Error: " in r.stderr, (r.returncode, r.stderr[-1000:])
+    # as a deadline's, which the job resolves too
+    for bad in (["--time-budget", "5x"], ["--deadline", "2020-01-01T00:00"]):
+        r = subprocess.run([*overnight_cmd(), "run", inp, "--out", str(tmp_path / "out"), "--model", tiny_model,
+                            "--engine", "echo", *bad], env=env, capture_output=True, text=True, timeout=120)
         assert r.returncode == 2 and "Error: " in r.stderr, (r.returncode, r.stderr[-1000:])
 
 
