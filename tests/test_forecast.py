@@ -104,6 +104,21 @@ def test_cap_shrinks_near_the_deadline_on_a_cpu_and_stays_full_on_a_gpu():
     assert 1 <= nearer < near < 64
     assert best_cap(64, *GPU, time_left_s=60, mean_tokens=270) == 64
     assert best_cap(64, *GPU, time_left_s=2, mean_tokens=270) == 1  # nothing admitted now can finish
+    # less time than a mean row, lengths not known exactly: a slot may still finish one of the short rows, and on
+    # a GPU every slot may (the cap was 1, and finished half the rows fifo did with steps of a fixed 0.4 s)
+    assert best_cap(64, *GPU, time_left_s=1, mean_tokens=270, spread=1.5) == 64
+    assert best_cap(16, 0.4, 8e-6, time_left_s=20, mean_tokens=270, spread=1.3) == 16
+    assert 1 < best_cap(64, *CPU, time_left_s=2, mean_tokens=270, spread=1.5) < 8   # on a CPU, fewer run faster
+
+
+def test_the_trust_in_a_warning_is_a_python_bool_for_json():
+    from overnight.pipeline.scheduling.forecast import StepCost
+
+    cost = StepCost()
+    for n, s in ((8, 0.05), (32, 0.12)):
+        for _ in range(30):
+            cost.observe(n, 0, s)
+    assert cost.knows_per_seq is True and cost.spans(32) is True and cost.spans(256) is False
 
 
 def test_in_flight_emulates_vllm_queue():

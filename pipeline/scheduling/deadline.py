@@ -197,7 +197,7 @@ class DeadlineTracker:
         if not self.is_settled:
             return False
         size = min(self.inflight.max_num_seqs, max(1, f.remaining_rows))
-        return self.step_cost.num_steps == 0 or self.step_cost.knows_per_seq or self.step_cost.spans(size)
+        return bool(self.step_cost.num_steps == 0 or self.step_cost.knows_per_seq or self.step_cost.spans(size))
 
     @property
     def step_cost(self) -> StepCost:

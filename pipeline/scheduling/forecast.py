@@ -23,6 +23,8 @@ from typing import Optional
 
 import numpy as np
 
+from overnight.pipeline.scheduling.censored import norm_cdf
+
 
 # -- step cost -----------------------------------------------------------------------------------
 class StepCost:
@@ -138,14 +140,14 @@ class StepCost:
         told apart."""
         n, _, w = self._points()
         n = n[w >= 4]
-        return len(n) >= 2 and n.min() <= 0.75 * n.max()
+        return bool(len(n) >= 2 and n.min() <= 0.75 * n.max())  # a Python bool: status.json and the logs say it
 
     def spans(self, num_seqs: int) -> bool:
         """Whether decode steps of at least three quarters of ``num_seqs`` sequences were measured (a fit of one
         size then costs steps of num_seqs without stretching far)."""
         n, _, w = self._points()
         n = n[w >= 4]
-        return bool(len(n)) and n.max() >= 0.75 * num_seqs
+        return bool(len(n) and n.max() >= 0.75 * num_seqs)
 
     def fit(self) -> Optional[tuple[float, float, float]]:
         """(fixed s, s per sequence, s per prompt token prefilled), or None before any step."""
@@ -388,5 +390,15 @@ def best_cap(max_seqs: int, fixed_s: float, per_seq_s: float, time_left_s: float
     c = np.arange(1, m + 1, dtype=np.float64)
     step = fixed_s + per_seq_s * c + prefill_s_per_row * c / max(mean_tokens, 1.0)
     rows = c * (time_left_s / np.maximum(step, 1e-9) / mean_tokens + max(spread, 1.0) / 2 - 1)
-    best = int(c[int(np.argmax(rows))])
-    return best if rows.max() > 0 else 1
+    if rows.max() > 0:
+        return int(c[int(np.argmax(rows))])
+    # Less time left than a slot needs for its first row on average: a slot finishes one row at most, where that
+    # row is one of the short ones, so c slots finish c * P(L <= steps(c)) rows, L log-normal with the lengths'
+    # mean and spread. Where a step's cost barely grows with c, that is the full engine (a cap of 1 finished half
+    # the rows fifo did, with steps of a fixed 0.4 s); lengths known exactly (spread 1) finish nothing now.
+    sigma = math.sqrt(math.log(max(spread, 1.0)))
+    if sigma < 1e-6:
+        return 1
+    mu = math.log(mean_tokens) - sigma * sigma / 2
+    first = c * norm_cdf((np.log(time_left_s / np.maximum(step, 1e-9)) - mu) / sigma)
+    return int(c[int(np.argmax(first))]) if first.max() > 1e-9 else 1
