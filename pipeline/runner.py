@@ -366,4 +366,5 @@ class Runner(Clockwork):
         lock = self.job.lock
         if lock is not None and not lock.confirm() and state != RunState.FAILED:
             state, message = RunState.FAILED, self._lost_message()  # found out now: nothing more is written
+        self.tally.unsaved(self.writer.buffer + self.writer.unsaved)
         return self.reporter.finish(state, message, self.engine_failed)

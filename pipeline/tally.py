@@ -56,6 +56,16 @@ class Tally:
         self.attempt_tokens += tokens
         return tokens
 
+    def unsaved(self, results: list[Result]) -> None:
+        """Finished rows that were never written (a flush that failed, a folder another run took over): not done,
+        so the manifest's and status's counts match the parts. Their tokens still count in the attempt's rate."""
+        for r in results:
+            if r.status == "ok":
+                self.num_ok -= 1
+                self.num_output_tokens -= r.output_tokens or 0
+            else:
+                self.num_error -= 1
+
     def observe_predictions(self, rows) -> None:
         self.num_predicted += len(rows)
         self.predicted_tokens += sum(r.predicted_tokens or 0 for r in rows)

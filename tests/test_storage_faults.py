@@ -89,6 +89,9 @@ def test_a_full_output_filesystem_stops_cleanly_and_the_rerun_completes(tmp_path
     assert files and all(f.name.startswith("part-") for f in files)  # no temporary files left behind
     done = [i for f in files for i in pq.read_table(f).column("id").to_pylist()]  # every part readable
     assert 0 < len(done) < n and len(done) == len(set(done))
+    # the counts are the parts': the rows of the part that could not be written are not done
+    assert json.loads((out / "manifest.json").read_text())["counts"]["num_done"] == len(done)
+    assert json.loads((out / "status.json").read_text())["rows"]["done"] == len(done)
 
     r = subprocess.run(args, capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]

@@ -315,9 +315,13 @@ class CheckpointWriter:
         self.clock = clock
         self.on_flush = on_flush
         self.may_write = may_write  # asked before each part: False once another run took the folder over
-        self.num_unsaved = 0  # results not written because of it
+        self.unsaved: list[Result] = []  # results not written because of it
         self.buffer: list[Result] = []
         self.last_flush = clock()
+
+    @property
+    def num_unsaved(self) -> int:
+        return len(self.unsaved)
 
     def add(self, results: list[Result]) -> None:
         self.buffer.extend(results)
@@ -334,7 +338,7 @@ class CheckpointWriter:
             return
         results, self.buffer = self.buffer, []
         if self.may_write is not None and not self.may_write():
-            self.num_unsaved += len(results)
+            self.unsaved.extend(results)
             return
         table = self.schema.table(results, self.run_id, self.model)
         try:
