@@ -97,8 +97,15 @@ def open_job(cfg: JobConfig, fresh: bool = False, now: Optional[float] = None, r
     lock = RunLock(out)
     lock.acquire()
     try:
-        return _open_locked(cfg, fresh, source, out, model, fields, lock, deadline_at, margin_s,
-                            retry_errors=retry_errors)
+        job = _open_locked(cfg, fresh, source, out, model, fields, lock, deadline_at, margin_s,
+                           retry_errors=retry_errors)
+        try:  # a job of another split (an unsharded run beside a shard's) may have begun in OUT since the check
+            check_layout(cfg.output.path, shard)
+        except OutputError:
+            if len(job.manifest["attempts"]) == 1 and not job.scan.num_done:  # begun just now: as if never begun
+                out.clear()
+            raise
+        return job
     except BaseException:
         lock.release()
         raise

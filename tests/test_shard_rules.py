@@ -160,3 +160,32 @@ def test_a_shard_that_meets_another_rule_after_writing_its_manifest_leaves_nothi
     monkeypatch.setattr(job, "recorded_split", lambda url, shard, fresh: FRAGMENTS)  # (shard 1's, as it finds)
     assert run_job(cfg(inp, out, cluster={"shard": "1/2"}), engine_factory=given(FakeEngine()),
                    is_tty=False).exit_code == 0
+
+
+def test_an_unsharded_run_and_a_shard_begun_together_do_not_both_write(tmp_path, cfg, monkeypatch):
+    """Both found OUT empty at the layout's check, before either held its lock (two locks: OUT's and the shard
+    folder's); the unsharded run wrote its manifest first. The shard, just begun, meets it at the check after its
+    own manifest's write, removes its manifest and is refused: every id is answered once, by the unsharded run."""
+    import overnight.pipeline.job as job
+
+    inp = write_input(tmp_path / "in", [30, 30])
+    out = tmp_path / "out"
+    real = job.check_layout
+    calls = []
+
+    def first_passes(url, shard, ray=False):  # the shard's first check ran before the unsharded run began
+        calls.append(shard)
+        if len(calls) > 1:
+            real(url, shard, ray)
+
+    job_out = out / "shards" / "00000-of-00002"
+    (out / "shards").mkdir(parents=True)
+    run_job(cfg(inp, out), engine_factory=given(FakeEngine()), is_tty=False)  # the unsharded run, first
+    monkeypatch.setattr(job, "check_layout", first_passes)
+    with pytest.raises(OutputError, match="holds the results of an unsharded run, and this run is shard 0/2"):
+        run_job(cfg(inp, out, cluster={"shard": "0/2"}), engine_factory=given(FakeEngine()), is_tty=False)
+    assert not (job_out / "manifest.json").exists() and not list(job_out.glob("parts/*.parquet"))
+    monkeypatch.setattr(job, "check_layout", real)
+    con, _ = open_results(str(out))
+    assert con.execute("select count(*), count(distinct id) from results").fetchone() == (60, 60)
+    assert run_job(cfg(inp, out), engine_factory=given(FakeEngine()), is_tty=False).exit_code == 0
