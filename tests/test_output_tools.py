@@ -274,3 +274,32 @@ def test_status_counts_the_part_a_killed_run_wrote_before_its_manifest(tmp_path,
     s = job_status(str(out))
     assert (s["state"], s["rows_done"], s["rows_left"]) == ("stopped", in_parts, 30 - in_parts)
     assert s["per_shard"][0]["rows_done"] == in_parts
+
+
+# -- J: a manifest edited by hand into another shape ------------------------------------------------------------
+
+@pytest.mark.parametrize("edit,why", [
+    (lambda m: m.update(counts=None), "its 'counts' is a NoneType, where a dict belongs"),
+    (lambda m: m.pop("attempts"), "its 'attempts' is missing, where a list belongs"),
+    (lambda m: m.update(input=None), "its 'input' is a NoneType, where a dict belongs"),
+    (lambda m: m.update(attempts=[1]), "an entry of its 'attempts' is not an object"),
+    (lambda m: m.clear(), "its 'fingerprint_fields' is missing"),
+])
+def test_a_manifest_of_another_shape_is_named_with_its_fix_not_a_traceback(tmp_path, cfg, write_parquet, edit, why):
+    from click.testing import CliRunner
+
+    from overnight.jobs.cli import cli
+
+    inp = write_parquet({"id": ["a", "b"], "prompt": ["hi", "yo"]})
+    out = tmp_path / "out"
+    run_job(cfg(inp, out), engine_factory=given(FakeEngine()), is_tty=False)
+    m = json.loads((out / "manifest.json").read_text())
+    edit(m)
+    (out / "manifest.json").write_text(json.dumps(m))
+    for args in (["status", str(out)], ["inspect", str(out)], ["run", inp, "--out", str(out), "--engine", "echo"]):
+        r = CliRunner().invoke(cli, args)
+        assert r.exit_code == 1 and f"manifest.json is not an overnight manifest ({why}" in r.output, (args, r.output)
+        assert "Restore it, or rerun with --fresh" in r.output
+    (out / "manifest.json").write_text("[]")
+    with pytest.raises(OutputError, match=r"not an overnight manifest \(a JSON list, not an object\)"):
+        job_status(str(out))

@@ -68,7 +68,8 @@ def test_retry_errors_rewrites_a_part_whole_and_removes_one_of_errors_only(tmp_p
     pq.write_table(mixed, out.path(PARTS, "part-00000.parquet"))
     pq.write_table(pa.table({"id": [4], "status": ["error"], "output_tokens": [0]}), out.path(PARTS, "part-00001.parquet"))
     pq.write_table(pa.table({"id": [5], "status": ["ok"], "output_tokens": [2]}), out.path(PARTS, "part-00002.parquet"))
-    out.write_manifest({"counts": {"num_done": 5, "num_ok": 3, "num_error": 2, "num_parts": 3}})
+    out.write_manifest({"counts": {"num_done": 5, "num_ok": 3, "num_error": 2, "num_parts": 3},
+                        "fingerprint_fields": {}, "input": {}, "attempts": []})
     assert out.drop_errors("id") == (2, 2)
     assert [p.rsplit("/", 1)[-1] for p in out.part_paths()] == ["part-00000.parquet", "part-00002.parquet"]
     kept = pq.read_table(out.path(PARTS, "part-00000.parquet"))

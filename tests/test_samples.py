@@ -380,7 +380,7 @@ def test_a_row_whose_any_sample_vllm_ended_or_failed_is_not_an_answer():
 def test_samples_share_the_rows_engine_time_in_the_table():
     from overnight.pipeline.output.schema import OutputSchema
 
-    row = SimpleNamespace(id="a", passthrough={}, predicted_tokens=4, bucket=1, prompt_hash="h")
+    row = SimpleNamespace(id="a", passthrough={}, predicted_tokens=4, bucket=1, prompt_hash="h", sampling={})
     fin = Finished("r", "x", "stop", 3, 7, None, 1.0,
                    [Sample(0, "x", "stop", 3), Sample(1, "yy", "length", 4)])
     result = Result.from_engine(row, fin, 0.5, engine_seconds=0.2)

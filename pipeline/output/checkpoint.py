@@ -65,6 +65,23 @@ def _footer_says(meta, names: list[str], id_column: str) -> tuple[bool, bool]:
 _COLUMN_INDEX: dict = {}
 
 
+# The manifest's keys that the commands read, and the JSON type each must have
+_MANIFEST_KEYS = {"fingerprint_fields": dict, "input": dict, "counts": dict, "attempts": list}
+
+
+def _manifest_shape(manifest) -> Optional[str]:
+    """What is wrong with a manifest's shape (a key missing or of another type), or None."""
+    if not isinstance(manifest, dict):
+        return f"a JSON {type(manifest).__name__}, not an object"
+    for key, kind in _MANIFEST_KEYS.items():
+        if not isinstance(manifest.get(key), kind):
+            what = "missing" if key not in manifest else f"a {type(manifest[key]).__name__}"
+            return f"its {key!r} is {what}, where a {kind.__name__} belongs"
+    if not all(isinstance(a, dict) for a in manifest["attempts"]):
+        return "an entry of its 'attempts' is not an object"
+    return None
+
+
 class OutputDir:
     def __init__(self, url: str):
         self.url = url.rstrip("/") or url
@@ -237,10 +254,15 @@ class OutputDir:
         if text is None:
             return None
         try:
-            return json.loads(text)
+            manifest = json.loads(text)
         except ValueError:
             raise OutputError(f"{self.shown(MANIFEST)} is not valid JSON. Rerun with --fresh to start over, "
                               f"or restore the file.") from None
+        wrong = _manifest_shape(manifest)
+        if wrong:
+            raise OutputError(f"{self.shown(MANIFEST)} is not an overnight manifest ({wrong}); edited by hand, or "
+                              f"another tool's file. Restore it, or rerun with --fresh to start over.")
+        return manifest
 
     def write_manifest(self, manifest: dict) -> None:
         failpoint("manifest.before_write")
