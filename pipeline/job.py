@@ -165,7 +165,7 @@ def _open_locked(cfg, fresh, source, out, model, fields, lock, deadline_at, marg
     cfg_dict["output"]["path"] = redact(cfg_dict["output"]["path"] or "")
     manifest = previous or mf.new_manifest(cfg_dict, fields, input_info)
     mf.start_attempt(manifest, cfg_dict, input_info)
-    lock.info["run_id"] = manifest["run_id"]
+    lock.name_run(manifest["run_id"])
     if not unchanged:
         manifest["counts"] = counts_from_scan(scan, source.num_rows)
     _still_ours(lock, out)

@@ -304,3 +304,46 @@ def test_a_live_run_is_seen_to_beat_when_the_watchers_clock_is_110_s_ahead(tmp_p
 
     with pytest.raises(LockError, match="host other-host, pid 4242"):
         RunLock(OutputDir(str(out)), clock=clock, sleep=sleep).acquire()
+
+
+def test_the_lock_names_its_run_before_the_manifest_is_written(tmp_path, cfg, write_parquet):
+    """A run refused while the holder opens names the holder's run id, not an empty one (it was written at the
+    heartbeat 30 s later)."""
+    from overnight.pipeline.job import open_job
+
+    inp = write_parquet({"id": ["a"], "prompt": ["hi"]})
+    job = open_job(cfg(inp, tmp_path / "out"))
+    try:
+        held = json.loads((tmp_path / "out" / ".overnight.lock").read_text())
+        assert held["run_id"] == job.manifest["run_id"] != ""
+    finally:
+        job.lock.release()
+
+
+def test_a_full_disk_leaves_no_lock_file_behind_and_says_to_free_space(tmp_path, monkeypatch):
+    import errno
+
+    import overnight.pipeline.output.lock as lockmod
+
+    class Full:
+        def __new__(cls, path, mode="r", *a, **k):
+            return super().__new__(cls) if "w" in mode else open(path, mode, *a, **k)
+
+        def __init__(self, path, mode="r", *a, **k):
+            self.f = open(path, mode)   # made, as the file system makes it before the write fails
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.f.close()
+
+        def write(self, data):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    out = tmp_path / "out"
+    monkeypatch.setattr(lockmod, "open", Full, raising=False)
+    with pytest.raises(LockError, match=r"Cannot write the lock .*\.overnight\.lock: No space left on device\. Free "
+                                        r"space there, or choose another --out\."):
+        RunLock(OutputDir(str(out))).acquire()
+    assert os.listdir(out) == []

@@ -33,8 +33,10 @@ numbers would collide with the other run's).
 from __future__ import annotations
 
 import datetime as dt
+import errno
 import json
 import logging
+import math
 import os
 import socket
 import threading
@@ -180,9 +182,18 @@ class RunLock:
         try:
             self._acquire()
         except OSError as e:  # OUT cannot be made or read: under a file, on a read-only mount, no permission
+            if e.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise LockError(f"Cannot write the lock {self.out.url}/{LOCK}: {e.strerror}. Free space there, "
+                                f"or choose another --out.") from None
             raise LockError(f"Output folder {self.out.url} cannot be used ({type(e).__name__}: "
                             f"{getattr(e, 'strerror', None) or e}); give an --out that is a folder, or where one "
                             f"can be made, and that this run may write.") from None
+
+    def name_run(self, run_id: str) -> None:
+        """The run's id, known once the job's manifest is read or made: written into the lock at the next
+        confirm() (before the manifest's write), so that a run refused meanwhile names the holder's run."""
+        self.info["run_id"] = run_id
+        self.last_beat = -math.inf
 
     def _acquire(self) -> None:
         other = self.holder()
@@ -225,9 +236,9 @@ class RunLock:
             # written whole under a name of its own, then linked in place: a run that reads the lock never finds
             # it empty (which it would take for a corrupt lock, and over), and only one link can succeed
             tmp = f"{self.path}.{self.token}"
-            with open(tmp, "wb") as f:
-                f.write(data)
             try:
+                with open(tmp, "wb") as f:  # (a full disk fails here: the file made is removed below)
+                    f.write(data)
                 try:
                     os.link(tmp, self.path)
                 except FileExistsError:
@@ -240,7 +251,10 @@ class RunLock:
                 raise LockError(f"{self.out.url} was just locked by another run. Only one run may write to an "
                                 f"output folder.") from None
             finally:
-                os.unlink(tmp)
+                try:
+                    os.unlink(tmp)
+                except FileNotFoundError:
+                    pass
         else:
             write_atomic(fs, self.path, data)
         self.last_beat = self.clock()
