@@ -2,7 +2,8 @@
 pins many packages, so it lives apart from vLLM's: `make test` builds .venv-airflow once and caches it).
 
 Two shards over the echo engine, each with a time budget too short to finish in one attempt: every deadline
-exit (75) leads to a retry that resumes, the job completes, and every id appears exactly once."""
+exit (75) leads to a retry that resumes, the job completes, and every id appears exactly once. A bad option (exit
+2) fails each shard at once, without the retries."""
 
 from __future__ import annotations
 
@@ -42,7 +43,7 @@ def test_the_nightly_dag_retries_deadline_exits_until_every_id_is_done(tmp_path,
     env.update({"AIRFLOW_HOME": str(home), "AIRFLOW__CORE__DAGS_FOLDER": str(REPO / "examples" / "airflow"),
                 "AIRFLOW__CORE__LOAD_EXAMPLES": "False", "OVERNIGHT": overnight_cmd()[0],
                 "OVERNIGHT_CONFIG": str(config), "OVERNIGHT_OUT": str(out), "OVERNIGHT_SHARDS": "2",
-                "OVERNIGHT_INPUT": str(tmp_path / "in" / "{{ ds }}"),
+                "OVERNIGHT_INPUT": str(tmp_path / "in" / "{ds}"),
                 "OVERNIGHT_EXTRA_ARGS": "--time-budget 8s", "OVERNIGHT_RETRY_DELAY_S": "1"})
     migrate = subprocess.run([str(AIRFLOW), "db", "migrate"], env=env, capture_output=True, text=True, timeout=300)
     assert migrate.returncode == 0, migrate.stderr[-2000:]
@@ -50,10 +51,17 @@ def test_the_nightly_dag_retries_deadline_exits_until_every_id_is_done(tmp_path,
                          capture_output=True, text=True, timeout=900)
     log = run.stdout + run.stderr
     assert run.returncode == 0, log[-4000:]
-    assert "non-zero exit code 75" in log and "Marking task as UP_FOR_RETRY" in log   # a deadline exit was retried
+    assert "overnight exited 75 (resumable)" in log and "Marking task as UP_FOR_RETRY" in log  # retried, resumed
     out = out / "2026-11-22"                                     # the night's own OUT
     ids = [r[0] for r in duckdb.sql(f"select id from read_parquet('{out}/shards/*/parts/*.parquet')").fetchall()]
     assert len(ids) == len(set(ids)) == 80
     attempts = [json.loads((d / "manifest.json").read_text())["attempts"] for d in sorted((out / "shards").iterdir())]
     assert any(len(a) >= 2 and a[0]["state"] == "partial" and a[-1]["state"] == "completed" for a in attempts)
     assert "'state': 'completed'" in log or '"state": "completed"' in log   # the summary task's XCom
+    # a bad option (exit 2) fails each shard at once: no retry would help
+    env["OVERNIGHT_EXTRA_ARGS"] = "--time-budget 5x"
+    run = subprocess.run([str(AIRFLOW), "dags", "test", "overnight_nightly", "2026-11-23"], env=env,
+                         capture_output=True, text=True, timeout=900)
+    log = run.stdout + run.stderr
+    assert "overnight exited 2: bad input or config" in log and "'5x' is not a duration" in log, log[-4000:]
+    assert "Marking task as FAILED" in log and "UP_FOR_RETRY" not in log, log[-4000:]

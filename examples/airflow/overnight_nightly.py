@@ -1,20 +1,22 @@
 """A nightly overnight job in Airflow: one mapped task per shard, retried until each shard is done.
 
-Each shard runs `overnight run nightly.yaml --shard K/N` in a BashOperator (dynamic task mapping fans out the
-N shards). Exit codes drive the retries:
+Each shard runs `overnight run nightly.yaml --shard K/N` from a task of its own (dynamic task mapping fans out the
+N shards). Its exit code decides whether Airflow retries it:
 
 - 0: the shard is done.
-- 75: stopped early at the deadline or by SIGTERM (Airflow's own timeout sends it); resumable. The task
-  fails, and its retry reruns the same command, which continues where the shard stopped.
+- 75: stopped early at the deadline or by SIGTERM; resumable. The task fails, and its retry reruns the same
+  command, which continues where the shard stopped. Airflow's own timeout (``execution_timeout``) and a task
+  stopped by hand reach overnight as SIGTERM: it drains, saves what finished and exits 75.
 - 69: the engine failed to start or died (a busy or broken GPU); rows are saved. The retry waits
   ``retry_delay``, doubling each time (``retry_exponential_backoff``).
-- 1 / 2: a real failure (bad input, bad config): retries will not help, and the message says why.
+- 1 / 2: a real failure (bad input, bad config): the task fails at once, without the retries, which would not
+  help (AirflowFailException); the message says why.
 
 Each night (each DAG run's logical date, ``ds``) writes to a folder of its own, OVERNIGHT_OUT/<ds>/: a retry of
 that night's run resumes it, and the next night starts a job of its own (the same folder again would find the
 last night's job done, or, with new input files, refuse: a sharded job's input must not change under it). Set
-OVERNIGHT_INPUT to read each night's own prompts; it may use Airflow's templates, e.g.
-``s3://my-bucket/prompts/{{ ds }}/``. Without it, the config's input.path is read.
+OVERNIGHT_INPUT to read each night's own prompts; ``{ds}`` in it is the night's date, e.g.
+``s3://my-bucket/prompts/{ds}/``. Without it, the config's input.path is read.
 
 The last task reads every shard's status with `overnight status OUT/<ds> --json` and returns it as the XCom
 summary.
@@ -27,20 +29,23 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
+import signal
 import subprocess
 from datetime import datetime, timedelta
 
 from airflow import DAG
 from airflow.decorators import task
-from airflow.operators.bash import BashOperator
+from airflow.exceptions import AirflowException, AirflowFailException
 
 OVERNIGHT = os.environ.get("OVERNIGHT", "overnight")
 CONFIG = os.environ.get("OVERNIGHT_CONFIG", "/etc/overnight/nightly.yaml")
 OUT = os.environ.get("OVERNIGHT_OUT", "s3://my-bucket/answers").rstrip("/")
 INPUT = os.environ.get("OVERNIGHT_INPUT", "")
 SHARDS = int(os.environ.get("OVERNIGHT_SHARDS", "4"))
-EXTRA = os.environ.get("OVERNIGHT_EXTRA_ARGS", "")
+EXTRA = shlex.split(os.environ.get("OVERNIGHT_EXTRA_ARGS", ""))
 RETRY_DELAY = timedelta(seconds=float(os.environ.get("OVERNIGHT_RETRY_DELAY_S", "120")))
+NOT_RETRIED = (1, 2)  # bad input or config: a retry would fail the same way
 
 with DAG(
     dag_id="overnight_nightly",
@@ -51,12 +56,25 @@ with DAG(
     default_args={"retries": 6, "retry_delay": RETRY_DELAY, "retry_exponential_backoff": True,
                   "max_retry_delay": timedelta(minutes=30)},
 ) as dag:
-    shards = BashOperator.partial(
-        task_id="shard",
-        # SIGTERM on a timeout: overnight drains, saves what finished and exits 75; the retry resumes.
-        execution_timeout=timedelta(hours=8),
-    ).expand(bash_command=[f"{OVERNIGHT} run {INPUT + ' --config ' if INPUT else ''}{CONFIG} --out {OUT}/{{{{ ds }}}} "
-                           f"--shard {k}/{SHARDS} {EXTRA}" for k in range(SHARDS)])
+
+    @task(execution_timeout=timedelta(hours=8))
+    def shard(k: int, ds=None) -> None:
+        inputs = [INPUT.replace("{ds}", ds), "--config"] if INPUT else []
+        command = [OVERNIGHT, "run", *inputs, CONFIG, "--out", f"{OUT}/{ds}", "--shard", f"{k}/{SHARDS}", *EXTRA]
+        print("running:", shlex.join(command), flush=True)
+        proc = subprocess.Popen(command)
+        try:
+            code = proc.wait()
+        except BaseException:  # Airflow's timeout, or the task stopped: overnight drains, saves and exits 75
+            proc.send_signal(signal.SIGTERM)
+            proc.wait()
+            raise
+        if code in NOT_RETRIED:
+            raise AirflowFailException(f"overnight exited {code}: bad input or config (its message above says "
+                                       f"why); not retried")
+        if code:
+            raise AirflowException(f"overnight exited {code} ({'resumable' if code == 75 else 'engine'}); the "
+                                   f"retry continues where the shard stopped")
 
     @task(retries=0)
     def summary(ds=None) -> dict:
@@ -67,4 +85,4 @@ with DAG(
             raise RuntimeError(f"overnight job in {out} is {status['state']}: {status['rows_left']} rows left")
         return {k: status[k] for k in ("state", "rows_done", "rows_total", "exit_code", "shards")}
 
-    shards >> summary()
+    shard.expand(k=list(range(SHARDS))) >> summary()
