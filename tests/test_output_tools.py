@@ -303,3 +303,18 @@ def test_a_manifest_of_another_shape_is_named_with_its_fix_not_a_traceback(tmp_p
     (out / "manifest.json").write_text("[]")
     with pytest.raises(OutputError, match=r"not an overnight manifest \(a JSON list, not an object\)"):
         job_status(str(out))
+
+
+# -- K: a sharded job with a shard not started yet ------------------------------------------------------------
+
+def test_inspect_counts_the_started_shards_rows_not_done_beside_a_shard_not_started(tmp_path, cfg, write_parquet):
+    inp = write_parquet({"id": [f"r{i}" for i in range(40)], "prompt": [f"q {i}" for i in range(40)]})
+    out = tmp_path / "out"
+    with pytest.raises(Exception, match="engine died"):
+        run_job(cfg(inp, out, cluster={"shard": "0/2"}, engine={"max_restarts": 0}),
+                engine_factory=given(FakeEngine(fail_after_steps=8)), is_tty=False)
+    con, m = open_results(str(out))
+    done = con.execute("select count(*) from results").fetchone()[0]
+    assert 0 < done < 20
+    assert f"rows: {done} ({done} ok, 0 error, {20 - done} not done, and the rows of 1 shard not started)" \
+        in summary_lines(con, m)

@@ -124,6 +124,7 @@ def job_manifest(url: str) -> Optional[dict]:
     shards = sum(d.shard is not None for d, _ in found)  # (Ray workers' folders are not shards)
     missing = _expected(found) - shards if shards else 0
     if missing > 0:  # shards not started yet: their rows are not known (each counts its own when it starts)
+        merged["rows_of_started_shards"] = counts.get("num_rows")
         counts["num_rows"] = None
         merged["shards_not_started"] = missing
     if any(d.worker is not None for d, _ in found):  # Ray: a worker counts the units it took; the driver the job

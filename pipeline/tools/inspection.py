@@ -123,6 +123,8 @@ def summary_lines(con, manifest: Optional[dict], price_per_hour: Optional[float]
         f"coalesce(sum(output_tokens), 0), count(*) filter (status = 'ok') from results").fetchone()
     counts = (manifest or {}).get("counts", {})
     total = counts.get("num_rows")
+    if total is None:  # shards not started yet: the rows not done are the started shards', and theirs besides
+        total = (manifest or {}).get("rows_of_started_shards")
     # Duplicate ids are skipped, neither done nor left; a completed job has none left; results no longer in the
     # input (known once a run has read it all) are not its rows done.
     here = n - (counts.get("num_removed") or 0)
