@@ -80,6 +80,10 @@ def open_job(cfg: JobConfig, fresh: bool = False, now: Optional[float] = None, r
     shard = parse_shard(cfg.cluster.shard, cfg.cluster.shards)
     source = open_source(cfg.input, shard, recorded_split(cfg.output.path, shard, fresh))
     check_layout(cfg.output.path, shard)
+    if cfg.scheduler.policy == "priority" and "priority" not in source.schema.names:
+        log.warning(f"--policy priority: {source.url} has no 'priority' column, so every row has priority 0 and "
+                    f"the rows run in input order, as fifo. Add the column (an integer, lower first), or choose "
+                    f"another --policy")
     if shard is not None:
         sel = source.selection
         if sel.rule == ROWS:

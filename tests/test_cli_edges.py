@@ -173,3 +173,17 @@ def test_limit_zero_says_so(tmp_path, cfg, write_parquet):
     inp = write_parquet({"id": [1, 2], "prompt": ["a", "b"]})
     s = run_job(cfg(inp, tmp_path / "out", input={"limit": 0}), engine_factory=given(FakeEngine()), is_tty=False)
     assert s.exit_code == 0 and s.message == "nothing to do: --limit 0 takes no rows"
+
+
+def test_policy_priority_without_a_priority_column_says_it_runs_as_fifo(tmp_path, cfg, write_parquet, caplog):
+    inp = write_parquet({"id": [1, 2], "prompt": ["a", "b"]})
+    with caplog.at_level("WARNING", logger="overnight"):
+        run_job(cfg(inp, tmp_path / "out", scheduler={"policy": "priority"}), engine_factory=given(FakeEngine()),
+                is_tty=False)
+    assert "--policy priority: " in caplog.text and "has no 'priority' column" in caplog.text
+    caplog.clear()
+    inp = write_parquet({"id": [1, 2], "prompt": ["a", "b"], "priority": [2, 1]}, "p.parquet")
+    with caplog.at_level("WARNING", logger="overnight"):
+        run_job(cfg(inp, tmp_path / "out2", scheduler={"policy": "priority"}), engine_factory=given(FakeEngine()),
+                is_tty=False)
+    assert "--policy priority" not in caplog.text
