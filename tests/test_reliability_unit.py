@@ -268,3 +268,16 @@ def test_resume_after_the_input_changed(write_parquet, tmp_path, cfg, caplog):
     t = pq.read_table(out / "parts").to_pylist()
     assert sorted(r["id"] for r in t) == ["a", "b", "c", "d", "e"]
     assert all(len(r["prompt_hash"]) == 16 for r in t)
+
+
+def test_a_file_where_the_parts_folder_belongs_is_named_at_once_not_retried(data, tmp_path, cfg, monkeypatch):
+    from overnight.pipeline.output.storage import StorageError
+
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "parts").write_text("not a folder")
+    monkeypatch.setattr("overnight.pipeline.output.storage.RETRY_DELAYS",
+                        (pytest.fail,))  # a retry would call it
+    with pytest.raises(StorageError, match=r"parts/part-00000\.parquet: File exists: a file stands where overnight "
+                                           r"keeps a folder \(.*/out/parts\)\. Move that file away"):
+        run_job(cfg(data, out, output={"flush_rows": 5}), engine_factory=given(FakeEngine()), is_tty=False)

@@ -12,6 +12,7 @@ from the parts. A part's columns are ``schema.OutputSchema``'s.
 
 from __future__ import annotations
 
+import errno
 import io
 import json
 import logging
@@ -315,6 +316,10 @@ class OutputDir:
             with_retries(attempt, f"writing {redact(unstrip(self.fs, path))}")
         except OSError as e:
             shown = redact(unstrip(self.fs, path))
+            if isinstance(e, (FileExistsError, NotADirectoryError)) or e.errno in (errno.EEXIST, errno.ENOTDIR):
+                raise StorageError(f"Cannot write {shown}: {e.strerror or e}: a file stands where overnight keeps a "
+                                   f"folder ({redact(unstrip(self.fs, path.rsplit('/', 1)[0]))}). Move that file "
+                                   f"away, or choose another --out.") from e
             raise StorageError(f"Cannot write {shown}: {e.strerror or e}. Make --out writable or free space there "
                                f"(rows already in completed parts are kept; rerun to continue), or choose "
                                f"another --out.") from e

@@ -23,7 +23,7 @@ T = TypeVar("T")
 
 # Errors that retrying will not fix: fail at once, with the fix in the message.
 PERMANENT_ERRNOS = {errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EPERM, errno.EFBIG, errno.ENOTDIR,
-                    errno.EISDIR, errno.EDQUOT, errno.ENAMETOOLONG}
+                    errno.EISDIR, errno.EDQUOT, errno.ENAMETOOLONG, errno.EEXIST}
 RETRY_DELAYS = (0.5, 1.0, 2.0, 4.0)
 
 
@@ -32,7 +32,8 @@ class StorageError(Exception):
 
 
 def is_permanent(e: BaseException) -> bool:
-    return isinstance(e, (PermissionError, FileNotFoundError, NotADirectoryError, IsADirectoryError)) or (
+    return isinstance(e, (PermissionError, FileNotFoundError, NotADirectoryError, IsADirectoryError,
+                          FileExistsError)) or (
         isinstance(e, OSError) and e.errno in PERMANENT_ERRNOS)
 
 
