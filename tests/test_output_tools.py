@@ -318,3 +318,22 @@ def test_inspect_counts_the_started_shards_rows_not_done_beside_a_shard_not_star
     assert 0 < done < 20
     assert f"rows: {done} ({done} ok, 0 error, {20 - done} not done, and the rows of 1 shard not started)" \
         in summary_lines(con, m)
+
+
+def test_a_folder_where_the_manifest_or_status_belongs_is_named(tmp_path, cfg, write_parquet):
+    from click.testing import CliRunner
+
+    from overnight.jobs.cli import cli
+
+    inp = write_parquet({"id": ["a"], "prompt": ["hi"]})
+    for name in ("manifest.json", "status.json"):
+        out = tmp_path / name.split(".")[0]
+        (out / name).mkdir(parents=True)
+        for args in (["status", str(out)], ["run", inp, "--out", str(out), "--engine", "echo"]):
+            r = CliRunner().invoke(cli, args)
+            assert r.exit_code == 1 and f"{out / name} is a folder, where overnight keeps a file of that name" \
+                in r.output, (args, r.output)
+    (tmp_path / "bytes").mkdir()
+    (tmp_path / "bytes" / "manifest.json").write_bytes(b"\xff\xfe")
+    with pytest.raises(OutputError, match="manifest.json is not valid JSON"):
+        job_status(str(tmp_path / "bytes"))

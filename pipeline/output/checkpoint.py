@@ -251,12 +251,12 @@ class OutputDir:
 
     # -- manifest and status -----------------------------------------------------------------
     def read_manifest(self) -> Optional[dict]:
-        text = read_text(self.fs, self.path(MANIFEST))
-        if text is None:
-            return None
         try:
+            text = read_text(self.fs, self.path(MANIFEST))
+            if text is None:
+                return None
             manifest = json.loads(text)
-        except ValueError:
+        except ValueError:  # (bytes that are not UTF-8 too)
             raise OutputError(f"{self.shown(MANIFEST)} is not valid JSON. Rerun with --fresh to start over, "
                               f"or restore the file.") from None
         wrong = _manifest_shape(manifest)
@@ -277,12 +277,12 @@ class OutputDir:
     def _snapshot(self, name: str):
         """status.json or timeline.json, or None where it is absent or damaged (each is a snapshot of the run's
         progress, written again at the next flush: a damaged one is said once and read as absent)."""
-        text = read_text(self.fs, self.path(name))
-        if not text:
-            return None
         try:
+            text = read_text(self.fs, self.path(name))
+            if not text:
+                return None
             return json.loads(text)
-        except ValueError as e:
+        except ValueError as e:  # (bytes that are not UTF-8 too)
             log.warning(f"{self.shown(name)} is damaged ({e}); it is read as absent, and written again at the "
                         f"run's next flush")
             return None

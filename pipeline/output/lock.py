@@ -111,12 +111,12 @@ class RunLock:
         self._thread: Optional[threading.Thread] = None
 
     def holder(self) -> Optional[dict]:
-        text = read_text(self.out.fs, self.path)
-        if text is None:
-            return None
         try:
+            text = read_text(self.out.fs, self.path)
+            if text is None:
+                return None
             return json.loads(text)
-        except ValueError:
+        except ValueError:  # (bytes that are not UTF-8 too)
             return {"corrupt": True, "heartbeat": 0}
 
     def _same_processes(self, other: dict) -> bool:

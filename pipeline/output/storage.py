@@ -131,9 +131,14 @@ def _fsync_dir(directory: str) -> None:
 
 
 def read_text(fs, path: str) -> Optional[str]:
-    """The file's text, or None when it does not exist."""
+    """The file's text, or None when it does not exist. A folder in its place is a StorageError naming it; bytes
+    that are not UTF-8 a UnicodeDecodeError (a ValueError, as JSON that does not parse)."""
     try:
         with fs.open(path, "rb") as f:
             return f.read().decode("utf-8")
     except FileNotFoundError:
         return None
+    except IsADirectoryError:
+        raise StorageError(f"{unstrip(fs, path)} is a folder, where overnight keeps a file of that name. Move it "
+                           f"away, or choose another --out.") from None
+
