@@ -144,8 +144,10 @@ def _open_locked(cfg, fresh, source, out, model, fields, lock, deadline_at, marg
     stamp = source.input_stamp()
     unchanged = (shortcut and previous is not None and previous.get("state") == mf.RunState.COMPLETED.value
                  and previous.get("input", {}).get("stamp") == stamp
-                 # and its parts are all there (a part deleted to redo its rows, as a bad part's message says)
-                 and len(out.part_paths()) == previous.get("counts", {}).get("num_parts"))
+                 # and its parts are all there (a part deleted to redo its rows, as a bad part's message says),
+                 # as they were (none truncated or replaced since: an OUT before stop 43 records no digest)
+                 and len(out.part_paths()) == previous.get("counts", {}).get("num_parts")
+                 and previous.get("parts_digest") in (None, out.parts_digest()))
     # A completed job over an unchanged input needs no scan of its parts (at 10M rows that takes seconds).
     scan = out.scan(id_name) if previous is not None and not unchanged else Scan()
     _check_id_kind(scan, source, id_name)

@@ -249,6 +249,11 @@ class Reporter:
         exit_code = exit_code_for(state, engine_failed)
         m = self.job.manifest
         m["counts"] = self._counts()
+        if state == mf.RunState.COMPLETED:  # what a rerun over an unchanged input checks before it skips the scan
+            try:
+                m["parts_digest"] = self.job.out.parts_digest()
+            except OSError as e:
+                log.debug("listing the parts for their digest: %s", e)
         mf.end_attempt(m, state, message)
         status = self.status(state, exit_code, message)
         lock = self.job.lock

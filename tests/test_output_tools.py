@@ -248,6 +248,9 @@ def test_a_damaged_part_is_named_not_a_traceback(tmp_path, cfg, write_parquet):
     with pytest.raises(OutputError, match=f"{part}: a result part cannot be read .* Delete the damaged part and "
                                           f"rerun the job"):
         open_results(str(out))
+    # a rerun over the unchanged input does not take the job for done: the parts are not as it completed them
+    with pytest.raises(OutputError, match=f"{part}.* cannot be read"):
+        run_job(cfg(inp, out), engine_factory=given(FakeEngine()), is_tty=False)
     part.unlink()
     s = run_job(cfg(inp, out), engine_factory=given(FakeEngine()), is_tty=False)
     assert s.exit_code == 0 and open_results(str(out))[0].execute("select count(*) from results").fetchall() == [(3,)]

@@ -105,6 +105,20 @@ class OutputDir:
         names = [p.rsplit("/", 1)[-1] for p in self.fs.ls(folder, detail=False)]
         return sorted(self.path(PARTS, n) for n in names if PART_RE.match(n))
 
+    def parts_digest(self) -> str:
+        """The parts as they are (names and sizes), from one listing: a completed job records it, and a rerun
+        whose input is unchanged skips the scan only where it is unchanged too (a part truncated or replaced by
+        hand since is then read, and named if it is damaged)."""
+        import hashlib
+
+        folder = self.path(PARTS)
+        if not self.fs.exists(folder):
+            return ""
+        listed = sorted((e["name"].rsplit("/", 1)[-1], int(e.get("size") or 0))
+                        for e in self.fs.ls(folder, detail=True))
+        text = ";".join(f"{n}:{size}" for n, size in listed if PART_RE.match(n))
+        return hashlib.sha1(text.encode()).hexdigest()[:16]
+
     def scan(self, id_column: str, into: Optional[Scan] = None) -> Scan:
         """Read the id, status, token and prompt_hash columns of every completed part, adding them to ``into``
         when given (a job can scan several folders into one Scan), else to a new Scan.
