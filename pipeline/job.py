@@ -122,6 +122,8 @@ def _open_locked(cfg, fresh, source, out, model, fields, lock, deadline_at, marg
     retry_errors: the parts' error rows are removed first, so that the run answers those rows again."""
     given = mf.fingerprint_fields(cfg, model.requested, model.chat, as_given=True)  # as OUTs before stop 37 had it
     _check_other_shards(cfg, source, out, fields, given, fresh)
+    if out.remove_leftovers():
+        log.info("removed the temporary files of a run killed while it wrote in %s", out.shown())
     previous = out.read_manifest()
     if fresh:
         _still_ours(lock, out)

@@ -281,3 +281,19 @@ def test_a_file_where_the_parts_folder_belongs_is_named_at_once_not_retried(data
     with pytest.raises(StorageError, match=r"parts/part-00000\.parquet: File exists: a file stands where overnight "
                                            r"keeps a folder \(.*/out/parts\)\. Move that file away"):
         run_job(cfg(data, out, output={"flush_rows": 5}), engine_factory=given(FakeEngine()), is_tty=False)
+
+
+def test_a_run_removes_the_temporary_files_of_a_run_killed_while_it_wrote(data, tmp_path, cfg):
+    """SIGKILL between write_atomic's write and its rename leaves .tmp-<hex>-<name>: a glob such as
+    OUT/**/*.parquet would read the half part. The next run, holding the lock, removes them (not a lock's own)."""
+    out = tmp_path / "out"
+    run_job(cfg(data, out, input={"limit": 4}), engine_factory=given(FakeEngine()), is_tty=False)
+    hexa = "0123456789abcdef" * 2
+    left = [out / "parts" / f".tmp-{hexa}-part-00009.parquet", out / f".tmp-{hexa}-manifest.json"]
+    for p in left:
+        p.write_bytes(b"half")
+    lock_tmp = out / f".tmp-{hexa}-.overnight.lock"
+    lock_tmp.write_bytes(b"{}")
+    run_job(cfg(data, out), engine_factory=given(FakeEngine()), is_tty=False)
+    assert not any(p.exists() for p in left) and lock_tmp.exists()
+    assert pq.read_table(out / "parts").num_rows == 24

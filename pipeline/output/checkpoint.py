@@ -16,6 +16,7 @@ import errno
 import io
 import json
 import logging
+import os
 import re
 import time
 from typing import Callable, Optional
@@ -32,6 +33,7 @@ from overnight.pipeline.output.storage import (StorageError, join, read_text, re
 log = logging.getLogger("overnight")
 
 PART_RE = re.compile(r"^part-(\d{5,})\.parquet$")
+TMP_RE = re.compile(r"^\.tmp-[0-9a-f]{32}-.+$")  # storage.write_atomic's temporary files
 MANIFEST = "manifest.json"
 STATUS = "status.json"
 TIMELINE = "timeline.json"
@@ -104,6 +106,30 @@ class OutputDir:
             return []
         names = [p.rsplit("/", 1)[-1] for p in self.fs.ls(folder, detail=False)]
         return sorted(self.path(PARTS, n) for n in names if PART_RE.match(n))
+
+    def remove_leftovers(self) -> int:
+        """Remove the temporary files of a run killed while it wrote a file (``write_atomic``'s .tmp-<hex>-<name>:
+        a part, the manifest, status or timeline), which a glob such as OUT/**/*.parquet would read. Called by the
+        run that holds the lock, the folder's only writer. Local folders only (object stores write no temporary
+        files). Returns how many were removed."""
+        from overnight.pipeline.output.storage import is_local
+
+        if not is_local(self.fs):
+            return 0
+        removed = 0
+        for folder in (self.root, self.path(PARTS)):
+            try:
+                names = os.listdir(folder)
+            except OSError:
+                continue
+            for name in names:
+                if TMP_RE.match(name) and not name.endswith(".overnight.lock"):
+                    try:
+                        os.unlink(os.path.join(folder, name))
+                        removed += 1
+                    except OSError:
+                        pass
+        return removed
 
     def parts_digest(self) -> str:
         """The parts as they are (names and sizes), from one listing: a completed job records it, and a rerun
