@@ -120,3 +120,12 @@ def test_inspect_sql_that_returns_nothing_and_its_json(tmp_path, cfg, write_parq
 @pytest.fixture(autouse=True)
 def _cache(tmp_path, monkeypatch):
     monkeypatch.setenv("OVERNIGHT_HOME", str(tmp_path / "home"))
+
+
+def test_predictor_eval_of_a_job_completed_with_no_rows_says_so(tmp_path, cfg, write_parquet):
+    import pyarrow as pa
+
+    inp = write_parquet({"id": pa.array([], pa.string()), "prompt": pa.array([], pa.string())})
+    run_job(cfg(inp, tmp_path / "out"), engine_factory=given(FakeEngine()), is_tty=False)
+    r = CliRunner().invoke(cli, ["predictor", "eval", str(tmp_path / "out"), "--predictor", "heuristic"])
+    assert r.exit_code == 1 and "holds no rows: its job completed with none" in r.output, r.output
