@@ -66,7 +66,7 @@ def load_outputs(urls: list[str], one_per_prompt: bool = False) -> LengthData:
         con, _ = open_results(url)
         columns = {r[0] for r in con.execute("describe results").fetchall()}
         if "status" not in columns or not con.execute("select count(*) from results").fetchone()[0]:  # no part
-            if manifest.get("state") == "completed":
+            if manifest.get("state") == "completed" and not (manifest.get("counts") or {}).get("num_done"):
                 raise DatasetError(f"{url} holds no rows: its job completed with none (an input of no rows, or "
                                    f"rows all skipped). Pass the --out folder of a run that answered some.")
             raise DatasetError(f"{url} has no finished rows yet; let the run flush its first part (or finish), "

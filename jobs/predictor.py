@@ -60,13 +60,13 @@ def train(outs, save_to, epochs, holdout, seed, model, no_embeddings):
         raise click.UsageError("--model names the model whose token embeddings to learn from; --no-embeddings "
                                "learns from none. Pass one or the other.")
     data = load_outputs(list(outs), one_per_prompt=True)
+    if data.num_repeats:
+        click.echo(f"{data.num_repeats} rows left out: their prompts come again in a later row, which is kept (no "
+                   f"prompt sits on both sides of a split); {len(data)} distinct prompts remain")
     _check_learnable(data)
     tokens, why_not = None, None
     if not no_embeddings:
         tokens, why_not = _token_inputs(model, data.models)
-    if data.num_repeats:
-        click.echo(f"{data.num_repeats} rows left out: their prompts come again in a later row, which is kept (no "
-                   f"prompt sits on both sides of a split)")
     train_idx, val_idx = data.split(holdout, seed) if holdout else (list(range(len(data))), [])
     if len(train_idx) < MIN_ROWS:
         from overnight.buckets.dataset import DatasetError

@@ -108,5 +108,6 @@ class Clockwork:
         self.scheduler.is_admitting = False
         n = self.scheduler.num_running
         how = "aborting them" if hard_stop_at <= self.clock() else f"draining them until {iso(hard_stop_at)}"
-        second = "a second signal aborts at once" if self.signals.first else "a signal aborts at once"
+        second = ("a second signal aborts at once" if self.signals.first
+                  else "a signal ends the drain within --grace, a second aborts at once")
         log.warning(f"{reason}: stopped admitting rows; {n} rows in flight, {how} ({second})")

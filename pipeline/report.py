@@ -48,7 +48,8 @@ class Summary:
         dup = f", {self.num_duplicates} duplicate ids skipped" if self.num_duplicates else ""
         dup += f", {self.num_removed} no longer in the input" if self.num_removed else ""
         beyond = self.num_ok + self.num_error - self.num_done - (self.num_removed or 0)
-        dup += f"; the output holds {beyond} rows beyond this input's (a lower --limit)" if beyond > 0 else ""
+        if beyond > 0:
+            dup += f"; the output holds {beyond} rows beyond this input's (a lower --limit, or ids no longer in it)"
         tail = f"; {self.message}" if self.message and (self.state in ("partial", "interrupted") or
                                                        not self.num_rows) else ""
         cost = self.extra.get("cost") or {}

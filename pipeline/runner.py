@@ -98,10 +98,8 @@ class Runner(Clockwork):
             cfg, model = self.job.cfg, self.job.model
             if self.signals.first:  # asked to stop while the job opened: no engine, nothing run, exit 75
                 self.stopping = f"interrupted by {self.signals.first} before the engine started"
-            elif self._too_late():
-                pass
-            elif not (self.job.lazy_engine and model.context_known):  # a guessed context: ask the engine
-                model = model.with_context(self._start_engine().max_model_len)
+            elif not (self.job.lazy_engine and model.context_known) and not self._too_late():
+                model = model.with_context(self._start_engine().max_model_len)  # a guessed context: ask the engine
             self.reader = Prefetcher(prepare(cfg, self.job.source, model, self.annotator, self.resume,
                                              self.job.source.passthrough_columns(), self.tally))
             if not self.signals.first and not self.stopping and (self.engine is not None or self._has_work()):

@@ -43,7 +43,7 @@ def test_the_nightly_dag_retries_deadline_exits_until_every_id_is_done(tmp_path,
     env.update({"AIRFLOW_HOME": str(home), "AIRFLOW__CORE__DAGS_FOLDER": str(REPO / "examples" / "airflow"),
                 "AIRFLOW__CORE__LOAD_EXAMPLES": "False", "OVERNIGHT": overnight_cmd()[0],
                 "OVERNIGHT_CONFIG": str(config), "OVERNIGHT_OUT": str(out), "OVERNIGHT_SHARDS": "2",
-                "OVERNIGHT_INPUT": str(tmp_path / "in" / "{ds}"),
+                "OVERNIGHT_INPUT": str(tmp_path / "in" / "{{ ds }}"),
                 "OVERNIGHT_EXTRA_ARGS": "--time-budget 8s", "OVERNIGHT_RETRY_DELAY_S": "1"})
     migrate = subprocess.run([str(AIRFLOW), "db", "migrate"], env=env, capture_output=True, text=True, timeout=300)
     assert migrate.returncode == 0, migrate.stderr[-2000:]
@@ -63,5 +63,5 @@ def test_the_nightly_dag_retries_deadline_exits_until_every_id_is_done(tmp_path,
     run = subprocess.run([str(AIRFLOW), "dags", "test", "overnight_nightly", "2026-11-23"], env=env,
                          capture_output=True, text=True, timeout=900)
     log = run.stdout + run.stderr
-    assert "overnight exited 2: bad input or config" in log and "'5x' is not a duration" in log, log[-4000:]
+    assert "overnight exited 2: bad usage" in log and "'5x' is not a duration" in log, log[-4000:]
     assert "Marking task as FAILED" in log and "UP_FOR_RETRY" not in log, log[-4000:]

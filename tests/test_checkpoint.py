@@ -95,10 +95,11 @@ def test_out_that_is_a_file(tmp_path):
 def test_memory_output(tmp_path):
     out = OutputDir("memory://ckpt/out")
     out.write_part(0, schema().table([ok(1), ok(2)], "r", "m"))
-    out.write_manifest({"hello": 1})
+    manifest = {"hello": 1, "fingerprint_fields": {}, "input": {}, "counts": {}, "attempts": []}
+    out.write_manifest(manifest)
     scan = out.scan("id")
     assert scan.num_ids == 2 and scan.contains(["r1", "r2", "r3"]) == [True, True, False]
-    assert out.read_manifest() == {"hello": 1}
+    assert out.read_manifest() == manifest
     out.clear()
     assert out.part_paths() == [] and out.read_manifest() is None
 

@@ -107,6 +107,15 @@ def test_a_deadline_that_passes_while_the_job_opens_starts_no_engine(tmp_path, c
     assert (s.exit_code, s.num_ok) == (75, 0) and "deadline reached before the engine started" in s.message
     monkeypatch.undo()
     assert run_job(cfg(inp, tmp_path / "out"), engine_factory=given(FakeEngine()), is_tty=False).num_ok == 2
+    # every row done (a run killed after its last part: the manifest says running), the same slow open: exit 0
+    import json
+
+    m = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    m["state"] = "running"
+    (tmp_path / "out" / "manifest.json").write_text(json.dumps(m))
+    monkeypatch.setattr(api, "open_job", slow_open)
+    s = run_job(cfg(inp, tmp_path / "out", scheduler=sched), engine_factory=no_engine, is_tty=False)
+    assert (s.state, s.exit_code, s.num_done) == ("completed", 0, 2)
 
 
 def test_an_out_that_cannot_be_a_folder_is_named(tmp_path, cfg, write_parquet):

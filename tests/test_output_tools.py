@@ -258,8 +258,9 @@ def test_a_damaged_part_is_named_not_a_traceback(tmp_path, cfg, write_parquet):
 
 # -- I: a run killed between writing a part and updating its manifest ------------------------------------------
 
-@pytest.mark.parametrize("n", [1, 3])
-def test_status_counts_the_part_a_killed_run_wrote_before_its_manifest(tmp_path, write_parquet, tiny_model, n):
+@pytest.mark.parametrize("n,kill_at", [(1, 3), (3, 3), (1, 1)])  # at 1: no status.json yet
+def test_status_counts_the_part_a_killed_run_wrote_before_its_manifest(tmp_path, write_parquet, tiny_model, n,
+                                                                        kill_at):
     import subprocess
 
     from conftest import overnight_cmd
@@ -268,7 +269,7 @@ def test_status_counts_the_part_a_killed_run_wrote_before_its_manifest(tmp_path,
     out = tmp_path / "out"
     args = [*overnight_cmd(), "run", inp, "--out", str(out), "--model", tiny_model, "--engine", "echo",
             "--echo-step-ms", "2", "--max-num-seqs", "4", "--flush-rows", "5", "--max-tokens", "8", "--n", str(n)]
-    r = subprocess.run(args, env={**os.environ, "OVERNIGHT_FAILPOINTS": "part.after_write=kill@3"},
+    r = subprocess.run(args, env={**os.environ, "OVERNIGHT_FAILPOINTS": f"part.after_write=kill@{kill_at}"},
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == -9, r.stderr[-2000:]
     in_parts = duckdb.connect().execute(

@@ -224,7 +224,7 @@ def test_time_budget_stops_early_exit_75_and_rerun_completes(write_parquet, tmp_
     assert 0 < s.num_done < 40
     assert s.message == f"deadline reached: {40 - s.num_done} rows not done; rerun the same command to continue"
     assert "deadline at risk: the remaining ~" in caplog.text and "remaining rows to be left undone" in caplog.text
-    assert "deadline reached: stopped admitting rows;" in caplog.text and "(a signal aborts at once)" in caplog.text
+    assert "deadline reached: stopped admitting rows;" in caplog.text and "(a signal ends the drain within --grace, a second" in caplog.text
     st = __import__("json").loads((out / "status.json").read_text())
     assert st["state"] == "partial" and st["exit_code"] == 75 and st["rows"]["remaining"] == 40 - s.num_done
     assert st["forecast"]["will_miss"] is True and st["forecast"]["deadline"]

@@ -9,14 +9,17 @@ N shards). Its exit code decides whether Airflow retries it:
   stopped by hand reach overnight as SIGTERM: it drains, saves what finished and exits 75.
 - 69: the engine failed to start or died (a busy or broken GPU); rows are saved. The retry waits
   ``retry_delay``, doubling each time (``retry_exponential_backoff``).
-- 1 / 2: a real failure (bad input, bad config): the task fails at once, without the retries, which would not
-  help (AirflowFailException); the message says why.
+- 2: bad usage (an option's or the config's value): the task fails at once, without the retries, which would
+  not help (AirflowFailException); the message says why.
+- 1: a failure, which the message names: bad input, but also storage that stayed unreachable through
+  overnight's own retries, or a lock another run holds. It is retried like 69, and a retry that meets the same
+  bad input fails the same way.
 
 Each night (each DAG run's logical date, ``ds``) writes to a folder of its own, OVERNIGHT_OUT/<ds>/: a retry of
 that night's run resumes it, and the next night starts a job of its own (the same folder again would find the
 last night's job done, or, with new input files, refuse: a sharded job's input must not change under it). Set
-OVERNIGHT_INPUT to read each night's own prompts; ``{ds}`` in it is the night's date, e.g.
-``s3://my-bucket/prompts/{ds}/``. Without it, the config's input.path is read.
+OVERNIGHT_INPUT to read each night's own prompts; it may use Airflow's templates, e.g.
+``s3://my-bucket/prompts/{{ ds }}/``, as may OVERNIGHT_EXTRA_ARGS. Without it, the config's input.path is read.
 
 The last task reads every shard's status with `overnight status OUT/<ds> --json` and returns it as the XCom
 summary.
@@ -43,9 +46,9 @@ CONFIG = os.environ.get("OVERNIGHT_CONFIG", "/etc/overnight/nightly.yaml")
 OUT = os.environ.get("OVERNIGHT_OUT", "s3://my-bucket/answers").rstrip("/")
 INPUT = os.environ.get("OVERNIGHT_INPUT", "")
 SHARDS = int(os.environ.get("OVERNIGHT_SHARDS", "4"))
-EXTRA = shlex.split(os.environ.get("OVERNIGHT_EXTRA_ARGS", ""))
+EXTRA = os.environ.get("OVERNIGHT_EXTRA_ARGS", "")
 RETRY_DELAY = timedelta(seconds=float(os.environ.get("OVERNIGHT_RETRY_DELAY_S", "120")))
-NOT_RETRIED = (1, 2)  # bad input or config: a retry would fail the same way
+NOT_RETRIED = (2,)  # bad usage (an option's or the config's value): a retry would fail the same way
 
 with DAG(
     dag_id="overnight_nightly",
@@ -58,9 +61,11 @@ with DAG(
 ) as dag:
 
     @task(execution_timeout=timedelta(hours=8))
-    def shard(k: int, ds=None) -> None:
-        inputs = [INPUT.replace("{ds}", ds), "--config"] if INPUT else []
-        command = [OVERNIGHT, "run", *inputs, CONFIG, "--out", f"{OUT}/{ds}", "--shard", f"{k}/{SHARDS}", *EXTRA]
+    def shard(k: int, input_path: str, extra: str, ds=None) -> None:
+        """input_path and extra arrive rendered: a task's arguments are Airflow templates ({{ ds }})."""
+        inputs = [input_path, "--config"] if input_path else []
+        command = [OVERNIGHT, "run", *inputs, CONFIG, "--out", f"{OUT}/{ds}", "--shard", f"{k}/{SHARDS}",
+                   *shlex.split(extra)]
         print("running:", shlex.join(command), flush=True)
         proc = subprocess.Popen(command)
         try:
@@ -70,11 +75,11 @@ with DAG(
             proc.wait()
             raise
         if code in NOT_RETRIED:
-            raise AirflowFailException(f"overnight exited {code}: bad input or config (its message above says "
-                                       f"why); not retried")
+            raise AirflowFailException(f"overnight exited {code}: bad usage (its message above says why); not "
+                                       f"retried")
         if code:
-            raise AirflowException(f"overnight exited {code} ({'resumable' if code == 75 else 'engine'}); the "
-                                   f"retry continues where the shard stopped")
+            why = {75: "resumable", 69: "engine"}.get(code, "failed: its message above says why")
+            raise AirflowException(f"overnight exited {code} ({why}); the retry continues where the shard stopped")
 
     @task(retries=0)
     def summary(ds=None) -> dict:
@@ -85,4 +90,4 @@ with DAG(
             raise RuntimeError(f"overnight job in {out} is {status['state']}: {status['rows_left']} rows left")
         return {k: status[k] for k in ("state", "rows_done", "rows_total", "exit_code", "shards")}
 
-    shard.expand(k=list(range(SHARDS))) >> summary()
+    shard.partial(input_path=INPUT, extra=EXTRA).expand(k=list(range(SHARDS))) >> summary()

@@ -45,7 +45,7 @@ import uuid
 from typing import Optional
 
 from overnight.pipeline.output.checkpoint import OutputDir, OutputError
-from overnight.pipeline.output.storage import is_local, read_text, write_atomic
+from overnight.pipeline.output.storage import StorageError, is_local, read_text, write_atomic
 
 log = logging.getLogger("overnight")
 
@@ -116,6 +116,8 @@ class RunLock:
             if text is None:
                 return None
             return json.loads(text)
+        except StorageError as e:  # a folder where the lock belongs: an OSError, as the lock's callers expect
+            raise OSError(errno.EISDIR, str(e)) from None
         except ValueError:  # (bytes that are not UTF-8 too)
             return {"corrupt": True, "heartbeat": 0}
 

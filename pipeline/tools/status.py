@@ -99,9 +99,11 @@ def shard_status(d, lock_of: OutputDir) -> dict:
         done = max(counts.get("num_done") or 0, (rows.get("ok") or 0) + (rows.get("error") or 0))
     elif total is not None:  # the output's rows may include some no longer in the input
         done = min(done, max(0, total - dup))
-    left = rows.get("remaining", None if total is None else max(0, total - done - dup))
-    if extra and left is not None:
-        left = max(0, left - extra)
+    left = rows.get("remaining")
+    if left is None:
+        left = None if total is None else max(0, total - done - dup)  # (done counts the rows unrecorded)
+    elif extra:
+        left = max(0, left - extra)  # the status's figure, from before the part its manifest does not know
     return {"shard": d.label, "state": state, "rows_total": total, "rows_done": done,
             "rows_left": 0 if state == "completed" else left,
             "output_tokens_per_s": st.get("output_tokens_per_s") if state == "running" else None,
