@@ -8,8 +8,8 @@ engine of a fixed 0.4 s step, where it finished 8 rows and fifo 16. Two rules we
 
     lognormal  c * P(L <= steps(c)), L log-normal with the forecast's mean and spread (tried, not kept: worse on
                the CPU's cost)
-    flat       the full engine where a step's cost barely grows with c (step(max) <= 1.25 step(1)), else 1 (kept:
-               forecast.best_cap)
+    flat       the full engine where a step's cost is measured to barely grow with c (step(max) <= 1.25
+               step(1)), else 1 (kept: forecast.best_cap)
 
 Rows done by a deadline, fifo and auto with each rule, per seed, 150 rows of lengths log-normal around predictions
 32% low, for three step costs: this CPU's (38 ms + 3.4 ms a sequence), a GPU's (20 ms + 0.02 ms), and a fixed
@@ -30,7 +30,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "tests"))
 
 
-def renewal_only(max_seqs, fixed_s, per_seq_s, time_left_s, mean_tokens, prefill_s_per_row=0.0, spread=1.0):
+def renewal_only(max_seqs, fixed_s, per_seq_s, time_left_s, mean_tokens, prefill_s_per_row=0.0, spread=1.0,
+                 per_seq_known=True):
     """best_cap before stop 43: renewal theory alone, and 1 where it scores no c above 0."""
     import numpy as np
 
@@ -44,7 +45,8 @@ def renewal_only(max_seqs, fixed_s, per_seq_s, time_left_s, mean_tokens, prefill
     return best if rows.max() > 0 else 1
 
 
-def lognormal(max_seqs, fixed_s, per_seq_s, time_left_s, mean_tokens, prefill_s_per_row=0.0, spread=1.0):
+def lognormal(max_seqs, fixed_s, per_seq_s, time_left_s, mean_tokens, prefill_s_per_row=0.0, spread=1.0,
+              per_seq_known=True):
     """The rule tried first: where renewal scores no c above 0, c * P(L <= steps(c)), L log-normal."""
     import math
 

@@ -109,6 +109,8 @@ def test_cap_shrinks_near_the_deadline_on_a_cpu_and_stays_full_on_a_gpu():
     assert best_cap(64, *GPU, time_left_s=1, mean_tokens=270, spread=1.5) == 64
     assert best_cap(16, 0.4, 8e-6, time_left_s=20, mean_tokens=270, spread=1.3) == 16
     assert best_cap(64, *CPU, time_left_s=2, mean_tokens=270, spread=1.5) == 1   # on a CPU, one runs fastest
+    # a step cost not yet known to be flat (per_seq not measured: 0 given) keeps the single slot
+    assert best_cap(64, 0.4, 0.0, time_left_s=20, mean_tokens=270, spread=1.3, per_seq_known=False) == 1
 
 
 def test_the_trust_in_a_warning_is_a_python_bool_for_json():

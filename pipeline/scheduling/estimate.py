@@ -204,4 +204,4 @@ def _cap(t, a, b, c, left, model, queued_p, pend_p, pend_n, max_num_seqs) -> int
     per_seq = b if t.step_cost.knows_per_seq else 0.0
     fixed = a if t.step_cost.knows_per_seq else a + b * max_num_seqs
     prefill_per_row = c * t.inflight.mean_prompt_tokens
-    return best_cap(max_num_seqs, fixed, per_seq, left, mean, prefill_per_row, spread)
+    return best_cap(max_num_seqs, fixed, per_seq, left, mean, prefill_per_row, spread, t.step_cost.knows_per_seq)

@@ -369,7 +369,7 @@ def chunks(values: np.ndarray, counts: np.ndarray, k: int = 48) -> tuple[np.ndar
 
 
 def best_cap(max_seqs: int, fixed_s: float, per_seq_s: float, time_left_s: float, mean_tokens: float,
-             prefill_s_per_row: float = 0.0, spread: float = 1.0) -> int:
+             prefill_s_per_row: float = 0.0, spread: float = 1.0, per_seq_known: bool = True) -> int:
     """Rows in flight that finish the most rows in ``time_left_s``: with c rows running, a step takes
     fixed + per_seq * c (plus their share of prefill), and each of the c slots runs rows one after another, a
     token per step. A slot's rows finished within S steps are, by renewal theory,
@@ -395,6 +395,7 @@ def best_cap(max_seqs: int, fixed_s: float, per_seq_s: float, time_left_s: float
     # stays full (a cap of 1 finished half the rows fifo did with steps of a fixed 0.4 s); where it grows (a CPU),
     # one slot, stepping fastest, finishes the most (benchmarks/cap_fallback.py: scoring c slots by
     # c * P(L <= steps(c)) instead finished 2.42x fifo's rows where 1 slot finished 3.58x). Lengths known exactly
-    # (spread 1) finish nothing now.
-    flat = step[-1] <= 1.25 * step[0]
+    # (spread 1) finish nothing now. per_seq_known: whether per_seq_s was measured (the caller passes 0 until it
+    # is): a cost not yet known to be flat keeps the last stretch's single slot.
+    flat = per_seq_known and step[-1] <= 1.25 * step[0]
     return m if flat and spread > 1.0 else 1
