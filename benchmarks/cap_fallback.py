@@ -30,19 +30,11 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "tests"))
 
 
-def renewal_only(max_seqs, fixed_s, per_seq_s, time_left_s, mean_tokens, prefill_s_per_row=0.0, spread=1.0,
-                 per_seq_known=True):
+def renewal_only(*args, **kwargs):
     """best_cap before stop 43: renewal theory alone, and 1 where it scores no c above 0."""
-    import numpy as np
+    from overnight.pipeline.scheduling.forecast import best_cap
 
-    m = max(1, int(max_seqs))
-    if mean_tokens <= 0 or time_left_s <= 0:
-        return m
-    c = np.arange(1, m + 1, dtype=np.float64)
-    step = fixed_s + per_seq_s * c + prefill_s_per_row * c / max(mean_tokens, 1.0)
-    rows = c * (time_left_s / np.maximum(step, 1e-9) / mean_tokens + max(spread, 1.0) / 2 - 1)
-    best = int(c[int(np.argmax(rows))])
-    return best if rows.max() > 0 else 1
+    return best_cap(*args, **kwargs, fallback=lambda c, step: 1)
 
 
 def lognormal(max_seqs, fixed_s, per_seq_s, time_left_s, mean_tokens, prefill_s_per_row=0.0, spread=1.0,
@@ -53,21 +45,18 @@ def lognormal(max_seqs, fixed_s, per_seq_s, time_left_s, mean_tokens, prefill_s_
     import numpy as np
 
     from overnight.pipeline.scheduling.censored import norm_cdf
+    from overnight.pipeline.scheduling.forecast import best_cap
 
-    m = max(1, int(max_seqs))
-    if mean_tokens <= 0 or time_left_s <= 0:
-        return m
-    c = np.arange(1, m + 1, dtype=np.float64)
-    step = fixed_s + per_seq_s * c + prefill_s_per_row * c / max(mean_tokens, 1.0)
-    rows = c * (time_left_s / np.maximum(step, 1e-9) / mean_tokens + max(spread, 1.0) / 2 - 1)
-    if rows.max() > 0:
-        return int(c[int(np.argmax(rows))])
-    sigma = math.sqrt(math.log(max(spread, 1.0)))
-    if sigma < 1e-6:
-        return 1
-    mu = math.log(mean_tokens) - sigma * sigma / 2
-    first = c * norm_cdf((np.log(time_left_s / np.maximum(step, 1e-9)) - mu) / sigma)
-    return int(c[int(np.argmax(first))]) if first.max() > 1e-9 else 1
+    def first_rows(c, step):
+        sigma = math.sqrt(math.log(max(spread, 1.0)))
+        if sigma < 1e-6:
+            return 1
+        mu = math.log(mean_tokens) - sigma * sigma / 2
+        first = c * norm_cdf((np.log(time_left_s / np.maximum(step, 1e-9)) - mu) / sigma)
+        return int(c[int(np.argmax(first))]) if first.max() > 1e-9 else 1
+
+    return best_cap(max_seqs, fixed_s, per_seq_s, time_left_s, mean_tokens, prefill_s_per_row, spread,
+                    per_seq_known, fallback=first_rows)
 
 
 def main() -> None:

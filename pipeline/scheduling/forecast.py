@@ -368,8 +368,17 @@ def chunks(values: np.ndarray, counts: np.ndarray, k: int = 48) -> tuple[np.ndar
     return v, n
 
 
+def renewal_rows(m: int, fixed_s: float, per_seq_s: float, time_left_s: float, mean_tokens: float,
+                 prefill_s_per_row: float, spread: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(c = 1 .. m, a step's seconds with c rows running, the rows c slots finish by renewal theory): best_cap's."""
+    c = np.arange(1, m + 1, dtype=np.float64)
+    step = fixed_s + per_seq_s * c + prefill_s_per_row * c / max(mean_tokens, 1.0)
+    return c, step, c * (time_left_s / np.maximum(step, 1e-9) / mean_tokens + max(spread, 1.0) / 2 - 1)
+
+
 def best_cap(max_seqs: int, fixed_s: float, per_seq_s: float, time_left_s: float, mean_tokens: float,
-             prefill_s_per_row: float = 0.0, spread: float = 1.0, per_seq_known: bool = True) -> int:
+             prefill_s_per_row: float = 0.0, spread: float = 1.0, per_seq_known: bool = True,
+             fallback=None) -> int:
     """Rows in flight that finish the most rows in ``time_left_s``: with c rows running, a step takes
     fixed + per_seq * c (plus their share of prefill), and each of the c slots runs rows one after another, a
     token per step. A slot's rows finished within S steps are, by renewal theory,
@@ -385,11 +394,11 @@ def best_cap(max_seqs: int, fixed_s: float, per_seq_s: float, time_left_s: float
     m = max(1, int(max_seqs))
     if mean_tokens <= 0 or time_left_s <= 0:
         return m
-    c = np.arange(1, m + 1, dtype=np.float64)
-    step = fixed_s + per_seq_s * c + prefill_s_per_row * c / max(mean_tokens, 1.0)
-    rows = c * (time_left_s / np.maximum(step, 1e-9) / mean_tokens + max(spread, 1.0) / 2 - 1)
+    c, step, rows = renewal_rows(m, fixed_s, per_seq_s, time_left_s, mean_tokens, prefill_s_per_row, spread)
     if rows.max() > 0:
         return int(c[int(np.argmax(rows))])
+    if fallback is not None:  # another rule for this case, to measure against it (benchmarks/cap_fallback.py)
+        return fallback(c, step)
     # Less time left than a slot needs for its first row on average: only the short rows still finish. Where a
     # step's cost barely grows with c (a GPU), every slot may finish one as soon as one slot can, so the engine
     # stays full (a cap of 1 finished half the rows fifo did with steps of a fixed 0.4 s); where it grows (a CPU),
