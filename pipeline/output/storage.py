@@ -141,4 +141,3 @@ def read_text(fs, path: str) -> Optional[str]:
     except IsADirectoryError:
         raise StorageError(f"{unstrip(fs, path)} is a folder, where overnight keeps a file of that name. Move it "
                            f"away, or choose another --out.") from None
-
