@@ -9,7 +9,7 @@ engine of a fixed 0.4 s step, where it finished 8 rows and fifo 16. Two rules we
     lognormal  c * P(L <= steps(c)), L log-normal with the forecast's mean and spread (tried, not kept: worse on
                the CPU's cost)
     flat       the full engine where a step's cost is measured to barely grow with c (step(max) <= 1.25
-               step(1)), else 1 (kept: forecast.best_cap)
+               step(1)), else 1 (kept: cap.best_cap)
 
 Rows done by a deadline, fifo and auto with each rule, per seed, 150 rows of lengths log-normal around predictions
 32% low, for three step costs: this CPU's (38 ms + 3.4 ms a sequence), a GPU's (20 ms + 0.02 ms), and a fixed
@@ -32,7 +32,7 @@ sys.path.insert(0, os.path.join(REPO, "tests"))
 
 def renewal_only(*args, **kwargs):
     """best_cap before stop 43: renewal theory alone, and 1 where it scores no c above 0."""
-    from overnight.pipeline.scheduling.forecast import best_cap
+    from overnight.pipeline.scheduling.cap import best_cap
 
     return best_cap(*args, **kwargs, fallback=lambda c, step: 1)
 
@@ -45,7 +45,7 @@ def lognormal(max_seqs, fixed_s, per_seq_s, time_left_s, mean_tokens, prefill_s_
     import numpy as np
 
     from overnight.pipeline.scheduling.censored import norm_cdf
-    from overnight.pipeline.scheduling.forecast import best_cap
+    from overnight.pipeline.scheduling.cap import best_cap
 
     def first_rows(c, step):
         sigma = math.sqrt(math.log(max(spread, 1.0)))

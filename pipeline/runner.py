@@ -28,7 +28,7 @@ from overnight.pipeline.input.prefetch import Prefetcher
 from overnight.pipeline.input.resume import ResumeFilter
 from overnight.pipeline.input.source import InputError
 from overnight.pipeline.input.stage import prepare
-from overnight.pipeline.output.checkpoint import CheckpointWriter
+from overnight.pipeline.output.writer import CheckpointWriter
 from overnight.pipeline.output.manifest import RunState
 from overnight.pipeline.output.storage import StorageError
 from overnight.pipeline.progress import Progress

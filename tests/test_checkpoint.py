@@ -7,7 +7,8 @@ import pytest
 
 from fakes import FakeClock
 from overnight.pipeline.output import manifest as mf
-from overnight.pipeline.output.checkpoint import CheckpointWriter, OutputDir, OutputError
+from overnight.pipeline.output.checkpoint import OutputDir, OutputError
+from overnight.pipeline.output.writer import CheckpointWriter
 from overnight.pipeline.output.schema import OutputSchema
 from overnight.pipeline.config import JobConfig
 from overnight.pipeline.records import Result

@@ -7,7 +7,7 @@
 
 The parts are the truth. A kill between writing a part and updating the
 manifest leaves the manifest's counts stale; the next start recounts them
-from the parts. A part's columns are ``schema.OutputSchema``'s.
+from the parts. A part's columns are ``schema.OutputSchema``'s; ``writer.CheckpointWriter`` writes them.
 """
 
 from __future__ import annotations
@@ -18,15 +18,12 @@ import json
 import logging
 import os
 import re
-import time
-from typing import Callable, Optional
+from typing import Optional
 
 import pyarrow as pa
 
-from overnight.pipeline.records import Result
 from overnight.pipeline.output.faults import failpoint
 from overnight.pipeline.output.scan import Scan, id_kind
-from overnight.pipeline.output.schema import OutputSchema
 from overnight.pipeline.output.storage import (StorageError, join, read_text, redact, unstrip, url_to_fs, with_retries,
                                         write_atomic)
 
@@ -363,56 +360,3 @@ class OutputDir:
             raise StorageError(f"Cannot write {shown}: {e.strerror or e}. Make --out writable or free space there "
                                f"(rows already in completed parts are kept; rerun to continue), or choose "
                                f"another --out.") from e
-
-
-class CheckpointWriter:
-    """Buffers results and flushes them as a new part every N rows or T seconds."""
-
-    def __init__(self, out: OutputDir, schema: OutputSchema, run_id: str, model: str, first_index: int,
-                 flush_rows: int, flush_seconds: float, clock: Callable[[], float] = time.monotonic,
-                 on_flush: Optional[Callable[[list[Result], str], None]] = None,
-                 may_write: Optional[Callable[[], bool]] = None):
-        self.out = out
-        self.schema = schema
-        self.run_id = run_id
-        self.model = model
-        self.next_index = first_index
-        self.flush_rows = flush_rows
-        self.flush_seconds = flush_seconds
-        self.clock = clock
-        self.on_flush = on_flush
-        self.may_write = may_write  # asked before each part: False once another run took the folder over
-        self.unsaved: list[Result] = []  # results not written because of it
-        self.buffer: list[Result] = []
-        self.last_flush = clock()
-
-    @property
-    def num_unsaved(self) -> int:
-        return len(self.unsaved)
-
-    def add(self, results: list[Result]) -> None:
-        self.buffer.extend(results)
-        if len(self.buffer) >= self.flush_rows:
-            self.flush()
-
-    def maybe_flush(self) -> None:
-        if self.buffer and self.clock() - self.last_flush >= self.flush_seconds:
-            self.flush()
-
-    def flush(self) -> None:
-        self.last_flush = self.clock()
-        if not self.buffer:
-            return
-        results, self.buffer = self.buffer, []
-        if self.may_write is not None and not self.may_write():
-            self.unsaved.extend(results)
-            return
-        table = self.schema.table(results, self.run_id, self.model)
-        try:
-            path = self.out.write_part(self.next_index, table)
-        except Exception:
-            self.buffer = results + self.buffer  # keep them: a later flush may succeed
-            raise
-        self.next_index += 1
-        if self.on_flush:
-            self.on_flush(results, path)

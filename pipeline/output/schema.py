@@ -1,6 +1,6 @@
 """The output rows' Arrow schema: the id, the passthrough columns (renamed ``input_<name>`` where they clash with
 a result field), then the result fields; ``sample_index`` when a job asks for n > 1, ``logprobs`` when it asks for
-logprobs. ``OutputSchema.table`` turns a list of results into one part's table (``checkpoint.CheckpointWriter``
+logprobs. ``OutputSchema.table`` turns a list of results into one part's table (``writer.CheckpointWriter``
 writes it), one output row per sample.
 """
 

@@ -19,7 +19,8 @@ from typing import Optional
 import numpy as np
 
 from overnight.pipeline.config import Policy
-from overnight.pipeline.scheduling.forecast import best_cap, chunks, drain
+from overnight.pipeline.scheduling.cap import best_cap
+from overnight.pipeline.scheduling.forecast import chunks, drain
 from overnight.pipeline.scheduling.scheduler import Mode
 
 log = logging.getLogger("overnight")
@@ -191,7 +192,7 @@ def model_forecast(t, scheduler, lengths, counts, unread: int, mean_predicted: f
 
 
 def _cap(t, a, b, c, left, model, queued_p, pend_p, pend_n, max_num_seqs) -> int:
-    """The rows in flight that finish the most rows by the stop (forecast.best_cap), from the next rows in
+    """The rows in flight that finish the most rows by the stop (cap.best_cap), from the next rows in
     run order. Until the step cost is known to grow with the sequences, the engine stays full but for the
     last stretch (as on a GPU, where it barely grows)."""
     nxt = np.concatenate([queued_p, np.repeat(pend_p[:max_num_seqs], pend_n[:max_num_seqs].astype(int))])
