@@ -1,6 +1,7 @@
 """What a request can ask for, through the real engine with the embedded model: structured output (the job's
 JSON schema, and per row a JSON schema, OpenAI's response_format, a regex or a choice; a bad schema, or a regex
-vLLM refuses, is an error row that names the problem), min_tokens, penalties and stop token ids passed through to vLLM."""
+vLLM refuses, is an error row that names the problem), min_tokens (cut with max_tokens to the room the context
+leaves), penalties and stop token ids passed through to vLLM."""
 
 from __future__ import annotations
 
@@ -29,25 +30,28 @@ ROW_SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "requ
 def test_structured_output_and_sampling_columns(tmp_path, model_path):
     schema_file = tmp_path / "schema.json"
     schema_file.write_text(json.dumps(JOB_SCHEMA))
-    n = 9
+    n = 10
     rows = {
         "id": list(range(n)),
         "prompt": ["How many apples are 3 plus 4 apples? Answer in JSON.", "What is 12 times 3 dollars? In JSON.",
                    "Is 7 a prime number?", "Give a three digit number.", "This row has a bad schema.",
                    "Is the sky blue? Answer in JSON.", "Tell me about the sea.", "Count to five.",
-                   "A regex vLLM refuses."],
-        "choice": [None, None, ["yes", "no"], None, None, None, None, None, None],
+                   "A regex vLLM refuses.",
+                   # row 9: a prompt that leaves 24 tokens of the 2048-token context, with min_tokens 60
+                   "Say anything. " + "apple " * 1990],
+        "choice": [None, None, ["yes", "no"], None, None, None, None, None, None, None],
         # row 8: a look-ahead, which Python's re accepts and vLLM's grammar backend refuses as the row is added
-        "regex": [None, None, None, "[0-9]{3}", None, None, None, None, "foo(?=bar)"],
-        "json_schema": [None, None, None, None, json.dumps({"type": "nonsense"}), None, None, None, None],
+        "regex": [None, None, None, "[0-9]{3}", None, None, None, None, "foo(?=bar)", None],
+        "json_schema": [None, None, None, None, json.dumps({"type": "nonsense"}), None, None, None, None, None],
         "response_format": [None] * 5 + [json.dumps({"type": "json_schema",
-                                                     "json_schema": {"name": "x", "schema": ROW_SCHEMA}})] + [None] * 3,
+                                                     "json_schema": {"name": "x", "schema": ROW_SCHEMA}})] + [None] * 4,
         # rows 6 and 7: free text again (response_format text), with min_tokens and penalties
-        "min_tokens": [None] * 6 + [24, None, None],
-        "presence_penalty": [None] * 7 + [1.5, None],
-        "frequency_penalty": [None] * 7 + [1.0, None],
+        "min_tokens": [None] * 6 + [24, None, None, 60],
+        "presence_penalty": [None] * 7 + [1.5, None, None],
+        "frequency_penalty": [None] * 7 + [1.0, None, None],
     }
-    rows["response_format"][6] = rows["response_format"][7] = json.dumps({"type": "text"})
+    rows["response_format"][6] = rows["response_format"][7] = rows["response_format"][9] = \
+        json.dumps({"type": "text"})
     inp = tmp_path / "in.parquet"
     pq.write_table(pa.table(rows), inp)
     out = tmp_path / "out"
@@ -58,7 +62,7 @@ def test_structured_output_and_sampling_columns(tmp_path, model_path):
                    # two machines, and a cut object is no JSON
                    "sampling": {"json_schema": str(schema_file), "max_tokens": 96, "temperature": 0}})
     s = run_job(cfg, is_tty=False)
-    assert (s.num_ok, s.num_error) == (7, 2)
+    assert (s.num_ok, s.num_error) == (8, 2)
     con, _ = open_results(str(out))
     got = {r[0]: r[1:] for r in con.execute(
         "select id, status, text, error, output_tokens, finish_reason from results order by id").fetchall()}
@@ -76,3 +80,7 @@ def test_structured_output_and_sampling_columns(tmp_path, model_path):
     assert got[6][3] >= 24                                      # min_tokens held the stop back
     for i in (6, 7):   # response_format text: free text, not the job's schema
         assert got[i][0] == "ok" and got[i][1]
+    # row 9: max_tokens and min_tokens both come down to the room the context leaves (vLLM refused min_tokens 60
+    # above a max_tokens of 24 before): it runs to the context's end
+    status, ptok, otok = con.execute("select status, prompt_tokens, output_tokens from results where id = 9").fetchone()
+    assert status == "ok" and ptok + otok == 2048 and otok < 60, (status, ptok, otok)
