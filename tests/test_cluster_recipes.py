@@ -7,7 +7,9 @@ from __future__ import annotations
 import json
 import os
 import shlex
+import signal
 import subprocess
+import time
 from pathlib import Path
 
 import duckdb
@@ -90,3 +92,74 @@ def test_the_kubernetes_indexed_job(tmp_path, tiny_model):
         done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
         assert done.returncode == 0, f"{shlex.join(command)}: {done.stderr[-2000:]}"
     assert_every_id_once(out, 150)
+
+
+def start_slurm_task(tmp_path: Path, tiny_model: str, restarts: int) -> tuple[subprocess.Popen, Path, Path]:
+    """One array task of the Slurm script, over a slow echo engine, with a `scontrol` that records its calls."""
+    inp, out = tmp_path / "in", tmp_path / "out"
+    if not inp.exists():
+        write_input(inp, files=2, rows=200)
+    cfg = local_config((CLUSTER / "nightly.yaml").read_text(), inp, out, tiny_model)
+    cfg["engine"]["echo_step_ms"] = 40
+    cfg["output"]["flush_rows"] = 8
+    config = tmp_path / "nightly.yaml"
+    config.write_text(yaml.safe_dump(cfg))
+    bin_dir, calls = tmp_path / "bin", tmp_path / "scontrol.calls"
+    bin_dir.mkdir(exist_ok=True)
+    (bin_dir / "scontrol").write_text(f'#!/bin/sh\necho "$@" >> {calls}\n')
+    (bin_dir / "scontrol").chmod(0o755)
+    env = env_with_overnight() | {"SLURM_ARRAY_TASK_ID": "0", "SLURM_ARRAY_TASK_MIN": "0",
+                                  "SLURM_ARRAY_TASK_COUNT": "1", "SLURM_JOB_ID": "4242",
+                                  "SLURM_RESTART_COUNT": str(restarts), "CONFIG": str(config)}
+    env["PATH"] = f"{bin_dir}{os.pathsep}{env['PATH']}"
+    proc = subprocess.Popen(["bash", str(CLUSTER / "slurm.sbatch")], env=env, cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    return proc, out / "shards" / "00000-of-00001", calls
+
+
+def wait_for_a_part(proc: subprocess.Popen, shard: Path, before: int = 0) -> None:
+    """Until this run has written a part: its engine is running and the script's traps are set."""
+    deadline = time.monotonic() + 120
+    while len(list(shard.glob("parts/*.parquet"))) <= before:
+        assert proc.poll() is None, proc.communicate()[1][-2000:]
+        assert time.monotonic() < deadline, "no part was written in 2 minutes"
+        time.sleep(0.1)
+
+
+def test_the_slurm_script_requeues_at_the_time_limit_only(tmp_path, tiny_model):
+    """Slurm's warning before the time limit (SIGUSR1, --signal=B:USR1@120) drains overnight, which exits 75,
+    and the script requeues its task; `scancel` (SIGTERM) and a requeue past OVERNIGHT_REQUEUES do not."""
+    script = (CLUSTER / "slurm.sbatch").read_text()
+    assert "#SBATCH --signal=B:USR1@120" in script and "#SBATCH --requeue" in script
+    # 1. the time limit's warning: drained, saved, exit 75, requeued
+    proc, shard, calls = start_slurm_task(tmp_path, tiny_model, restarts=0)
+    wait_for_a_part(proc, shard)
+    proc.send_signal(signal.SIGUSR1)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 75, err[-2000:]
+    assert calls.read_text() == "requeue 4242\n"
+    assert "requeueing job 4242 (restart 0)" in err
+    status = json.loads((shard / "status.json").read_text())
+    assert status["exit_code"] == 75 and 0 < status["rows"]["done"] < 400
+    # 2. scancel: the same drain and exit 75, no requeue
+    calls.unlink()
+    parts = len(list(shard.glob("parts/*.parquet")))
+    proc, shard, calls = start_slurm_task(tmp_path, tiny_model, restarts=1)
+    wait_for_a_part(proc, shard, parts)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 75, err[-2000:]
+    assert not calls.exists()
+    # 3. the time limit again, with the requeues spent: exit 75, no requeue
+    parts = len(list(shard.glob("parts/*.parquet")))
+    proc, shard, calls = start_slurm_task(tmp_path, tiny_model, restarts=3)
+    wait_for_a_part(proc, shard, parts)
+    proc.send_signal(signal.SIGUSR1)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 75 and not calls.exists(), err[-2000:]
+    # 4. the requeued task runs to the end, each row once
+    proc, shard, calls = start_slurm_task(tmp_path, tiny_model, restarts=3)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0 and not calls.exists(), err[-2000:]
+    ids = duckdb.sql(f"select id from read_parquet('{shard}/parts/*.parquet')").fetchall()
+    assert len(ids) == len(set(ids)) == 400
