@@ -87,6 +87,23 @@ def forecast_dict(f, deadline: Optional[float], mode: str) -> dict:
     }
 
 
+def ended_forecast(f: dict, state: str, rows_left: int, now: float, deadline: Optional[float]) -> dict:
+    """The forecast block of a run that ended: the outcome in the fields a running job forecasts (nothing left
+    and an ETA of 0 when completed; the rows actually left and no ETA when stopped; with a deadline, whether it
+    was missed), with the run's last forecast kept beside it under ``last`` for comparison. What the forecast
+    learned (calibration, step cost, tokens/s) stays as it was."""
+    last = {k: f[k] for k in ("eta_s", "eta_range_s", "remaining_rows", "remaining_tokens_predicted", "will_miss",
+                              "rows_expected_left", "time_left_s") if k in f}
+    done = state == "completed"
+    # missed: the deadline stopped it with rows left; a run stopped before its deadline (a signal, a failure)
+    # has not missed it yet, nor met it
+    missed = deadline is not None and (True if state == "partial" else False if done else None)
+    return dict(f, eta_s=0.0 if done else None, eta_range_s=None, remaining_rows=rows_left,
+                remaining_tokens_predicted=0 if done else f.get("remaining_tokens_predicted"),
+                will_miss=missed, rows_expected_left=rows_left if deadline is not None else None,
+                time_left_s=None if deadline is None else round(max(0.0, deadline - now), 1), last=last or None)
+
+
 def cost_dict(engine_seconds: float, rows: int, price_per_hour: Optional[float]) -> dict:
     """This attempt's engine time and, with a price, what it cost: the figure to set against a batch API's."""
     hours = engine_seconds / 3600
@@ -257,6 +274,8 @@ class Reporter:
                 log.debug("listing the parts for their digest: %s", e)
         mf.end_attempt(m, state, message)
         status = self.status(state, exit_code, message)
+        status["forecast"] = ended_forecast(status["forecast"], state.value, status["rows"]["remaining"],
+                                            self.tracker.clock(), self.tracker.deadline)
         lock = self.job.lock
         if lock is not None and lock.lost:  # the folder is another run's now: its manifest and status are left alone
             log.error(message)

@@ -227,10 +227,17 @@ def test_time_budget_stops_early_exit_75_and_rerun_completes(write_parquet, tmp_
     assert "deadline reached: stopped admitting rows;" in caplog.text and "(a signal ends the drain within --grace, a second" in caplog.text
     st = __import__("json").loads((out / "status.json").read_text())
     assert st["state"] == "partial" and st["exit_code"] == 75 and st["rows"]["remaining"] == 40 - s.num_done
-    assert st["forecast"]["will_miss"] is True and st["forecast"]["deadline"]
+    # the last status.json gives the outcome where the forecast stood, and the last forecast beside it
+    f = st["forecast"]
+    assert f["will_miss"] is True and f["deadline"] and f["eta_s"] is None and f["eta_range_s"] is None
+    assert f["remaining_rows"] == f["rows_expected_left"] == 40 - s.num_done and f["time_left_s"] == 0.0
+    assert f["last"]["will_miss"] is True and f["last"]["rows_expected_left"] is not None
     again = run_job(cfg(inp, out), engine_factory=given(FakeEngine()), is_tty=False)
     ids = output(out).column("id").to_pylist()
     assert again.state == "completed" and sorted(ids) == [f"r{i:02d}" for i in range(40)] and len(set(ids)) == 40
+    f = __import__("json").loads((out / "status.json").read_text())["forecast"]
+    assert (f["eta_s"], f["remaining_rows"], f["remaining_tokens_predicted"], f["will_miss"]) == (0.0, 0, 0, False)
+    assert f["last"]["remaining_rows"] > 0    # the last forecast, before the last rows finished
 
 
 def test_auto_completes_more_rows_than_fifo_by_the_deadline(write_parquet, tmp_path, cfg):
