@@ -253,7 +253,6 @@ def main() -> None:
     args = ap.parse_args()
 
     from overnight.buckets.bucketing import assign, log_bounds
-    from overnight.buckets.evaluate import replay
     from overnight.buckets.features import featurize, subset
     from overnight.buckets.metrics import kendall_tau
     from overnight.buckets.predictors import Prediction
@@ -386,7 +385,7 @@ def main() -> None:
         share = f"{c / job_s:.4%}" if c is not None else "-"
         print(f"| {nm} | {cell(s['tau'], '{:.3f}')} | {cell(s['mae'], '{:.0f}')} | {cell(s['cal'], '{:.2f}')} | "
               f"{cell(s['hit'], '{:.0%}')} | {cell(s['train_tau'], '{:.2f}')} | {c_s} | {share} |")
-    print(f"\nfit seconds (mean per fold): " + ", ".join(f"{nm.split(':')[-1].strip()[:24]} {np.mean(v):.2f}"
+    print("\nfit seconds (mean per fold): " + ", ".join(f"{nm.split(':')[-1].strip()[:24]} {np.mean(v):.2f}"
                                                         for nm, v in fit_s.items() if v))
     if args.json:
         with open(args.json, "w") as fh:

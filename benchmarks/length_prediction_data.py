@@ -64,7 +64,7 @@ def run_set(root: str, name: str, rows: list[dict], sampling: int, engine):
     cfg = resolve({"input": {"path": inp}, "output": {"path": out, "flush_rows": 64}})
     t0 = time.perf_counter()
     # Not fresh: with --work, a run that was stopped resumes and a finished one is kept.
-    summary = run_job(cfg, engine_factory=lambda job: engine, is_tty=False)
+    run_job(cfg, engine_factory=lambda job: engine, is_tty=False)
     wall = time.perf_counter() - t0
     con, _ = open_results(out)
     got = {r[0]: r for r in con.execute(

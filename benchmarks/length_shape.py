@@ -114,8 +114,8 @@ def main() -> None:
         left = np.where(lo < m, exp_part(lo, np.minimum(hi, m), m, sl, k), 0.0)
         return left + np.where(hi > m, exp_part(np.maximum(lo, m), hi, m, sr, k), 0.0)
 
-    print(f"E[min(L, cap) - g | L > g] over the rows that ran past g: actual, then each model's; token sum: model / "
-          f"actual")
+    print("E[min(L, cap) - g | L > g] over the rows that ran past g: actual, then each model's; token sum: model / "
+          "actual")
     for out in args.outs:
         p, a, cut = load(out)
         if len(a) < 20:

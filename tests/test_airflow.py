@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-from pathlib import Path
 
 import duckdb
 import pyarrow as pa

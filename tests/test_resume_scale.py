@@ -7,7 +7,6 @@ import logging
 
 import numpy as np
 import pyarrow as pa
-import pytest
 
 from overnight.pipeline.config import InputConfig
 from overnight.pipeline.idkeys import KeyTable, first_of_each, hex16_to_u64, key_of, keys_of
