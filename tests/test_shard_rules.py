@@ -189,3 +189,49 @@ def test_an_unsharded_run_and_a_shard_begun_together_do_not_both_write(tmp_path,
     con, _ = open_results(str(out))
     assert con.execute("select count(*), count(distinct id) from results").fetchone() == (60, 60)
     assert run_job(cfg(inp, out), engine_factory=given(FakeEngine()), is_tty=False).exit_code == 0
+
+
+def test_a_shard_refuses_an_out_a_live_ray_driver_holds_before_its_workers_wrote(tmp_path, cfg):
+    """A Ray driver marks OUT as Ray's by its workers' folders, written only as the workers start (after Ray's own
+    start): meanwhile its lock says so. A shard run refuses it then, and runs once the driver has let go."""
+    from overnight.pipeline.output.checkpoint import OutputDir
+    from overnight.pipeline.output.lock import RunLock
+
+    inp = write_input(tmp_path / "in", [30, 30])
+    out = tmp_path / "out"
+    driver = RunLock(OutputDir(str(out)), split="ray")
+    driver.acquire()
+    try:
+        with pytest.raises(OutputError, match="a run on Ray workers, running now, and this run is shard 0/2"):
+            run_job(cfg(inp, out, cluster={"shard": "0/2"}), engine_factory=given(FakeEngine()), is_tty=False)
+        assert not (out / "shards").exists()
+    finally:
+        driver.release()
+    assert run_job(cfg(inp, out, cluster={"shard": "0/2"}), engine_factory=given(FakeEngine()),
+                   is_tty=False).exit_code == 0
+
+
+def test_the_ray_driver_checks_the_layout_again_once_it_holds_the_lock(tmp_path, cfg, monkeypatch):
+    """An unsharded run that ended between the Ray driver's first check and its lock: the check under the lock
+    refuses before Ray starts, and leaves the lock free."""
+    import overnight.pipeline.cluster.ray_job as ray_job
+    from overnight.pipeline.output.lock import LOCK
+
+    inp = write_input(tmp_path / "in", [30, 30])
+    out = tmp_path / "out"
+    real = ray_job.RunLock
+
+    class LateLock(real):
+        def acquire(self):
+            run_job(cfg(inp, out), engine_factory=given(FakeEngine()), is_tty=False)  # the unsharded run, meanwhile
+            super().acquire()
+
+    monkeypatch.setattr(ray_job, "RunLock", LateLock)
+    class NoRay:
+        def __getattr__(self, name):
+            pytest.fail(f"Ray was used: ray.{name}")
+
+    monkeypatch.setattr(ray_job, "_ray", NoRay)
+    with pytest.raises(OutputError, match="holds the results of an unsharded run, and this run is on Ray workers"):
+        ray_job.run_on_ray(cfg(inp, out), False, 2, is_tty=False)
+    assert not (out / "workers").exists() and not (out / LOCK).exists()

@@ -57,10 +57,12 @@ def run_on_ray(cfg: JobConfig, fresh: bool, workers: int, address: Optional[str]
     model = open_model(cfg)  # a bad model fails here, not in every worker
     check_layout(cfg.output.path, None, ray=True)
     root = OutputDir(cfg.output.path)
-    lock = RunLock(root)
+    lock = RunLock(root, split="ray")
     lock.acquire()
     legacy = False  # a worker folder fingerprinted --json-schema by its path (before stop 37)
     try:
+        # again, holding the lock: an unsharded run may have ended in OUT, or a shard begun, since the check
+        check_layout(cfg.output.path, None, ray=True)
         if fresh:
             for d in job_dirs(cfg.output.path):
                 d.out.clear()

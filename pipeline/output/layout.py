@@ -21,6 +21,7 @@ from typing import Optional
 
 from overnight.pipeline.input.shards import Shard
 from overnight.pipeline.output.checkpoint import MANIFEST, OutputDir, OutputError
+from overnight.pipeline.output.lock import RunLock
 from overnight.pipeline.output.storage import join
 
 SHARDS, WORKERS = "shards", "workers"
@@ -87,10 +88,15 @@ def job_dirs(url: str) -> list[JobDir]:
 def check_layout(url: str, shard: Optional[Shard], ray: bool = False) -> None:
     """Refuse to mix, in one OUT, jobs split into a different number of shards, unsharded ones and Ray's."""
     mine = "ray" if ray else JobDir(shard, OutputDir(url)).group
-    for d in job_dirs(url):
+    dirs = job_dirs(url)
+    driver = not ray and _ray_driver_holds(url)
+    if driver:  # its workers may not have written a folder yet
+        dirs.append(JobDir(None, OutputDir(url), 0))
+    for d in dirs:
         if d.group == mine:
             continue
-        held = {"unsharded": "an unsharded run", "ray": "a run on Ray workers (workers/)"}.get(
+        ray_held = "a run on Ray workers, running now" if driver else "a run on Ray workers (workers/)"
+        held = {"unsharded": "an unsharded run", "ray": ray_held}.get(
             d.group, f"a job split into {d.group} ({SHARDS}/*-of-{d.shard.n:05d})" if d.shard else "")
         this = ("this run is on Ray workers" if ray else "this run has no --shard" if shard is None
                 else f"this run is shard {shard}")
@@ -101,6 +107,17 @@ def check_layout(url: str, shard: Optional[Shard], ray: bool = False) -> None:
         raise OutputError(f"{url} holds the results of {held}, and {this}. Changing how a job is split between "
                           f"attempts would move rows between shards, so it is refused: {fix} to continue, or use "
                           f"another --out (or remove {url}) to start over.")
+
+
+def _ray_driver_holds(url: str) -> bool:
+    """Whether a live Ray driver holds OUT's lock: its workers' folders, what marks the job as Ray's, are written
+    only as they start, and a shard run checking meanwhile would find nothing to refuse."""
+    lock = RunLock(OutputDir(url))
+    try:
+        other = lock.holder()
+    except OSError:
+        return False
+    return bool(other) and other.get("split") == "ray" and not lock.is_stale(other)
 
 
 def read_manifests(url: str) -> list[tuple[JobDir, Optional[dict]]]:

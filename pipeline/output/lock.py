@@ -93,7 +93,8 @@ def _holder_alive(pid: int, started_at: Optional[str]) -> bool:
 
 
 class RunLock:
-    def __init__(self, out: OutputDir, run_id: str = "", clock=time.time, sleep=time.sleep):
+    def __init__(self, out: OutputDir, run_id: str = "", clock=time.time, sleep=time.sleep,
+                 split: Optional[str] = None):
         self.out = out
         self.path = out.path(LOCK)
         self.clock = clock
@@ -102,6 +103,8 @@ class RunLock:
         self.info = {"host": socket.gethostname(), "ns": _namespace(), "pid": os.getpid(), "run_id": run_id,
                      "started_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
                      "token": self.token}
+        if split:  # how the holder splits the job ("ray"): a shard run refuses an OUT a live Ray driver holds
+            self.info["split"] = split
         self.last_beat = 0.0
         self.is_held = False
         self.lost = False  # another run took the lock over while this one held it
