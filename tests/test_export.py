@@ -271,3 +271,29 @@ def test_each_shard_keeps_its_own_limit(tmp_path, cfg, write_parquet):
             is_tty=False)
     info = export(str(out2), "openai", str(tmp_path / "o2.jsonl"), str(tmp_path / "e2.jsonl"))
     assert (info["ok"], info["expired"]) == (23, 0)
+
+
+def test_an_id_in_two_shards_files_keeps_each_rows_samples_together(tmp_path, cfg):
+    """One id in two shards' files is answered by each; with n > 1 each answer is one well-formed openai line
+    (choices 0..n-1), and the other formats keep each row's samples together rather than interleave them."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    inp = tmp_path / "in"
+    inp.mkdir()
+    pq.write_table(pa.table({"id": ["x", "dup"], "prompt": ["hello one", "dup first"]}), inp / "a.parquet")
+    pq.write_table(pa.table({"id": ["dup", "y"], "prompt": ["dup second", "hello two"]}), inp / "b.parquet")
+    out = tmp_path / "out"
+    for k in (0, 1):
+        run_job(cfg(inp, out, sampling={"n": 3, "temperature": 0.7}, cluster={"shard": f"{k}/2"}),
+                engine_factory=given(FakeEngine()), is_tty=False)
+    export(str(out), "openai", str(tmp_path / "o.jsonl"))
+    lines = [json.loads(x) for x in (tmp_path / "o.jsonl").read_text().splitlines()]
+    assert [x["custom_id"] for x in lines] == ["x", "dup", "dup", "y"]
+    assert all([c["index"] for c in x["response"]["body"]["choices"]] == [0, 1, 2] for x in lines)
+    export(str(out), "jsonl", str(tmp_path / "all.jsonl"))
+    rows = [json.loads(x) for x in (tmp_path / "all.jsonl").read_text().splitlines()]
+    got = [(r["id"], r["sample_index"], r["prompt"]) for r in rows if r["id"] == "dup"]
+    first = got[0][2]
+    assert [g[2] for g in got] == [first] * 3 + [({"dup first", "dup second"} - {first}).pop()] * 3
+    assert [g[1] for g in got] == [0, 1, 2, 0, 1, 2]

@@ -61,7 +61,10 @@ def _ordered(con, manifest: dict, out_url: str) -> tuple[str, bool]:
 
 def _in_order(id_col: str, cols: set, raw: bool = False) -> str:
     """The results ordered by the table ``_input``; with ``raw``, each row's ``_raw`` as the column RAW."""
-    samples = f", r.\"{id_col}\", r.sample_index" if "sample_index" in cols else ""  # a row's samples together
+    # a row's samples together: two rows of one id (from two shards' or workers' files) apart, by what is the
+    # same for every sample of a row and tells two rows apart (their run, when each was queued, their prompt)
+    row = "".join(f", r.{c}" for c in ("run_id", "queued_at", "prompt_hash") if c in cols)
+    samples = f", r.\"{id_col}\"{row}, r.sample_index" if "sample_index" in cols else ""
     return (f"select r.*{f', i._raw as {RAW}' if raw else ''} from results r left join "
             f"(select {INPUT_KEY} _key, min(_pos) _pos, arg_min(_raw, _pos) _raw from _input group by 1) i "
             f"on {_result_key(id_col, 'r')} = i._key order by i._pos nulls last{samples}")
