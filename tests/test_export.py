@@ -3,6 +3,7 @@ types parse (ok rows), with error rows and rows never done (batch_expired) in th
 
 from __future__ import annotations
 
+import decimal
 import json
 
 import duckdb
@@ -297,3 +298,28 @@ def test_an_id_in_two_shards_files_keeps_each_rows_samples_together(tmp_path, cf
     first = got[0][2]
     assert [g[2] for g in got] == [first] * 3 + [({"dup first", "dup second"} - {first}).pop()] * 3
     assert [g[1] for g in got] == [0, 1, 2, 0, 1, 2]
+
+
+def test_binary_and_decimal_passthrough_columns_keep_their_values_and_json_types(tmp_path, cfg):
+    """A binary passthrough column (image bytes, a hash) is carried as bytes, not read as text: bytes that are not
+    UTF-8 are no error. jsonl gives bytes as base64, and a DECIMAL as a number on every line (before: a string,
+    except on a line that also held a NaN)."""
+    import base64
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    png = b"\x89PNG\r\n\x1a\n"
+    inp = tmp_path / "in.parquet"
+    pq.write_table(pa.table({"id": ["r1", "r2"], "prompt": ["hi", "there"],
+                             "blob": pa.array([png, b"abc"], pa.binary()),
+                             "price": pa.array([decimal.Decimal("1.25"), decimal.Decimal("2.50")], pa.decimal128(5, 2)),
+                             "score": [float("nan"), 1.0]}), inp)
+    out = tmp_path / "out"
+    s = run_job(cfg(inp, out), engine_factory=given(FakeEngine()), is_tty=False)
+    assert (s.num_ok, s.num_error) == (2, 0)
+    parts = pq.read_table(out / "parts")
+    assert parts.schema.field("blob").type == pa.binary() and parts.column("blob").to_pylist() == [png, b"abc"]
+    export(str(out), "jsonl", str(tmp_path / "all.jsonl"))
+    rows = [json.loads(x) for x in (tmp_path / "all.jsonl").read_text().splitlines()]
+    assert [base64.b64decode(r["blob"]) for r in rows] == [png, b"abc"]
+    assert [r["price"] for r in rows] == [1.25, 2.5] and [r["score"] for r in rows] == [None, 1.0]

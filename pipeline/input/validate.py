@@ -207,9 +207,12 @@ def _column(batch: pa.RecordBatch, name: str) -> list:
 def _carried(batch: pa.RecordBatch, name: str) -> list:
     """A passthrough column's values, as the output column is built from them: as _column's, but a nanosecond
     timestamp, duration or time that Python's datetime cannot hold (without pandas, any with nanoseconds) as its
-    int64 count, from which the output column of the same type is built again exactly."""
+    int64 count, from which the output column of the same type is built again exactly; a binary column's values
+    as the bytes they are (an image, a hash: written back to a binary column, not read as text)."""
     col = batch.column(name)
     t = col.type
+    if _is_bytes(t):
+        return col.to_pylist()
     if ((pa.types.is_timestamp(t) or pa.types.is_duration(t) or pa.types.is_time64(t)) and t.unit == "ns"):
         try:
             return col.to_pylist()

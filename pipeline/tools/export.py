@@ -12,6 +12,7 @@ Input order comes from the input itself (input_order.py); the OpenAI lines are b
 
 from __future__ import annotations
 
+import base64
 import decimal
 import json
 import math
@@ -77,21 +78,21 @@ def _writing(path: str, option: str):
 
 
 def _json(value) -> str:
-    """One JSON line; a float that JSON cannot hold (NaN, Infinity: a passthrough column's) as null."""
-    try:
-        return json.dumps(value, default=str, allow_nan=False)
-    except ValueError:
-        return json.dumps(_finite(value), default=str, allow_nan=False)
+    """One JSON line, each value as json_value gives it (the same JSON type on every line)."""
+    return json.dumps(_finite(value), default=str, allow_nan=False)
 
 
 def json_value(value):
-    """A value as JSON holds it: a float JSON cannot hold (NaN, infinity) as null, a DECIMAL as a number."""
+    """A value as JSON holds it: a float JSON cannot hold (NaN, infinity) as null, a DECIMAL as a number, bytes
+    (a binary passthrough column's) as base64 text."""
     return _finite(value)
 
 
 def _finite(value):
     if isinstance(value, decimal.Decimal):
         value = float(value)
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return base64.b64encode(bytes(value)).decode("ascii")
     if isinstance(value, float):
         return value if math.isfinite(value) else None
     if isinstance(value, dict):
