@@ -252,7 +252,8 @@ def test_sigterm_to_the_driver_drains_every_worker_and_exits_75(tmp_path, tiny_m
     stdout, stderr = proc.communicate(timeout=120)
     assert proc.returncode == 75, stderr[-3000:]
     summary = json.loads(stdout)
-    assert summary["state"] == "interrupted" and "SIGTERM" in summary["message"]
+    assert summary["state"] == "interrupted" and summary["message"].startswith("interrupted by SIGTERM: ")
+    assert "interrupted by interrupted" not in stderr     # each worker's own message names the signal once
     ids = ids_in(out)
     assert 0 < len(ids) < 800 and len(ids) == len(set(ids))
     assert json.loads(status.read_text())["exit_code"] == 75
@@ -269,7 +270,7 @@ def test_workers_the_cluster_has_no_room_for_are_not_waited_for(tmp_path, cfg, l
         s = run_on_ray(c, False, 3, is_tty=False)   # the local cluster has 2 CPUs: one worker never starts
     assert (s.state, s.exit_code) == ("completed", 0)
     assert len(ids_in(out)) == 200
-    assert "1 workers never started (no room in the cluster)" in caplog.text
+    assert "1 workers never started and are not needed any more (no work is left for them)" in caplog.text
 
 
 def test_a_signal_while_a_ray_job_opens_stops_it_with_75(tmp_path, cfg, local_ray, monkeypatch):
@@ -314,46 +315,66 @@ def test_retry_errors_answers_every_worker_folders_error_rows_again(tmp_path, cf
         == [("ok",)]
 
 
-def test_an_address_where_nothing_listens_fails_at_once_not_after_ray_s_retries(tmp_path, cfg, monkeypatch):
-    """Ray's own connect retries for minutes where nothing listens at a head node's address (over 3 minutes
-    measured at 127.0.0.1:1): one TCP connection tells at once, and ray.init is not called."""
-    import socket
+def test_an_empty_input_on_ray_has_nothing_to_do(tmp_path, cfg, local_ray):
+    """As on one engine: exit 0, "nothing to do", no worker started; `overnight status` reads the driver's status
+    with no worker folder (it raised a TypeError)."""
+    from overnight.pipeline.tools.status import status_lines
 
-    from overnight.pipeline.engine import EngineError
-
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()  # a port where nothing listens
-
-    def init(address=None, **kw):
-        raise AssertionError("ray.init was called")
-
-    monkeypatch.setattr(ray, "is_initialized", lambda: False)
-    monkeypatch.setattr(ray, "init", init)
-    inp = write_input(tmp_path / "in", 1, 10, 10)
-    for address in (f"127.0.0.1:{port}", f"ray://127.0.0.1:{port}"):
-        t = time.monotonic()
-        with pytest.raises(EngineError, match=rf"Cannot reach the Ray cluster at {address} \(nothing answers at "
-                                              rf"127\.0\.0\.1:{port}: Connection refused\)\. Start it"):
-            run_on_ray(cfg(inp, tmp_path / "out"), False, 2, address, is_tty=False)
-        assert time.monotonic() - t < 30
+    inp = tmp_path / "in"
+    inp.mkdir()
+    pq.write_table(pa.table({"id": pa.array([], pa.string()), "prompt": pa.array([], pa.string())}),
+                   inp / "empty.parquet")
+    out = tmp_path / "out"
+    s = run_on_ray(cfg(inp, out, engine={"kind": "echo"}), False, 2, is_tty=False)
+    assert (s.state, s.exit_code, s.num_rows) == ("completed", 0, 0)
+    assert s.message == f"nothing to do: {inp} has no rows" and not (out / "workers").exists()
+    st = job_status(str(out))
+    assert (st["state"], st["exit_code"], st["rows_done"], st["rows_left"]) == ("completed", 0, 0, 0)
+    assert status_lines(st)[1].startswith("rows: 0 done of 0, 0 left")
 
 
-def test_a_ray_cluster_that_cannot_be_reached_is_named_with_its_fix(tmp_path, cfg, monkeypatch):
-    """--ray-address auto without a running cluster: exit 69 (as an engine that cannot start, which a scheduler
-    retries later) with the fix, not Ray's 47-line traceback."""
-    from overnight.pipeline.engine import EngineError
+def test_a_deadline_that_passes_before_any_worker_starts_exits_75(tmp_path, cfg, local_ray, monkeypatch):
+    """Workers the cluster cannot place (they ask for a resource no node has) when the deadline passes: the job
+    stopped early and is resumable (exit 75), as on one engine; before, it said FAILED with exit 1."""
+    import overnight.pipeline.cluster.ray_job as ray_job
+    from overnight.pipeline.cluster.actors import NAMESPACE, Worker
 
-    monkeypatch.delenv("RAY_ADDRESS", raising=False)
-    if ray.is_initialized():  # the module's local cluster, from the tests before: Ray's answer without one
-        def init(address=None, **kw):
-            raise ConnectionError("Could not find any running Ray instance. Please specify the one to connect to "
-                                  "by setting `--address` flag or `RAY_ADDRESS` environment variable.")
+    def unplaceable(self, i):
+        cls = ray.remote(Worker).options(num_cpus=1, resources={"no-such-node": 1}, name=f"{self.prefix}-w{i:05d}",
+                                         namespace=NAMESPACE)
+        return cls.remote(self.cfg, i, self.num_workers, self.coordinator_name, self.files)
 
-        monkeypatch.setattr(ray, "is_initialized", lambda: False)
-        monkeypatch.setattr(ray, "init", init)
-    inp = write_input(tmp_path / "in", 1, 10, 10)
-    with pytest.raises(EngineError, match=r"Cannot reach the Ray cluster at auto \(.*\)\. Start it \(`ray start "
-                                          r"--head` on its head node\)"):
-        run_on_ray(cfg(inp, tmp_path / "out"), False, 2, "auto", is_tty=False)
+    monkeypatch.setattr(ray_job.Driver, "_actor", unplaceable)
+    inp = write_input(tmp_path / "in", 1, 100, 50)
+    out = tmp_path / "out"
+    s = run_on_ray(cfg(inp, out, engine={"kind": "echo"}, scheduler={"time_budget": "3s"}), False, 2, is_tty=False)
+    assert (s.state, s.exit_code) == ("partial", 75), s.message
+    assert s.message == "deadline reached before any worker started: 100 rows not done; rerun the same command to " \
+                        "continue"
+    st = json.loads((out / "status.json").read_text())
+    assert (st["state"], st["exit_code"], st["rows"]["remaining"]) == ("partial", 75, 100)
+
+
+def test_a_failed_workers_rows_count_in_the_summary(tmp_path, cfg, local_ray):
+    """An input file removed mid-run fails both workers (exit 1); the rows they saved count in the summary's ok
+    and tokens, as the folders hold them (it said 0 ok)."""
+    inp = write_input(tmp_path / "in", 4, 300, 50)
+    out = tmp_path / "out"
+    c = cfg(inp, out, engine={"kind": "echo", "echo_step_ms": 30, "max_num_seqs": 8}, sampling={"max_tokens": 4})
+    moved = threading.Event()
+
+    def remove_a_file():
+        deadline = time.time() + 120
+        while time.time() < deadline and len(ids_in(out)) < 40:
+            time.sleep(0.2)
+        (inp / "part-3.parquet").rename(tmp_path / "part-3.parquet")
+        moved.set()
+
+    t = threading.Thread(target=remove_a_file, daemon=True)
+    t.start()
+    s = run_on_ray(c, False, 2, is_tty=False)
+    t.join()
+    assert moved.is_set() and (s.state, s.exit_code) == ("failed", 1), s.message
+    ids = ids_in(out)
+    assert 0 < len(ids) < 1200 and len(ids) == len(set(ids))
+    assert (s.num_ok, s.num_done, s.num_output_tokens) == (len(ids), len(ids), 4 * len(ids))

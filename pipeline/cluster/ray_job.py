@@ -17,7 +17,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import os
 import signal
 import threading
 import time
@@ -25,6 +24,7 @@ from typing import Optional
 
 from overnight.pipeline.cluster.actors import NAMESPACE, Coordinator, Worker, _ray
 from overnight.pipeline.cluster.eta import job_forecast, worker_forecast
+from overnight.pipeline.cluster.preflight import check_worker_folders, connect, nothing_to_do
 from overnight.pipeline.cluster.units import plan_units
 from overnight.pipeline.config import JobConfig
 from overnight.pipeline.output.checkpoint import OutputDir, OutputError
@@ -59,29 +59,14 @@ def run_on_ray(cfg: JobConfig, fresh: bool, workers: int, address: Optional[str]
     root = OutputDir(cfg.output.path)
     lock = RunLock(root, split="ray")
     lock.acquire()
-    legacy = False  # a worker folder fingerprinted --json-schema by its path (before stop 37)
     try:
         # again, holding the lock: an unsharded run may have ended in OUT, or a shard begun, since the check
         check_layout(cfg.output.path, None, ray=True)
-        if fresh:
-            for d in job_dirs(cfg.output.path):
-                d.out.clear()
-        else:  # before any worker starts: one whose folder is new would run the rest with the new settings
-            from overnight.pipeline.output import manifest as mf
-
-            fields = mf.fingerprint_fields(cfg, model.requested, model.chat)
-            given = mf.fingerprint_fields(cfg, model.requested, model.chat, as_given=True)
-            for d in job_dirs(cfg.output.path):
-                previous = d.out.read_manifest()
-                if previous is not None:
-                    mf.check_resume(previous, fields, d.out.url, also=given)
-                    legacy = legacy or not mf.same_settings(previous, fields)
-            if retry_errors:  # every folder checked first; the workers start after
-                from overnight.pipeline.job import retry_dropped
-                for d in job_dirs(cfg.output.path):
-                    retry_dropped(d.out, cfg.input.id_column)
+        legacy = check_worker_folders(cfg, fresh, model, retry_errors)
         units = plan_units(source.files, workers, cfg.input.limit)
         total = sum(u.num_rows for u in units)
+        if total == 0:
+            return nothing_to_do(root, source.url, cfg.input.limit, workers)
         # Every worker gets the same absolute deadline and margin.
         sc = dataclasses.replace(cfg.scheduler, deadline=iso(deadline_at) if deadline_at else None, time_budget=None,
                                  safety_margin_s=margin if deadline_at else cfg.scheduler.safety_margin_s)
@@ -95,26 +80,7 @@ def run_on_ray(cfg: JobConfig, fresh: bool, workers: int, address: Optional[str]
             from overnight.pipeline.input.checks import job_structured
             wcfg = dataclasses.replace(wcfg, sampling=dataclasses.replace(
                 cfg.sampling, json_schema=json.dumps(job_structured(cfg.sampling)["json"])))
-        if not ray.is_initialized():
-            address = address or os.environ.get("RAY_ADDRESS") or None
-            # A local cluster gets a slot for every worker, even beyond the machine's cores (echo engines, or
-            # small models sharing the cores); a real cluster offers what it has.
-            cpus = None if address else max(os.cpu_count() or 1, workers)
-            from overnight.pipeline.cluster.address import unreachable
-
-            try:
-                why = unreachable(address)
-                if why:
-                    raise ConnectionError(why)
-                ray.init(address=address, num_cpus=cpus, include_dashboard=False, log_to_driver=True,
-                         configure_logging=False)
-            except (ConnectionError, RuntimeError, ValueError) as e:  # exit 69, as an engine that cannot start
-                from overnight.pipeline.engine import EngineError
-                why = (str(e).strip().splitlines() or [type(e).__name__])[0]
-                raise EngineError(f"Cannot reach the Ray cluster at {address} ({why}). Start it (`ray start "
-                                  f"--head` on its head node), give its address with --ray-address or "
-                                  f"RAY_ADDRESS, or leave both out to start a local cluster on this machine; nothing "
-                                  f"was run.") from None
+        connect(ray, address, workers)
         driver = Driver(ray, wcfg, units, total, workers, root, lock, deadline_at, started, is_tty,
                         cfg.output.log_every_seconds, source.files, margin if deadline_at else 0.0, early=signals)
         return driver.run(on_started)
@@ -249,7 +215,9 @@ class Driver:
         for ref in waiting:
             i = calls.pop(ref)
             self.ray.kill(actors[i])
-        log.info(f"{len(waiting)} workers never started (no room in the cluster) and are not needed any more")
+        why = ("the job stopped before they started" if stopped else "no work is left for them"
+               if not (pending or held) else "the cluster had no room for them, and no placed worker is left")
+        log.info(f"{len(waiting)} workers never started and are not needed any more ({why})")
 
     def _rerun_idle(self, calls, actors, results, failures) -> None:
         """Units that came back to the queue go to a worker that finished its pass (not one that stopped)."""
@@ -336,6 +304,11 @@ class Driver:
         states = [r["state"] for r in results.values()]
         complete = not pending and bool(states) and all(s == "completed" for s in states) and not failures
         stop = self.ray.get(self.coordinator.stop_state.remote())[0]
+        if stop and stop.startswith("SIG"):  # a signal's name
+            stop = f"interrupted by {stop}"
+        if (not stop and not complete and not failures and self.deadline_at is not None
+                and time.time() >= self.deadline_at - self.margin):  # (workers not yet placed were not told)
+            stop = "deadline reached" + ("" if results else " before any worker started")
         left = max(0, self.total - done)
         if complete:
             state, code, message = "completed", 0, None
@@ -361,7 +334,10 @@ class Driver:
         else:
             self.root.write_status(self._status(state, code, statuses, pending, 0.0 if complete else None,
                                                 message))
-        idle = [c for i, c in self.counts_before.items() if i not in results]  # folders no worker ran this time
+        # the other folders' counts as they stand now: a worker that failed (its rows saved) or was lost this run,
+        # or a folder no worker ran this time
+        idle = [(d.out.read_manifest() or {}).get("counts", {}) for d in job_dirs(self.cfg.output.path)
+                if d.worker is not None and d.worker not in results]
         ok = sum(r["num_ok"] for r in results.values()) + sum(c.get("num_ok") or 0 for c in idle)
         err = sum(r["num_error"] for r in results.values()) + sum(c.get("num_error") or 0 for c in idle)
         toks = (sum(r["num_output_tokens"] for r in results.values())
@@ -386,7 +362,7 @@ class Driver:
         def handle(signum, frame):
             name = signal.Signals(signum).name
             self.signals.append(name)
-            self.coordinator.stop.remote(f"interrupted by {name}")
+            self.coordinator.stop.remote(name)  # each worker's runner says "interrupted by SIGTERM", as one engine
             log.warning(f"{name}: every worker stops admitting rows and drains (a second signal aborts at once)")
         previous = {s: signal.signal(s, handle) for s in (signal.SIGTERM, signal.SIGINT)}
         if self.early is not None and self.early.first:  # it came while the job opened

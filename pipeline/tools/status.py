@@ -173,7 +173,7 @@ def _ray_status(out: OutputDir, dirs, driver: dict) -> dict:
     return {"out": out.shown(), "state": state, "shards": None, "workers": driver.get("workers"),
             "rows_total": rows.get("total"), "rows_done": done, "rows_left": left,
             "output_tokens_per_s": driver.get("output_tokens_per_s") if state == "running" else None,
-            "eta_s": driver.get("eta_s"), "exit_code": driver.get("exit_code"), "per_shard": workers}
+            "eta_s": eta_for(state, driver.get("eta_s")), "exit_code": driver.get("exit_code"), "per_shard": workers}
 
 
 def status_lines(s: dict) -> list[str]:
@@ -196,6 +196,8 @@ def status_lines(s: dict) -> list[str]:
              fmt_duration(p["eta_s"]) if p["eta_s"] is not None else "-",
              "-" if p["exit_code"] is None else str(p["exit_code"]), str(p["attempts"]), p["updated_at"] or "-")
             for p in s["per_shard"]]
+    if not rows:  # a Ray job whose workers have written no folder yet (starting, or an empty input)
+        return lines
     widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(cols)]
     lines.append("  ".join(c.ljust(w) for c, w in zip(cols, widths)).rstrip())
     lines += ["  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip() for r in rows]

@@ -1,0 +1,77 @@
+"""What the Ray driver does before any worker starts: check the worker folders against this run's settings,
+and reach (or start) the Ray cluster. ``ray_job.run_on_ray`` calls both while it holds OUT's lock."""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+from overnight.pipeline.output.layout import job_dirs
+
+
+def check_worker_folders(cfg, fresh: bool, model, retry_errors: bool) -> bool:
+    """Clear them (--fresh), or check that each resumes with this run's settings (a rerun with other settings is
+    refused before any worker starts: one whose folder is new would run the rest with the new settings), and with
+    --retry-errors drop their error rows. True when a folder was fingerprinted --json-schema by its path (before
+    stop 37)."""
+    if fresh:
+        for d in job_dirs(cfg.output.path):
+            d.out.clear()
+        return False
+    from overnight.pipeline.output import manifest as mf
+
+    legacy = False
+    fields = mf.fingerprint_fields(cfg, model.requested, model.chat)
+    given = mf.fingerprint_fields(cfg, model.requested, model.chat, as_given=True)
+    for d in job_dirs(cfg.output.path):
+        previous = d.out.read_manifest()
+        if previous is not None:
+            mf.check_resume(previous, fields, d.out.url, also=given)
+            legacy = legacy or not mf.same_settings(previous, fields)
+    if retry_errors:  # every folder checked first; the workers start after
+        from overnight.pipeline.job import retry_dropped
+        for d in job_dirs(cfg.output.path):
+            retry_dropped(d.out, cfg.input.id_column)
+    return legacy
+
+
+def connect(ray, address: Optional[str], workers: int) -> None:
+    """Join the cluster at ``address`` (or RAY_ADDRESS), or start a local one with a slot for every worker, even
+    beyond the machine's cores (echo engines, or small models sharing the cores); a real cluster offers what it
+    has. One that cannot be reached is an EngineError (exit 69, as an engine that cannot start)."""
+    if ray.is_initialized():
+        return
+    address = address or os.environ.get("RAY_ADDRESS") or None
+    cpus = None if address else max(os.cpu_count() or 1, workers)
+    from overnight.pipeline.cluster.address import unreachable
+
+    try:
+        why = unreachable(address)
+        if why:
+            raise ConnectionError(why)
+        ray.init(address=address, num_cpus=cpus, include_dashboard=False, log_to_driver=True,
+                 configure_logging=False)
+    except (ConnectionError, RuntimeError, ValueError) as e:
+        from overnight.pipeline.engine import EngineError
+        why = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise EngineError(f"Cannot reach the Ray cluster at {address} ({why}). Start it (`ray start --head` on its "
+                          f"head node), give its address with --ray-address or RAY_ADDRESS, or leave both out to "
+                          f"start a local cluster on this machine; nothing was run.") from None
+
+
+def nothing_to_do(root, url: str, limit: Optional[int], workers: int):
+    """An input with no rows (or --limit 0): no Ray, no worker; the job is complete, as on one engine."""
+    import logging
+    import time
+
+    from overnight.pipeline.report import Summary, iso
+
+    why = "--limit 0 takes no rows" if limit == 0 else f"{url} has no rows"
+    message = f"nothing to do: {why}"
+    logging.getLogger("overnight").info(message)
+    root.write_status({"state": "completed", "exit_code": 0, "message": message, "out": root.shown(),
+                       "workers": workers, "rows": {"total": 0, "done": 0, "remaining": 0}, "eta_s": 0.0,
+                       "per_worker": {}, "updated_at": iso(time.time())})
+    return Summary(run_id=f"ray-{workers}-workers", out=root.shown(), state="completed", exit_code=0, num_rows=0,
+                   num_done=0, num_ok=0, num_error=0, num_resumed=0, num_duplicates=0, num_output_tokens=0,
+                   elapsed_s=0.0, output_tokens_per_s=0.0, message=message, extra={})
