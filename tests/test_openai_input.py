@@ -9,6 +9,8 @@ import json
 import logging
 import sys
 
+import pytest
+
 from click.testing import CliRunner
 
 from fakes import FakeEngine, given
@@ -175,6 +177,9 @@ BAD = [
                                         "(int); it is out of range: give a whole number between -2**63 and 2**63-1"),
     ('{"custom_id": "ctl", "body": "a\tb"}', "requests.jsonl#25: line 25 is not valid JSON (Invalid control character "
                                            "at column 32); write each request as one JSON object on one line"),
+    # an integer no float holds (OverflowError) stopped the job, and every rerun, on this line
+    (chat("bigint", temperature=10 ** 400), "requests.jsonl#26: line 26: body.temperature is 1" + "0" * 56 + "... "
+                                            "(int); it must be a number"),
 ]
 
 
@@ -227,3 +232,15 @@ def test_a_duplicate_custom_id_is_skipped_and_counted(tmp_path, cfg, caplog):
     assert (s.num_ok, s.num_duplicates) == (2, 1)
     assert "duplicate id 'a' at requests.jsonl#3: the first row with this id is kept, this one is skipped" \
         in caplog.messages
+
+
+def test_a_utf16_file_is_refused_naming_it(tmp_path, cfg):
+    """A UTF-16 file (as PowerShell writes): json.loads of each line's bytes took some lines as UTF-16 and made
+    others error rows; the file is refused at open with the fix."""
+    from overnight.pipeline.input.source import InputError
+
+    text = "".join(json.dumps(chat(f"c{i}")) + "\n" for i in range(3))
+    path = tmp_path / "requests.jsonl"
+    path.write_bytes(text.encode("utf-16"))
+    with pytest.raises(InputError, match=r"requests.jsonl is UTF-16 or UTF-32 text .*Re-encode the file as UTF-8"):
+        run_job(cfg(path, tmp_path / "out"), engine_factory=given(FakeEngine()), is_tty=False)

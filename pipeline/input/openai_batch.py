@@ -69,6 +69,9 @@ INTERNAL_COLUMNS = frozenset({INPUT_ERROR_COLUMN, RAW_PROMPT_COLUMN, MODEL_COLUM
 MESSAGES_TYPE = pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))
 
 
+UTF16_32_BOMS = (b"\xff\xfe", b"\xfe\xff", b"\x00\x00\xfe\xff")
+
+
 def is_jsonl_input(path: Optional[str]) -> bool:
     """INPUT names JSONL: a file or glob ending in .jsonl / .jsonl.gz, or a folder or glob whose data files are
     such files and no Parquet files (``dir/*.jsonl*``, ``dir/*``)."""
@@ -139,6 +142,10 @@ class OpenAIBatchSource(ParquetSource):
             with self._open(path) as f:
                 pos, line_no = 0, 0
                 for line in f:
+                    if line_no == 0 and line.startswith(UTF16_32_BOMS):  # (before every line split on its \n)
+                        raise InputError(f"{shown} is UTF-16 or UTF-32 text (it starts with a byte order mark); "
+                                         f"JSONL is UTF-8. Re-encode the file as UTF-8 (PowerShell: Out-File "
+                                         f"-Encoding utf8), or remove it from the input.")
                     if line_no % chunk_lines == 0:
                         rows.append(0)
                         offsets.append(pos)
@@ -238,7 +245,7 @@ class OpenAIBatchSource(ParquetSource):
         custom_id = None
         try:
             try:
-                req = json.loads(raw)
+                req = json.loads(raw.decode("utf-8-sig"))  # strict UTF-8 (json.loads of bytes would take UTF-16)
             except UnicodeDecodeError as e:
                 raise LineError(f"line {line_no} is not valid UTF-8 (at byte {e.start + 1}); re-encode the file as "
                                 f"UTF-8") from None
@@ -286,6 +293,11 @@ class OpenAIBatchSource(ParquetSource):
             return row
         except LineError as e:
             return {cfg.id_column: custom_id, INPUT_ERROR_COLUMN: str(e)}
+        except (MemoryError, KeyboardInterrupt):
+            raise
+        except Exception as e:  # a value no check foresaw: this line is an error row, and the job goes on
+            return {cfg.id_column: custom_id, INPUT_ERROR_COLUMN: f"line {line_no} could not be read "
+                                                                  f"({type(e).__name__}: {_first_line(e)}); fix it"}
 
     def _warn_unknown(self, body: dict, url: str, file: JsonlFile, line_no: int) -> None:
         own = ENDPOINTS[url]
@@ -359,7 +371,7 @@ def request_lines(url: str) -> Iterator[tuple[Optional[str], bool, Optional[str]
                 if line.isspace():
                     continue
                 try:
-                    req = json.loads(line)
+                    req = json.loads(line.decode("utf-8-sig"))  # as the source reads it
                 except (ValueError, RecursionError):  # not JSON, not UTF-8, nested too deeply (an error row)
                     req = None
                 cid = req.get("custom_id") if isinstance(req, dict) else None

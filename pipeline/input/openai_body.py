@@ -102,10 +102,18 @@ def _parameters(body: dict, line_no: int) -> dict:
                                  else "it must be an integer"))
             out[column] = int(value)
         else:
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(float(value)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not _finite(value):
                 raise LineError(f"{where} is {_short(value)} ({type(value).__name__}); it must be a number")
             out[column] = float(value)
     return out
+
+
+def _finite(value) -> bool:
+    """A number a float holds (an integer of 309 digits does not: OverflowError)."""
+    try:
+        return math.isfinite(float(value))
+    except OverflowError:
+        return False
 
 
 def _logprobs(body: dict, line_no: int) -> Optional[int]:
