@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
 import re
 from dataclasses import dataclass, field
 from typing import Optional, Union
@@ -307,6 +308,10 @@ class OutputConfig:
         _check(self.flush_seconds > 0, f"output.flush_seconds is {self.flush_seconds}; it must be above 0.")
         _check(self.log_every_seconds > 0,
                f"output.log_every_seconds is {self.log_every_seconds}; it must be above 0.")
+        _check(self.metrics_port is None or 1 <= self.metrics_port <= 65535,
+               f"output.metrics_port is {self.metrics_port}; it must be a port, 1 to 65535.")
+        _check(self.price_per_hour is None or (self.price_per_hour >= 0 and math.isfinite(self.price_per_hour)),
+               f"output.price_per_hour is {self.price_per_hour}; it must be 0 or more.")
 
 
 @dataclass

@@ -24,7 +24,18 @@ def _loader():
     import yaml
 
     class Loader(yaml.SafeLoader):
-        pass
+        def construct_mapping(self, node, deep=False):
+            """A key given twice (two ``sampling:`` sections) is refused: YAML would keep the last silently."""
+            if isinstance(node, yaml.MappingNode):
+                seen = set()
+                for key_node, _ in node.value:
+                    key = self.construct_object(key_node, deep=deep)
+                    if isinstance(key, (str, int, float, bool)) and key in seen:
+                        raise yaml.constructor.ConstructorError(
+                            None, None, f"{key!r} is given twice; keep one (its keys merged into one section)",
+                            key_node.start_mark)
+                    seen.add(key) if isinstance(key, (str, int, float, bool)) else None
+            return super().construct_mapping(node, deep)
 
     numbers = ("tag:yaml.org,2002:int", "tag:yaml.org,2002:float")
     Loader.yaml_implicit_resolvers = {k: [(tag, rx) for tag, rx in v if tag not in numbers]
