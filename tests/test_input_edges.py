@@ -147,3 +147,17 @@ def test_dictionary_encoded_columns_are_read_as_their_values(tmp_path, cfg):
     os.utime(inp / "f1.parquet", (1, 1))                          # changed: the parts are scanned, ids matched
     s = run_job(cfg(inp, tmp_path / "out"), engine_factory=given(FakeEngine()), is_tty=False)
     assert (s.num_resumed, s.num_ok) == (4, 4)
+
+
+def test_an_empty_file_without_the_prompt_column_is_no_error(tmp_path, cfg):
+    """A file of zero rows has no prompt to ask for: it may lack the prompt column, as it may lack the id column
+    (a writer that drops the columns of an empty frame); the other files' rows are answered."""
+    inp = tmp_path / "in"
+    inp.mkdir()
+    pq.write_table(pa.table({"id": ["a", "b"], "prompt": ["hi", "yo"]}), inp / "a.parquet")
+    pq.write_table(pa.table({"other": pa.array([], pa.string())}), inp / "b.parquet")
+    s = run_job(cfg(inp, tmp_path / "out"), engine_factory=given(FakeEngine()), is_tty=False)
+    assert (s.exit_code, s.num_ok) == (0, 2)
+    pq.write_table(pa.table({"other": ["x"]}), inp / "b.parquet")   # with a row, it is refused, naming the file
+    with pytest.raises(InputError, match=r"b.parquet has no column 'prompt' or 'messages'"):
+        run_job(cfg(inp, tmp_path / "out2"), engine_factory=given(FakeEngine()), is_tty=False)

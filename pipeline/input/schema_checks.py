@@ -82,7 +82,7 @@ def check_columns(cfg: InputConfig, fs, url: str, files: list, schema: pa.Schema
             f"Name the prompt column with --prompt-column, or add a {messages!r} column of chats.")
     for f in files:
         fnames = set(f.schema.names)
-        if prompt not in fnames and messages not in fnames:
+        if prompt not in fnames and messages not in fnames and f.num_rows:  # (an empty file has no rows to ask)
             raise InputError(f"{unstrip(fs, f.path)} has no column {prompt!r} or {messages!r} "
                              f"(columns: {', '.join(f.schema.names)}). Every input file needs the prompt column.")
     if prompt in names and not is_text(schema.field(prompt).type):
