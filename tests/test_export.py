@@ -323,3 +323,24 @@ def test_binary_and_decimal_passthrough_columns_keep_their_values_and_json_types
     rows = [json.loads(x) for x in (tmp_path / "all.jsonl").read_text().splitlines()]
     assert [base64.b64decode(r["blob"]) for r in rows] == [png, b"abc"]
     assert [r["price"] for r in rows] == [1.25, 2.5] and [r["score"] for r in rows] == [None, 1.0]
+
+
+def test_openai_export_of_a_running_job_is_refused(job, tmp_path):
+    """Its rows not done yet are not expired: the openai format waits for the job's end; jsonl takes the rows done
+    so far."""
+    from overnight.pipeline.output.checkpoint import OutputDir, OutputError
+    from overnight.pipeline.output.lock import RunLock
+
+    ids, out = job
+    for name in ("manifest.json", "status.json"):   # as a run writes them while it runs
+        path = out / name
+        path.write_text(json.dumps({**json.loads(path.read_text()), "state": "running", "exit_code": None}))
+    lock = RunLock(OutputDir(str(out)))
+    lock.acquire()
+    try:
+        with pytest.raises(OutputError, match="is still running: --format openai would write the rows not done"):
+            export(str(out), "openai", str(tmp_path / "o.jsonl"))
+        assert not (tmp_path / "o.jsonl").exists()
+        assert export(str(out), "jsonl", str(tmp_path / "so-far.jsonl"))["rows"] == 30
+    finally:
+        lock.release()

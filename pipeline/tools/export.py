@@ -41,6 +41,13 @@ def export(url: str, fmt: str, output: str, errors: Optional[str] = None) -> dic
         raise OutputError(f"--errors is for --format openai; --format {fmt} writes error rows into --output with "
                           f"the others (their status column says which). Leave --errors out.")
     con, manifest = open_results(url)
+    if fmt == "openai":
+        from overnight.pipeline.tools.status import job_status
+
+        if job_status(url)["state"] == "running":  # (a batch's output file exists once the batch has ended)
+            raise OutputError(f"{url} is still running: --format openai would write the rows not done yet as "
+                              f"expired (batch_expired). Export it once the job has ended (`overnight status "
+                              f"{url}`), or export the rows done so far with --format jsonl or parquet.")
     query, in_order = _ordered(con, manifest or {}, url)
     if fmt in ("parquet", "csv"):
         opts = "(format parquet, compression zstd)" if fmt == "parquet" else "(header, format csv)"
