@@ -159,7 +159,10 @@ def _open_locked(cfg, fresh, source, out, model, fields, lock, deadline_at, marg
                           logprobs=cfg.sampling.logprobs is not None or "logprobs" in names)
     input_info = {"url": redact(source.url), "num_files": len(source.files), "num_rows": source.num_rows,
                   "stamp": stamp, "cwd": os.getcwd(),  # where a relative input path is (export reads it again)
-                  "jsonl": is_jsonl_input(cfg.input.path)}  # request lines: export's word when they moved
+                  "jsonl": is_jsonl_input(cfg.input.path),  # request lines: export's word when they moved
+                  # the output's sample_index and logprobs columns (also from the input's n and logprobs columns):
+                  # inspect shows them before the first part is written
+                  "samples": schema.samples, "logprobs": schema.logprobs}
     renamed = {k: v for k, v in schema.renames.items() if k != v}
     if renamed:  # input columns the output holds under another name (``text`` as ``input_text``)
         input_info["renamed"] = renamed

@@ -129,3 +129,18 @@ def test_predictor_eval_of_a_job_completed_with_no_rows_says_so(tmp_path, cfg, w
     run_job(cfg(inp, tmp_path / "out"), engine_factory=given(FakeEngine()), is_tty=False)
     r = CliRunner().invoke(cli, ["predictor", "eval", str(tmp_path / "out"), "--predictor", "heuristic"])
     assert r.exit_code == 1 and "holds no rows: its job completed with none" in r.output, r.output
+
+
+def test_a_jsonl_job_with_no_part_yet_has_sample_index_and_logprobs(tmp_path, cfg):
+    """A JSONL job's output always has both columns (its request lines may ask n and logprobs); so does its
+    results view before the first part is written (a query naming them was a Binder Error)."""
+    from openai_lines import chat, write_lines
+    from overnight.pipeline.tools.inspection import open_results
+
+    path = write_lines(tmp_path / "requests.jsonl", [chat("a"), chat("b")])
+    out = tmp_path / "out"
+    run_job(cfg(path, out), engine_factory=given(FakeEngine()), is_tty=False)
+    for part in (out / "parts").glob("*.parquet"):   # as if the job had been stopped before its first flush
+        part.unlink()
+    con, _ = open_results(str(out))
+    assert con.execute("select count(*), count(sample_index), count(logprobs) from results").fetchone() == (0, 0, 0)

@@ -85,8 +85,10 @@ def _empty_results(manifest: dict):
     cfg = manifest.get("config", {})
     sampling = cfg.get("sampling") or {}
     id_name = manifest.get("fingerprint_fields", {}).get("id_column") or (cfg.get("input") or {}).get("id_column")
-    schema = OutputSchema(id_name or "id", pa.string(), [], samples=(sampling.get("n") or 1) > 1,
-                          logprobs=sampling.get("logprobs") is not None)
+    given = manifest.get("input") or {}   # (an OUT before stop 44 records neither: the job's settings tell)
+    schema = OutputSchema(id_name or "id", pa.string(), [],
+                          samples=given.get("samples", (sampling.get("n") or 1) > 1),
+                          logprobs=given.get("logprobs", sampling.get("logprobs") is not None))
     return schema.schema.empty_table()
 
 
