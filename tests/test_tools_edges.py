@@ -144,3 +144,18 @@ def test_a_jsonl_job_with_no_part_yet_has_sample_index_and_logprobs(tmp_path, cf
         part.unlink()
     con, _ = open_results(str(out))
     assert con.execute("select count(*), count(sample_index), count(logprobs) from results").fetchone() == (0, 0, 0)
+
+
+def test_inspect_groups_errors_that_differ_only_in_their_numbers(tmp_path, cfg, write_parquet):
+    from overnight.pipeline.tools.inspection import open_results, summary_lines
+
+    inp = write_parquet({"id": [f"r{i}" for i in range(9)], "prompt": ["hi"] * 9,
+                         "max_tokens": [-1, -2, -3, -4, -5, -6, 4, 4, 4],
+                         "temperature": [0.5] * 6 + [9.0, 0.5, 0.5]})
+    run_job(cfg(inp, tmp_path / "out"), engine_factory=given(FakeEngine()), is_tty=False)
+    con, m = open_results(str(tmp_path / "out"))
+    lines = summary_lines(con, m)
+    errors = lines[lines.index("most common errors:") + 1:]
+    assert len(errors) == 2, errors
+    assert errors[0].startswith("  6 x max_tokens is -") and errors[0].endswith("(and 5 like it, with other numbers)")
+    assert errors[1].startswith("  1 x temperature is 9.0")

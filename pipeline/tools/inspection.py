@@ -154,9 +154,16 @@ def summary_lines(con, manifest: Optional[dict], price_per_hour: Optional[float]
     lines += cost_lines(con, manifest, price_per_hour, n)
     if err:
         lines.append("most common errors:")
-        for msg, k in con.execute("select regexp_replace(error, '^[^:]*#[0-9]+: ', ''), count(*) from results "
-                              "where status = 'error' group by 1 order by 2 desc limit 5").fetchall():
-            lines.append(f"  {k} x {msg}")
+        # one line per kind: messages that differ only in their numbers (a prompt's tokens, a row's value) are one
+        kinds = con.execute(
+            "select min(m), count(*), count(distinct m) from (select regexp_replace(error, '^[^:]*#[0-9]+: ', '') m "
+            "from results where status = 'error') group by regexp_replace(m, '[0-9]+', 'N', 'g') "
+            "order by 2 desc, 1").fetchall()
+        for msg, k, variants in kinds[:5]:
+            lines.append(f"  {k} x {msg}" + (f" (and {variants - 1} like it, with other numbers)" if variants > 1
+                                              else ""))
+        if len(kinds) > 5:
+            lines.append(f"  {sum(k for _, k, _ in kinds[5:])} more rows with {len(kinds) - 5} other kinds of error")
     return lines
 
 
