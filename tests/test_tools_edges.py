@@ -159,3 +159,16 @@ def test_inspect_groups_errors_that_differ_only_in_their_numbers(tmp_path, cfg, 
     assert len(errors) == 2, errors
     assert errors[0].startswith("  6 x max_tokens is -") and errors[0].endswith("(and 5 like it, with other numbers)")
     assert errors[1].startswith("  1 x temperature is 9.0")
+
+
+def test_inspect_tables_line_up_with_wide_characters():
+    """A CJK character takes two columns of a terminal: cells are padded and cut by the columns they take."""
+    from overnight.pipeline.tools.inspection import _width, render
+
+    lines = render(["id", "text"], [("a", "plain"), ("日本", "x"), ("b", "日本語" * 40)], max_width=20).splitlines()
+    header, rule, rows = lines[0], lines[1], lines[2:5]
+    assert rule == "----  " + "-" * 19                       # 日本 takes 4 columns; the cut text 16 + "..."
+    at = [_width(ln[:ln.index(t)]) for ln, t in zip([header, *rows], ["text", "plain", "x", "日本語"])]
+    assert at == [6, 6, 6, 6]                                   # the text column starts at one place in every row
+    assert rows[2].endswith("...") and _width(rows[2]) == 25
+    assert render(["t"], [("abc" * 100,)], max_width=20).splitlines()[2] == "abc" * 5 + "ab..."

@@ -183,6 +183,15 @@ def cost_lines(con, manifest: Optional[dict], price_per_hour: Optional[float], r
     return [line]
 
 
+def _width(s: str) -> int:
+    """Columns a terminal gives the text: two for a wide (CJK) character, none for a combining mark."""
+    import unicodedata
+
+    if s.isascii():
+        return len(s)
+    return sum(0 if unicodedata.combining(ch) else 2 if unicodedata.east_asian_width(ch) in "WF" else 1 for ch in s)
+
+
 def render(columns: list[str], rows: list[tuple], csv: bool = False, max_width: int = 60) -> str:
     if csv:
         buf = io.StringIO()
@@ -193,12 +202,20 @@ def render(columns: list[str], rows: list[tuple], csv: bool = False, max_width: 
 
     def cell(v) -> str:
         s = "NULL" if v is None else str(v).replace("\n", "\\n")
-        return s if len(s) <= max_width else s[: max_width - 3] + "..."
+        if len(s) <= 4 * max_width and _width(s) <= max_width:
+            return s
+        s = s[:4 * max_width]  # (a long text: enough of it to fill the cell)
+        while _width(s) > max_width - 3:
+            s = s[:-1]
+        return s + "..."
+
+    def pad(s: str, w: int) -> str:
+        return s + " " * (w - _width(s))
 
     cells = [[cell(v) for v in r] for r in rows]
-    widths = [max([len(c)] + [len(r[i]) for r in cells]) for i, c in enumerate(columns)]
+    widths = [max([_width(c)] + [_width(r[i]) for r in cells]) for i, c in enumerate(columns)]
     sep = "  "
-    out = [sep.join(c.ljust(w) for c, w in zip(columns, widths)), sep.join("-" * w for w in widths)]
-    out += [sep.join(v.ljust(w) for v, w in zip(r, widths)) for r in cells]
+    out = [sep.join(pad(c, w) for c, w in zip(columns, widths)), sep.join("-" * w for w in widths)]
+    out += [sep.join(pad(v, w) for v, w in zip(r, widths)) for r in cells]
     out.append(f"({len(rows)} row{'s' if len(rows) != 1 else ''})")
     return "\n".join(out)
