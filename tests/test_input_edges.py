@@ -161,3 +161,22 @@ def test_an_empty_file_without_the_prompt_column_is_no_error(tmp_path, cfg):
     pq.write_table(pa.table({"other": ["x"]}), inp / "b.parquet")   # with a row, it is refused, naming the file
     with pytest.raises(InputError, match=r"b.parquet has no column 'prompt' or 'messages'"):
         run_job(cfg(inp, tmp_path / "out2"), engine_factory=given(FakeEngine()), is_tty=False)
+
+
+def test_a_column_the_job_does_not_read_does_not_block_it(tmp_path, cfg):
+    """A struct of another shape in each file: refused while it is passed through (with the fix of leaving it out),
+    left out of the dataset when --passthrough leaves it out."""
+    inp = tmp_path / "in"
+    inp.mkdir()
+    pq.write_table(pa.table({"prompt": ["a"], "meta": pa.array([{"a": 1}])}), inp / "a.parquet")
+    pq.write_table(pa.table({"prompt": ["b"], "meta": pa.array([{"a": 1, "z": True}])}), inp / "b.parquet")
+    with pytest.raises(InputError, match=r"Column 'meta' has type .* leave it out of --passthrough"):
+        run_job(cfg(inp, tmp_path / "out"), engine_factory=given(FakeEngine()), is_tty=False)
+    s = run_job(cfg(inp, tmp_path / "out", input={"passthrough": "none"}), engine_factory=given(FakeEngine()),
+                is_tty=False)
+    assert (s.exit_code, s.num_ok) == (0, 2)
+    pq.write_table(pa.table({"prompt": ["b"], "max_tokens": ["many"]}), inp / "b.parquet")   # a request column
+    pq.write_table(pa.table({"prompt": ["a"], "max_tokens": [4]}), inp / "a.parquet")
+    with pytest.raises(InputError, match=r"Column 'max_tokens' has type int64 .* in every file\.$"):
+        run_job(cfg(inp, tmp_path / "out2", input={"passthrough": "none"}), engine_factory=given(FakeEngine()),
+                is_tty=False)

@@ -75,3 +75,63 @@ def nothing_to_do(root, url: str, limit: Optional[int], workers: int):
     return Summary(run_id=f"ray-{workers}-workers", out=root.shown(), state="completed", exit_code=0, num_rows=0,
                    num_done=0, num_ok=0, num_error=0, num_resumed=0, num_duplicates=0, num_output_tokens=0,
                    elapsed_s=0.0, output_tokens_per_s=0.0, message=message, extra={})
+
+
+def rows_done_in_input(cfg, source) -> tuple[int, int, list]:
+    """Of the rows the worker folders hold, how many are the input's (each id once), how many are not (ids no
+    longer in the input, as on one engine), and up to 3 of those ids: the job's rows done at its start. A worker
+    reads only its units, so none sees that an id left the input; the driver reads the input's ids (that column
+    alone) once, on a resume only."""
+    import numpy as np
+    import pyarrow as pa
+
+    from overnight.pipeline.idkeys import keys_of
+    from overnight.pipeline.input.source import _head
+    from overnight.pipeline.output.checkpoint import Scan
+
+    scan = Scan()
+    for d in job_dirs(cfg.output.path):
+        if d.worker is not None:
+            d.out.scan(cfg.input.id_column, into=scan)
+    if not scan.num_done:
+        return 0, 0, []
+    id_col = cfg.input.id_column if source.has_id_column else None
+    done, met = scan.done, 1
+    done.flags[...] = 0
+    found_null = set()
+    remaining = cfg.input.limit
+    for sb in source._read(source.fragments(), [id_col] if id_col else []):
+        if remaining is not None:
+            if remaining <= 0:
+                break
+            sb = _head(sb, remaining) if sb.batch.num_rows > remaining else sb
+            remaining -= sb.batch.num_rows
+        n = sb.batch.num_rows
+        origins = None
+        if id_col:
+            ids = sb.batch.column(id_col)
+        else:  # derived ids: "<file>#<row>"
+            origins = ids = pa.array([f"{sb.file.name}#{sb.row_number(i)}" for i in range(n)])
+        keys, checks, valid = keys_of(ids)
+        slots = done.find(keys[valid], checks[valid]) if valid.any() and len(done) else np.empty(0, np.int64)
+        if len(slots):
+            done.set_flags(slots[slots >= 0], met)
+        if not valid.all() and len(scan.null_origins):  # error rows of null ids, matched by their origin
+            rows = np.flatnonzero(~valid)
+            if origins is None:
+                origins = pa.array([f"{sb.file.name}#{sb.row_number(int(i))}" for i in rows])
+            else:
+                origins = origins.take(pa.array(rows))
+            k, c, _ = keys_of(origins)
+            hit = scan.null_origins.find(k, c) >= 0
+            found_null.update(origins.filter(pa.array(hit)).to_pylist())
+    occupied = done.occupied()
+    in_input = int((occupied & ((done.flags & met) != 0)).sum())
+    # (past a --limit, a done id is not the input's rows, and not gone from it either)
+    gone = 0 if cfg.input.limit is not None else int((occupied & ((done.flags & met) == 0)).sum())
+    examples = []
+    if gone:
+        flags = done.flags.reshape(-1)
+        examples = scan.find_ids(lambda slots: (flags[slots] & met) == 0, 3)
+    null_done = scan.num_done - len(done)   # error rows without an id (each its own row)
+    return in_input + min(len(found_null), max(0, null_done)), gone, examples

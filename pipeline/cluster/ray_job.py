@@ -24,7 +24,8 @@ from typing import Optional
 
 from overnight.pipeline.cluster.actors import NAMESPACE, Coordinator, Worker, _ray
 from overnight.pipeline.cluster.eta import job_forecast, worker_forecast
-from overnight.pipeline.cluster.preflight import check_worker_folders, connect, nothing_to_do
+from overnight.pipeline.cluster.preflight import (check_worker_folders, connect, nothing_to_do,
+                                                rows_done_in_input)
 from overnight.pipeline.cluster.units import plan_units
 from overnight.pipeline.config import JobConfig
 from overnight.pipeline.output.checkpoint import OutputDir, OutputError
@@ -81,8 +82,13 @@ def run_on_ray(cfg: JobConfig, fresh: bool, workers: int, address: Optional[str]
             wcfg = dataclasses.replace(wcfg, sampling=dataclasses.replace(
                 cfg.sampling, json_schema=json.dumps(job_structured(cfg.sampling)["json"])))
         connect(ray, address, workers)
+        in_input, gone, examples = rows_done_in_input(cfg, source) if not fresh else (0, 0, [])
+        if gone:
+            log.warning(f"{gone} rows in {root.shown()} are no longer in the input (e.g. ids "
+                        f"{', '.join(repr(i) for i in examples)}); their results are kept")
         driver = Driver(ray, wcfg, units, total, workers, root, lock, deadline_at, started, is_tty,
-                        cfg.output.log_every_seconds, source.files, margin if deadline_at else 0.0, early=signals)
+                        cfg.output.log_every_seconds, source.files, margin if deadline_at else 0.0, early=signals,
+                        done_at_start=in_input, num_removed=gone)
         return driver.run(on_started)
     finally:
         lock.release()
@@ -90,7 +96,7 @@ def run_on_ray(cfg: JobConfig, fresh: bool, workers: int, address: Optional[str]
 
 class Driver:
     def __init__(self, ray, cfg, units, total, workers, root, lock, deadline_at, started, is_tty, log_every, files,
-                 margin: float = 0.0, early=None):
+                 margin: float = 0.0, early=None, done_at_start: Optional[int] = None, num_removed: int = 0):
         import uuid
 
         self.early = early  # a signal that came while the job opened, replayed when the driver's handlers start
@@ -110,7 +116,10 @@ class Driver:
         self.counts_before = {d.worker: (d.out.read_manifest() or {}).get("counts", {})
                               for d in job_dirs(cfg.output.path) if d.worker is not None}
         self.done_in = {i: c.get("num_done", 0) for i, c in self.counts_before.items()}
-        self.done_before = sum(self.done_in.values())
+        self.start_in = dict(self.done_in)
+        # the job's rows done at the start: the folders' rows whose ids are the input's (not those gone from it)
+        self.done_before = min(sum(self.done_in.values()) if done_at_start is None else done_at_start, total)
+        self.num_removed = num_removed
         self.progress = Progress(total, min(self.done_before, total), log_every, is_tty=is_tty)
         self.signals: list[str] = []
         self.warned = self.warned_unplaced = self.told_lost = False
@@ -273,13 +282,14 @@ class Driver:
                           f"{st.get('output_tokens_per_s')} tok/s")
 
     def _done_now(self, statuses: dict) -> int:
-        """Rows done in the job: each worker folder's running total (its rows ok and error, an earlier attempt's
-        included; the folders hold disjoint ids), not a worker's rows done of the units it took this attempt,
-        which leaves out rows an earlier attempt wrote there and rows of its units another folder answered."""
+        """Rows done in the job: those done at its start (the folders' rows whose ids are the input's), and what
+        each worker folder's running total (its rows ok and error) has grown by since; not a worker's rows done
+        of the units it took this attempt, which leaves out rows of its units another folder answered."""
         for i, st in statuses.items():
             rows = st.get("rows", {})
             self.done_in[i] = max(self.done_in.get(i, 0), (rows.get("ok") or 0) + (rows.get("error") or 0))
-        return min(sum(self.done_in.values()), self.total)
+        new = sum(max(0, n - self.start_in.get(i, 0)) for i, n in self.done_in.items())
+        return min(self.done_before + new, self.total)
 
     def _status(self, state, exit_code, statuses, pending, eta, message=None, forecast=None) -> dict:
         done = self._done_now(statuses)
@@ -348,6 +358,7 @@ class Driver:
                        num_rows=self.total, num_done=done, num_ok=ok, num_error=err,
                        num_resumed=sum(r["num_resumed"] for r in results.values()),
                        num_duplicates=sum(r["num_duplicates"] for r in results.values()), num_output_tokens=toks,
+                       num_removed=self.num_removed,
                        elapsed_s=round(elapsed, 3),
                        output_tokens_per_s=round(this_attempt / elapsed, 2) if elapsed else 0.0,
                        message=message, extra={"workers": {f"w{i}": r["state"] for i, r in sorted(results.items())},

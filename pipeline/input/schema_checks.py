@@ -49,10 +49,12 @@ def check_id_range(fs, id_column: str, meta, schema: pa.Schema, shown: str, path
                              f"with --id-column.")
 
 
-def unify(fs, url: str, files: list) -> pa.Schema:
+def unify(fs, url: str, files: list, reads=lambda name: "needed") -> pa.Schema:
     """The files' schemas as one dataset's: a column of two types that cannot be read as one is refused, naming
-    both files."""
+    both files; one the job does not read (``reads(name)`` None: not a request column, not passed through) is
+    left out of the dataset instead. ``reads`` says why a column is read: "passthrough", or "needed"."""
     seen: dict = {}
+    unread: set = set()
     for f in files:
         for fld in f.schema:
             if fld.name not in seen:
@@ -60,12 +62,21 @@ def unify(fs, url: str, files: list) -> pa.Schema:
                 continue
             t0, f0 = seen[fld.name]
             if not compatible(t0, fld.type):
+                why = reads(fld.name)
+                if why is None:
+                    unread.add(fld.name)
+                    continue
+                other = (", or leave it out of --passthrough (a list of the columns to keep, or none)"
+                         if why == "passthrough" else "")
                 raise InputError(
                     f"Column {fld.name!r} has type {t0} in {unstrip(fs, f0.path)} but {fld.type} in "
                     f"{unstrip(fs, f.path)}. Mixed schemas cannot be read as one dataset: cast the "
-                    f"column to one type in every file.")
+                    f"column to one type in every file{other}.")
+    schemas = [plain(f.schema) for f in files]
+    if unread:
+        schemas = [pa.schema([x for x in sc if x.name not in unread]) for sc in schemas]
     try:
-        return pa.unify_schemas([plain(f.schema) for f in files], promote_options="permissive")
+        return pa.unify_schemas(schemas, promote_options="permissive")
     except (pa.ArrowInvalid, pa.ArrowTypeError) as e:
         raise InputError(f"The files of {url} have schemas that cannot be read as one dataset "
                          f"({first_line(e)}). Cast the columns to one type in every file.") from None

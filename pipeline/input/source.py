@@ -97,7 +97,7 @@ class ParquetSource:
         self.url = cfg.path
         self.fs, root = url_to_fs(cfg.path)
         self.files = self._discover(root)
-        self.schema = unify(self.fs, self.url, self.files)
+        self.schema = unify(self.fs, self.url, self.files, self._why_read)
         check_columns(cfg, self.fs, self.url, self.files, self.schema)
         self.shard = shard
         self.selection: Optional[Selection] = split(self.files, shard, split_rule) if shard is not None else None
@@ -105,6 +105,15 @@ class ParquetSource:
         # False where this job reads a share of the input that changes between attempts (Ray work units), so
         # done ids missing from it are not "removed from the input".
         self.sees_every_row = True
+
+    def _why_read(self, name: str) -> Optional[str]:
+        """Why the job reads a column: "needed" (the prompt, chat, id, a request or scheduling column),
+        "passthrough", or None (it does not)."""
+        cfg = self.cfg
+        if name in (cfg.prompt_column, cfg.messages_column, cfg.id_column, *OVERRIDE_COLUMNS, *SCHEDULING_COLUMNS):
+            return "needed"
+        p = cfg.passthrough
+        return "passthrough" if p == "all" or (p != "none" and name in p) else None
 
     # -- discovery ---------------------------------------------------------------------------
     def _discover(self, root: str) -> list[InputFile]:

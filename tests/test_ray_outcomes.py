@@ -1,0 +1,123 @@
+"""How a Ray job ends at its edges (found by a review, stop 44): an empty input, a deadline before any worker
+starts, workers that fail with rows saved, and rows whose ids left the input since the last run. Whole jobs on a
+local cluster, as tests/test_ray.py."""
+
+from __future__ import annotations
+
+import json
+import signal
+import threading
+import time
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from test_ray import ids_in, local_ray, write_input  # noqa: F401 (local_ray: the module's cluster)
+
+pytestmark = pytest.mark.slow
+
+ray = pytest.importorskip("ray")
+
+from overnight.pipeline.cluster.ray_job import run_on_ray  # noqa: E402
+from overnight.pipeline.tools.status import job_status  # noqa: E402
+
+
+def test_an_empty_input_on_ray_has_nothing_to_do(tmp_path, cfg, local_ray):
+    """As on one engine: exit 0, "nothing to do", no worker started; `overnight status` reads the driver's status
+    with no worker folder (it raised a TypeError)."""
+    from overnight.pipeline.tools.status import status_lines
+
+    inp = tmp_path / "in"
+    inp.mkdir()
+    pq.write_table(pa.table({"id": pa.array([], pa.string()), "prompt": pa.array([], pa.string())}),
+                   inp / "empty.parquet")
+    out = tmp_path / "out"
+    s = run_on_ray(cfg(inp, out, engine={"kind": "echo"}), False, 2, is_tty=False)
+    assert (s.state, s.exit_code, s.num_rows) == ("completed", 0, 0)
+    assert s.message == f"nothing to do: {inp} has no rows" and not (out / "workers").exists()
+    st = job_status(str(out))
+    assert (st["state"], st["exit_code"], st["rows_done"], st["rows_left"]) == ("completed", 0, 0, 0)
+    assert status_lines(st)[1].startswith("rows: 0 done of 0, 0 left")
+
+
+def test_a_deadline_that_passes_before_any_worker_starts_exits_75(tmp_path, cfg, local_ray, monkeypatch):
+    """Workers the cluster cannot place (they ask for a resource no node has) when the deadline passes: the job
+    stopped early and is resumable (exit 75), as on one engine; before, it said FAILED with exit 1."""
+    import overnight.pipeline.cluster.ray_job as ray_job
+    from overnight.pipeline.cluster.actors import NAMESPACE, Worker
+
+    def unplaceable(self, i):
+        cls = ray.remote(Worker).options(num_cpus=1, resources={"no-such-node": 1}, name=f"{self.prefix}-w{i:05d}",
+                                         namespace=NAMESPACE)
+        return cls.remote(self.cfg, i, self.num_workers, self.coordinator_name, self.files)
+
+    monkeypatch.setattr(ray_job.Driver, "_actor", unplaceable)
+    inp = write_input(tmp_path / "in", 1, 100, 50)
+    out = tmp_path / "out"
+    s = run_on_ray(cfg(inp, out, engine={"kind": "echo"}, scheduler={"time_budget": "3s"}), False, 2, is_tty=False)
+    assert (s.state, s.exit_code) == ("partial", 75), s.message
+    assert s.message == "deadline reached before any worker started: 100 rows not done; rerun the same command to " \
+                        "continue"
+    st = json.loads((out / "status.json").read_text())
+    assert (st["state"], st["exit_code"], st["rows"]["remaining"]) == ("partial", 75, 100)
+
+
+def test_a_failed_workers_rows_count_in_the_summary(tmp_path, cfg, local_ray):
+    """An input file removed mid-run fails both workers (exit 1); the rows they saved count in the summary's ok
+    and tokens, as the folders hold them (it said 0 ok)."""
+    inp = write_input(tmp_path / "in", 4, 300, 50)
+    out = tmp_path / "out"
+    c = cfg(inp, out, engine={"kind": "echo", "echo_step_ms": 30, "max_num_seqs": 8}, sampling={"max_tokens": 4})
+    moved = threading.Event()
+
+    def remove_a_file():
+        deadline = time.time() + 120
+        while time.time() < deadline and len(ids_in(out)) < 40:
+            time.sleep(0.2)
+        (inp / "part-3.parquet").rename(tmp_path / "part-3.parquet")
+        moved.set()
+
+    t = threading.Thread(target=remove_a_file, daemon=True)
+    t.start()
+    s = run_on_ray(c, False, 2, is_tty=False)
+    t.join()
+    assert moved.is_set() and (s.state, s.exit_code) == ("failed", 1), s.message
+    ids = ids_in(out)
+    assert 0 < len(ids) < 1200 and len(ids) == len(set(ids))
+    assert (s.num_ok, s.num_done, s.num_output_tokens) == (len(ids), len(ids), 4 * len(ids))
+
+
+def test_rows_no_longer_in_the_input_do_not_count_as_done_on_a_resume(tmp_path, cfg, local_ray, monkeypatch,
+                                                                       caplog):
+    """A worker reads only its units: none sees an id leave the input. The driver counts the folders' rows whose
+    ids are the input's at the start; before, a rerun after a file was replaced said 600/600 done, 0 left."""
+    import os
+
+    import overnight.pipeline.input.source as source
+    from overnight.pipeline.api import run_job
+
+    inp = tmp_path / "in"
+    inp.mkdir()
+    for name in "AB":
+        rows = {"id": [f"{name}{i}" for i in range(300)], "prompt": [f"q {name} {i}" for i in range(300)]}
+        pq.write_table(pa.table(rows), inp / f"{name}.parquet", row_group_size=50)
+    out = tmp_path / "out"
+    engine = {"kind": "echo", "max_num_seqs": 16}
+    assert run_on_ray(cfg(inp, out, engine=engine, sampling={"max_tokens": 4}), False, 2, is_tty=False).num_done == 600
+    (inp / "B.parquet").unlink()
+    pq.write_table(pa.table({"id": [f"C{i}" for i in range(300)], "prompt": [f"q C {i}" for i in range(300)]}),
+                   inp / "C.parquet", row_group_size=50)
+    opened = source.open_source
+
+    def open_and_signal(*a, **k):   # stopped as it opens: the rows done are those at its start
+        os.kill(os.getpid(), signal.SIGTERM)
+        return opened(*a, **k)
+
+    monkeypatch.setattr(source, "open_source", open_and_signal)
+    with caplog.at_level("WARNING", logger="overnight"):
+        s = run_job(cfg(inp, out, engine=engine, sampling={"max_tokens": 4}, cluster={"workers": 2}), is_tty=False)
+    assert (s.exit_code, s.num_rows, s.num_done, s.num_removed) == (75, 600, 300, 300), s.line()
+    assert s.message.endswith("300 rows not done; rerun the same command to continue")
+    assert "300 rows in " in caplog.text and "are no longer in the input (e.g. ids 'B" in caplog.text
+    assert json.loads((out / "status.json").read_text())["rows"]["remaining"] == 300
