@@ -35,6 +35,24 @@ def test_a_column_that_cannot_take_the_shared_type_names_file_and_column(tmp_pat
     assert _parts(tmp_path / "out").column("id").to_pylist() == [1, 2]      # a.parquet's rows are kept
 
 
+def test_a_request_value_that_cannot_take_the_shared_type_is_its_rows_error(tmp_path, cfg):
+    """A seed of 2**64-1 in a uint64 file beside an int64 one: that row is an error row naming the value, as the
+    same file alone makes it; the job goes on (it stopped, and its fix, --passthrough, did nothing here)."""
+    inp = tmp_path / "in"
+    inp.mkdir()
+    pq.write_table(pa.table({"id": [1, 2], "prompt": ["a", "b"], "seed": pa.array([1, 2], pa.int64())}),
+                   inp / "a.parquet")
+    pq.write_table(pa.table({"id": [3, 4], "prompt": ["c", "d"], "seed": pa.array([5, 2 ** 64 - 1], pa.uint64())}),
+                   inp / "b.parquet")
+    s = run_job(cfg(inp, tmp_path / "out", input={"passthrough": "none"}), engine_factory=given(FakeEngine()),
+                is_tty=False)
+    assert (s.exit_code, s.num_ok, s.num_error) == (0, 3, 1)
+    err = [r for r in _parts(tmp_path / "out").to_pylist() if r["status"] == "error"]
+    assert [r["id"] for r in err] == [4]
+    assert err[0]["error"] == ("b.parquet#1: seed is 18446744073709551615, which int64 (the type 'seed' has in the "
+                               "input's other files) cannot hold; fix the value, or set it to null")
+
+
 def test_the_rows_read_before_a_file_that_cannot_be_read_are_answered_first(tmp_path, cfg):
     # the reader reaches b.parquet long before a.parquet's 64 rows are answered, 8 at a time
     inp = tmp_path / "in"

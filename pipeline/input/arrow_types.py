@@ -12,6 +12,8 @@ import pyarrow as pa
 # ids read as null, so the hash split and the resume filter key such a row by its origin, as they key a null id
 # (and match its error row by it); ``validate`` makes each one an error row saying why.
 BAD_IDS_KEY = b"overnight.invalid_ids"
+# A request column's values that could not take the type the files share: {row number: the value, as text}
+BAD_VALUES_KEY = b"overnight.uncast_values"
 
 
 def is_string_view(t: pa.DataType) -> bool:
@@ -65,11 +67,15 @@ class ColumnCastError(ValueError):
         self.column, self.source, self.target, self.cause = column, source, target, cause
 
 
-def conform(batch: pa.RecordBatch, schema: pa.Schema, ids: Optional[str] = None, first: int = 0) -> pa.RecordBatch:
+def conform(batch: pa.RecordBatch, schema: pa.Schema, ids: Optional[str] = None, first: int = 0,
+            per_row=()) -> pa.RecordBatch:
     """The batch with exactly the schema's columns and types: missing columns as nulls, widths unified.
 
     ids: the id column, whose text ids that are not valid UTF-8 become null, with their reasons in the column's
-    metadata (BAD_IDS_KEY; first: the batch's first row number)."""
+    metadata (BAD_IDS_KEY; first: the batch's first row number). per_row: columns whose values are each a row's own
+    (a request's seed, max_tokens ...): one that cannot take the shared type (a uint64 above int64's range) is null,
+    with the value in the column's metadata (BAD_VALUES_KEY), and its row an error row; in another column it stops
+    the job (ColumnCastError)."""
     if not len(schema):
         return batch.select([])  # no columns, but the batch's rows (a hash split counting an input without ids)
     arrays, fields = [], list(schema)
@@ -80,13 +86,28 @@ def conform(batch: pa.RecordBatch, schema: pa.Schema, ids: Optional[str] = None,
             try:
                 col = col.cast(f.type)
             except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as e:  # a uint64 above int64's range ...
-                raise ColumnCastError(f.name, col.type, f.type, e) from None
+                if f.name not in per_row:
+                    raise ColumnCastError(f.name, col.type, f.type, e) from None
+                col, bad = _cast_each(col, f.type, first)
+                fields[j] = f.with_metadata({BAD_VALUES_KEY: json.dumps(bad).encode()})
         if f.name == ids and (pa.types.is_string(f.type) or pa.types.is_large_string(f.type)):
             col, bad = valid_ids(col, first)
             if bad:
                 fields[j] = f.with_metadata({BAD_IDS_KEY: json.dumps(bad).encode()})
         arrays.append(col)
     return pa.RecordBatch.from_arrays(arrays, schema=pa.schema(fields, metadata=schema.metadata))
+
+
+def _cast_each(col: pa.Array, to: pa.DataType, first: int) -> tuple[pa.Array, dict]:
+    """The values that take the type, the others null; {row number: value as text} of those."""
+    values, bad = [], {}
+    for r, v in enumerate(col.to_pylist()):
+        try:
+            values.append(pa.array([v], col.type).cast(to)[0].as_py())
+        except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
+            values.append(None)
+            bad[str(first + r)] = repr(v)[:80]
+    return pa.array(values, to), bad
 
 
 def valid_ids(col: pa.Array, first: int) -> tuple[pa.Array, dict]:

@@ -37,6 +37,7 @@ OVERRIDE_COLUMNS = ("max_tokens", "temperature", "top_p", "seed", "stop", "stop_
                     "logprobs", "lora")
 # Per-row columns the scheduler honours.
 SCHEDULING_COLUMNS = ("priority", "value", "deadline")
+REQUEST_COLUMNS = frozenset(OVERRIDE_COLUMNS + SCHEDULING_COLUMNS)  # each value a row's own: a bad one fails its row
 # A row that could not be read from the input (a malformed JSONL line): its message, naming the fix. ``validate``
 # makes the row an error row; it is never passed through.
 INPUT_ERROR_COLUMN = "_input_error"
@@ -294,7 +295,7 @@ class ParquetSource:
                         continue
                     failpoint("source.batch")
                     try:
-                        sb = SourceBatch(file, first, conform(batch, read_schema, ids, first))
+                        sb = SourceBatch(file, first, conform(batch, read_schema, ids, first, REQUEST_COLUMNS))
                     except ColumnCastError as e:
                         raise InputError(f"{unstrip(self.fs, file.path)}: column {e.column!r} ({e.source}) cannot "
                                          f"be read as {e.target}, the type the input's files share, at rows from "

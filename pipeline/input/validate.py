@@ -21,7 +21,7 @@ from overnight.pipeline.config import InputConfig, SamplingConfig
 from overnight.pipeline.records import Result
 from overnight.pipeline.input.checks import (_OVERRIDE_CHECKS, _SCHEDULING_CHECKS, STRUCTURED_COLUMNS, RowError,
                                              _check_request, _short, job_structured)
-from overnight.pipeline.input.arrow_types import BAD_IDS_KEY
+from overnight.pipeline.input.arrow_types import BAD_IDS_KEY, BAD_VALUES_KEY
 from overnight.pipeline.input.openai_body import ROLE_ALIASES
 from overnight.pipeline.input.source import (INPUT_ERROR_COLUMN, OVERRIDE_COLUMNS, RAW_PROMPT_COLUMN,
                                              SCHEDULING_COLUMNS, SourceBatch, _first_line)
@@ -101,6 +101,8 @@ def parse_batch(sb: SourceBatch, cfg: InputConfig, defaults: dict, passthrough: 
     carried = [{c: v[i] for c, v in carried_columns.items()} for i in range(n)]
     # ids the source read as null because they were not valid UTF-8 (arrow_types.BAD_IDS_KEY): {row number: why}
     bad_ids = _bad_ids(batch, cfg.id_column) if ids is not None else {}
+    # request values that could not take the type the files share (arrow_types.BAD_VALUES_KEY): {column: {row: value}}
+    uncast = {c: v for c in (*overrides, *scheduling) if (v := _meta(batch, c, BAD_VALUES_KEY))}
 
     parsed: list[Parsed] = []
     errors: list[Result] = []
@@ -119,6 +121,11 @@ def parse_batch(sb: SourceBatch, cfg: InputConfig, defaults: dict, passthrough: 
             if row_id is None:
                 raise RowError(f"column {cfg.id_column!r} is null; give every row an id, or drop the column "
                                f"so ids are derived from file and row")
+            for col, bad in uncast.items():
+                if str(row_no) in bad:
+                    raise RowError(f"{col} is {bad[str(row_no)]}, which {batch.schema.field(col).type} (the type "
+                                   f"{col!r} has in the input's other files) cannot hold; fix the value, or set it "
+                                   f"to null")
             sampling = dict(defaults)
             given = [c for c in structured if overrides[c][i] is not None] if len(structured) > 1 else ()
             if len(given) > 1:
@@ -180,8 +187,12 @@ def _safe_hash(prompt, messages) -> str:
 
 
 def _bad_ids(batch: pa.RecordBatch, name: str) -> dict:
+    return _meta(batch, name, BAD_IDS_KEY)
+
+
+def _meta(batch: pa.RecordBatch, name: str, key: bytes) -> dict:
     meta = batch.schema.field(name).metadata or {}
-    return json.loads(meta[BAD_IDS_KEY]) if BAD_IDS_KEY in meta else {}
+    return json.loads(meta[key]) if key in meta else {}
 
 
 # -- columns -----------------------------------------------------------------------------------
