@@ -270,7 +270,9 @@ def test_workers_the_cluster_has_no_room_for_are_not_waited_for(tmp_path, cfg, l
         s = run_on_ray(c, False, 3, is_tty=False)   # the local cluster has 2 CPUs: one worker never starts
     assert (s.state, s.exit_code) == ("completed", 0)
     assert len(ids_in(out)) == 200
-    assert "1 workers never started and are not needed any more (no work is left for them)" in caplog.text
+    # (one, or two where the first worker took every unit before the second started)
+    assert re.search(r"[12] workers never started and are not needed any more \(no work is left for them\)",
+                     caplog.text)
 
 
 def test_a_signal_while_a_ray_job_opens_stops_it_with_75(tmp_path, cfg, local_ray, monkeypatch):
