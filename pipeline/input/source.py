@@ -272,17 +272,9 @@ class ParquetSource:
                                          f"could when the job started. Restore it, or remove it from the input, "
                                          f"and rerun: the job resumes.") from None
                 present = [c for c in columns if c in pf.schema_arrow.names]
-                groups = None if frag.row_group is None else [frag.row_group]
                 lo, hi = (start + frag.rows[0], start + frag.rows[1]) if frag.rows else (start, None)
-                reader = pf.iter_batches(batch_size=self.cfg.batch_rows, row_groups=groups, columns=present,
-                                         use_threads=False)
-                while True:
-                    try:
-                        batch = next(reader, None)
-                    except (OSError, pa.ArrowException) as e:  # a damaged page, or the store failed mid-read
-                        raise self._unreadable(file, self._damaged_from(pf, start, groups, present), e) from None
-                    if batch is None:
-                        break
+                groups = None if frag.row_group is None else [frag.row_group]
+                for batch in self._batches_of(pf, file, groups, present, start):
                     first, start = start, start + batch.num_rows
                     if hi is not None:  # a slice of the row group: keep the rows in [lo, hi)
                         if first >= hi:
@@ -309,6 +301,43 @@ class ParquetSource:
         finally:
             if handle is not None:
                 handle.close()
+
+    def _batches_of(self, pf, file: InputFile, groups, columns, row: int) -> Iterator[pa.RecordBatch]:
+        """The record batches of the file's row groups (all, or ``groups``) from row ``row``. One that fails (a
+        damaged page, a store that failed mid-read) stops the job with the row group it is in, once the rows
+        before it are given: a batch may span row groups, and the healthy ones it began in are read again alone."""
+        reader = pf.iter_batches(batch_size=self.cfg.batch_rows, row_groups=groups, columns=columns,
+                                 use_threads=False)
+        while True:
+            try:
+                batch = next(reader, None)
+            except (OSError, pa.ArrowException) as e:
+                bad = self._damaged_from(pf, row, groups, columns)
+                if groups is None and bad > row:
+                    yield from self._rows_between(pf, row, bad, columns)
+                raise self._unreadable(file, bad, e) from None
+            if batch is None:
+                return
+            row += batch.num_rows
+            yield batch
+
+    def _rows_between(self, pf, row: int, end: int, columns) -> Iterator[pa.RecordBatch]:
+        """Rows ``row`` to ``end`` (the start of a damaged row group) of whole healthy row groups, read alone."""
+        below = 0
+        for g in range(pf.metadata.num_row_groups):
+            n = pf.metadata.row_group(g).num_rows
+            if below >= end:
+                return
+            if below + n > row:
+                skip = max(0, row - below)
+                for b in pf.iter_batches(batch_size=self.cfg.batch_rows, row_groups=[g], columns=columns,
+                                         use_threads=False):
+                    if skip >= b.num_rows:
+                        skip -= b.num_rows
+                        continue
+                    yield b.slice(skip)
+                    skip = 0
+            below += n
 
     @staticmethod
     def _damaged_from(pf, row: int, groups, columns) -> int:
