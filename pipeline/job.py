@@ -153,7 +153,7 @@ def _open_locked(cfg, fresh, source, out, model, fields, lock, deadline_at, marg
     # A completed job over an unchanged input needs no scan of its parts (at 10M rows that takes seconds).
     scan = out.scan(id_name) if previous is not None and not unchanged else Scan()
     _check_id_kind(scan, source, id_name)
-    passthrough = [source.schema.field(c) for c in source.passthrough_columns()]
+    passthrough = [_as_output(source.schema.field(c), cfg.input) for c in source.passthrough_columns()]
     names = source.schema.names
     schema = OutputSchema(id_name, source.id_type, passthrough, samples=cfg.sampling.n > 1 or "n" in names,
                           logprobs=cfg.sampling.logprobs is not None or "logprobs" in names)
@@ -315,3 +315,13 @@ def counts_from_scan(scan: Scan, num_rows: int) -> dict:
     return {"num_rows": num_rows, "num_done": scan.num_done, "num_ok": scan.num_ok, "num_error": scan.num_error,
             "num_output_tokens": scan.num_output_tokens, "num_parts": scan.num_parts}
 
+
+def _as_output(f, icfg):
+    """A passed-through input column as the output holds it: the prompt or chat column stored as bytes (text
+    written without Parquet's UTF8 annotation, which validate reads as text) as the text it is."""
+    import pyarrow as pa
+
+    if f.name in (icfg.prompt_column, icfg.messages_column) and (pa.types.is_binary(f.type)
+                                                                  or pa.types.is_large_binary(f.type)):
+        return f.with_type(pa.string())
+    return f

@@ -200,3 +200,17 @@ def test_a_column_the_job_does_not_read_does_not_block_it(tmp_path, cfg):
     with pytest.raises(InputError, match=r"Column 'max_tokens' has type int64 .* in every file\.$"):
         run_job(cfg(inp, tmp_path / "out2", input={"passthrough": "none"}), engine_factory=given(FakeEngine()),
                 is_tty=False)
+
+
+def test_a_prompt_column_of_text_in_one_file_and_bytes_in_another(tmp_path, cfg):
+    """Text written without Parquet's UTF8 annotation (bytes) is read as text, also beside a file of strings
+    (refused before as mixed schemas); the output's prompt column is text."""
+    inp = tmp_path / "in"
+    inp.mkdir()
+    pq.write_table(pa.table({"prompt": pa.array(["a", "b"], pa.string())}), inp / "a.parquet")
+    pq.write_table(pa.table({"prompt": pa.array([b"c", b"bad \xff"], pa.binary())}), inp / "b.parquet")
+    s = run_job(cfg(inp, tmp_path / "out"), engine_factory=given(FakeEngine()), is_tty=False)
+    assert (s.exit_code, s.num_ok, s.num_error) == (0, 3, 1)
+    parts = _parts(tmp_path / "out")
+    assert parts.schema.field("prompt").type == pa.string()
+    assert sorted(p for p in parts.column("prompt").to_pylist() if p) == ["a", "b", "c"]

@@ -97,7 +97,8 @@ def parse_batch(sb: SourceBatch, cfg: InputConfig, defaults: dict, passthrough: 
     structured = [c for c in STRUCTURED_COLUMNS if c in overrides]
     scheduling = {c: _column(batch, c) for c in SCHEDULING_COLUMNS if c in names}
     kept = [c for c in passthrough if c in names]
-    carried_columns = {c: _carried(batch, c) for c in kept}
+    text = (cfg.prompt_column, cfg.messages_column)   # passed through as the text they are (job._as_output)
+    carried_columns = {c: (_column(batch, c) if c in text else _carried(batch, c)) for c in kept}
     carried = [{c: v[i] for c, v in carried_columns.items()} for i in range(n)]
     # ids the source read as null because they were not valid UTF-8 (arrow_types.BAD_IDS_KEY): {row number: why}
     bad_ids = _bad_ids(batch, cfg.id_column) if ids is not None else {}
