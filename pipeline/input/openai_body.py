@@ -101,11 +101,25 @@ def _parameters(body: dict, line_no: int) -> dict:
                                 ("it is out of range: give a whole number between -2**63 and 2**63-1" if whole
                                  else "it must be an integer"))
             out[column] = int(value)
+            given = "top_logprobs" if name == "logprobs" and body.get("top_logprobs") is not None else name
+            if given != column:  # a body key of another name than the column: its range checked here, by its name
+                _in_range(column, out[column], f"line {line_no}: body.{given}")
         else:
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not _finite(value):
                 raise LineError(f"{where} is {_short(value)} ({type(value).__name__}); it must be a number")
             out[column] = float(value)
     return out
+
+
+def _in_range(column: str, value, where: str) -> None:
+    """validate's check of the column, its message naming the body key (``where``) rather than the column."""
+    from overnight.pipeline.input.checks import _OVERRIDE_CHECKS, RowError
+
+    try:
+        _OVERRIDE_CHECKS[column](value)
+    except RowError as e:
+        text = str(e)
+        raise LineError(where + text[len(column):] if text.startswith(column) else f"{where}: {text}") from None
 
 
 def _finite(value) -> bool:
