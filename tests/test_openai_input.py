@@ -181,9 +181,9 @@ BAD = [
     (chat("bigint", temperature=10 ** 400), "requests.jsonl#26: line 26: body.temperature is 1" + "0" * 56 + "... "
                                             "(int); it must be a number"),
     # a range error of a body key that fills a column of another name names the key the line gave
-    (chat("top", logprobs=True, top_logprobs=25), "requests.jsonl#27: line 27: body.top_logprobs is 25; it must be 0 "
+    (chat("toplp", logprobs=True, top_logprobs=25), "requests.jsonl#27: line 27: body.top_logprobs is 25; it must be 0 "
                                                   "to 20 (top alternatives per token), or null for none"),
-    (chat("mct", max_completion_tokens=0), "requests.jsonl#28: line 28: body.max_completion_tokens is 0; it must be "
+    (chat("mctok", max_completion_tokens=0), "requests.jsonl#28: line 28: body.max_completion_tokens is 0; it must be "
                                            "at least 1 (or null for the job default)"),
 ]
 
