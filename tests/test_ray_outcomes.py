@@ -121,3 +121,25 @@ def test_rows_no_longer_in_the_input_do_not_count_as_done_on_a_resume(tmp_path, 
     assert s.message.endswith("300 rows not done; rerun the same command to continue")
     assert "300 rows in " in caplog.text and "are no longer in the input (e.g. ids 'B" in caplog.text
     assert json.loads((out / "status.json").read_text())["rows"]["remaining"] == 300
+
+
+def test_an_id_in_two_workers_units_is_answered_once(tmp_path, cfg, local_ray):
+    """Each file's rows repeat the other's ids: one engine answers each id once and counts the rest duplicates;
+    so do Ray workers now, whatever units they take (the driver reads the ids first). Before, both copies of an
+    id in units two workers held were answered."""
+    inp = tmp_path / "in"
+    inp.mkdir()
+    for f in range(2):
+        pq.write_table(pa.table({"id": [f"x{i}" for i in range(200)], "prompt": [f"q {f} {i}" for i in range(200)]}),
+                       inp / f"part-{f}.parquet", row_group_size=25)
+    out = tmp_path / "out"
+    c = cfg(inp, out, engine={"kind": "echo", "echo_step_ms": 5, "max_num_seqs": 8}, sampling={"max_tokens": 4})
+    s = run_on_ray(c, False, 2, is_tty=False)
+    assert (s.state, s.exit_code, s.num_rows, s.num_done, s.num_duplicates) == ("completed", 0, 200, 200, 200)
+    ids = ids_in(out)
+    assert len(ids) == len(set(ids)) == 200
+    prompts = {p for (p,) in __import__("duckdb").sql(
+        f"select prompt from read_parquet('{out}/workers/*/parts/*.parquet')").fetchall()}
+    assert prompts == {f"q 0 {i}" for i in range(200)}          # the first of each id, in input order
+    st = json.loads((out / "status.json").read_text())
+    assert st["rows"] == {"total": 200, "done": 200, "remaining": 0}

@@ -246,7 +246,11 @@ class Worker:
 
         def taken(n: int) -> None:
             runner.tally.num_rows += n
+
+        def skipped(n: int) -> None:  # rows whose id repeats one met earlier in the input (the driver found them)
+            runner.tally.num_duplicates += n
         job.source.on_unit = taken
+        job.source.on_duplicates = skipped
         summary = runner.run()
         if summary.state == "completed":
             self.coordinator.finished.remote(self.index)

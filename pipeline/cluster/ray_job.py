@@ -24,8 +24,8 @@ from typing import Optional
 
 from overnight.pipeline.cluster.actors import NAMESPACE, Coordinator, Worker, _ray
 from overnight.pipeline.cluster.eta import job_forecast, worker_forecast
-from overnight.pipeline.cluster.preflight import (check_worker_folders, connect, nothing_to_do,
-                                                rows_done_in_input)
+from overnight.pipeline.cluster.idscan import scan_input_ids
+from overnight.pipeline.cluster.preflight import check_worker_folders, connect, nothing_to_do
 from overnight.pipeline.cluster.units import plan_units
 from overnight.pipeline.config import JobConfig
 from overnight.pipeline.output.checkpoint import OutputDir, OutputError
@@ -64,8 +64,15 @@ def run_on_ray(cfg: JobConfig, fresh: bool, workers: int, address: Optional[str]
         # again, holding the lock: an unsharded run may have ended in OUT, or a shard begun, since the check
         check_layout(cfg.output.path, None, ray=True)
         legacy = check_worker_folders(cfg, fresh, model, retry_errors)
-        units = plan_units(source.files, workers, cfg.input.limit)
-        total = sum(u.num_rows for u in units)
+        ids = scan_input_ids(cfg, source, fresh)
+        if ids.gone:
+            log.warning(f"{ids.gone} rows in {root.shown()} are no longer in the input (e.g. ids "
+                        f"{', '.join(repr(i) for i in ids.examples)}); their results are kept")
+        if ids.num_duplicates:
+            log.warning(f"{ids.num_duplicates} input rows repeat an id met earlier in the input; each is skipped "
+                        f"and counted as a duplicate (give every row a unique id)")
+        units = plan_units(source.files, workers, cfg.input.limit, ids.duplicates)
+        total = sum(u.num_rows for u in units) - ids.num_duplicates   # (a duplicate is neither done nor left)
         if total == 0:
             return nothing_to_do(root, source.url, cfg.input.limit, workers)
         # Every worker gets the same absolute deadline and margin.
@@ -82,13 +89,9 @@ def run_on_ray(cfg: JobConfig, fresh: bool, workers: int, address: Optional[str]
             wcfg = dataclasses.replace(wcfg, sampling=dataclasses.replace(
                 cfg.sampling, json_schema=json.dumps(job_structured(cfg.sampling)["json"])))
         connect(ray, address, workers)
-        in_input, gone, examples = rows_done_in_input(cfg, source) if not fresh else (0, 0, [])
-        if gone:
-            log.warning(f"{gone} rows in {root.shown()} are no longer in the input (e.g. ids "
-                        f"{', '.join(repr(i) for i in examples)}); their results are kept")
         driver = Driver(ray, wcfg, units, total, workers, root, lock, deadline_at, started, is_tty,
                         cfg.output.log_every_seconds, source.files, margin if deadline_at else 0.0, early=signals,
-                        done_at_start=in_input, num_removed=gone)
+                        done_at_start=ids.done_in_input, num_removed=ids.gone)
         return driver.run(on_started)
     finally:
         lock.release()

@@ -16,6 +16,9 @@ import math
 from dataclasses import dataclass
 from typing import Callable, Iterator, Optional
 
+import numpy as np
+import pyarrow as pa
+
 from overnight.pipeline.input.openai_batch import OpenAIBatchSource, is_jsonl_input
 from overnight.pipeline.input.shards import Fragment, fragments_of
 from overnight.pipeline.input.source import ParquetSource, SourceBatch
@@ -30,14 +33,18 @@ class Unit:
     index: int
     fragments: tuple[Fragment, ...]
     recheck: tuple[str, ...] = ()  # "folder#n": output folders of workers that held this unit and died
+    # rows (by file row number) whose id repeats one met earlier in the input, maybe in another unit: skipped and
+    # counted as duplicates, as one engine's resume filter does (idscan.py)
+    skip: tuple[int, ...] = ()
 
     @property
     def num_rows(self) -> int:
         return sum(f.num_rows for f in self.fragments)
 
 
-def plan_units(files, num_workers: int, limit: Optional[int] = None) -> list[Unit]:
-    """Units in input order, at least UNITS_PER_WORKER per worker where the rows allow, up to ``limit`` rows."""
+def plan_units(files, num_workers: int, limit: Optional[int] = None, duplicates: Optional[dict] = None) -> list[Unit]:
+    """Units in input order, at least UNITS_PER_WORKER per worker where the rows allow, up to ``limit`` rows;
+    ``duplicates`` (file index -> sorted row numbers) go to the units that hold them as rows to skip."""
     _, groups = fragments_of(files)
     total = sum(g.num_rows for g in groups)
     if limit is not None:
@@ -56,9 +63,20 @@ def plan_units(files, num_workers: int, limit: Optional[int] = None) -> list[Uni
         for a in range(0, n, step):
             b = min(n, a + step)
             whole = a == 0 and b == g.num_rows
-            units.append(Unit(len(units), (Fragment(g.file_index, g.row_group, b - a, None if whole else (a, b)),)))
+            frag = Fragment(g.file_index, g.row_group, b - a, None if whole else (a, b))
+            units.append(Unit(len(units), (frag,), skip=_rows_in(files, frag, (duplicates or {}).get(g.file_index))))
         left -= n
     return units
+
+
+def _rows_in(files, frag: Fragment, rows) -> tuple[int, ...]:
+    """The given file rows (sorted) that the fragment holds."""
+    if rows is None or not len(rows):
+        return ()
+    start = 0 if frag.row_group is None else sum(files[frag.file_index].row_groups[:frag.row_group])
+    start += frag.rows[0] if frag.rows else 0
+    lo, hi = np.searchsorted(rows, [start, start + frag.num_rows])
+    return tuple(int(r) for r in rows[lo:hi])
 
 
 class UnitSource(ParquetSource):
@@ -70,6 +88,7 @@ class UnitSource(ParquetSource):
         self.next_unit = next_unit
         self.done_in = id_column_of  # a Scan of what a dead worker's folder holds ("folder#n")
         self.on_unit: Callable[[int], None] = lambda n: None
+        self.on_duplicates: Callable[[int], None] = lambda n: None  # rows of a unit skipped as duplicates
         self.rows_taken = 0
         self.sees_every_row = False  # its resume must not call the ids other workers wrote "removed"
 
@@ -86,7 +105,12 @@ class UnitSource(ParquetSource):
             self.rows_taken += unit.num_rows
             self.on_unit(unit.num_rows)
             dead = [self.done_in(mark) for mark in unit.recheck]
+            skip = np.asarray(unit.skip, np.int64)
             for sb in self._read(iter(unit.fragments), columns):
+                if len(skip):
+                    sb = _skipping(sb, skip, self.on_duplicates)
+                    if sb is None:
+                        continue
                 for scan in dead:
                     sb = _without(sb, scan, self.cfg.id_column if self.has_id_column else None)
                     if sb is None:
@@ -103,6 +127,20 @@ def unit_source(cfg, next_unit: Callable[[], Optional[Unit]], id_column_of: Call
     """A worker's source, over Parquet or OpenAI Batch lines as the input is."""
     cls = JsonlUnitSource if is_jsonl_input(cfg.path) else UnitSource
     return cls(cfg, next_unit, id_column_of)
+
+
+def _skipping(sb: SourceBatch, skip: np.ndarray, counted: Callable[[int], None]) -> Optional[SourceBatch]:
+    """The batch without the rows whose file row numbers are in ``skip``; ``counted`` hears how many left out."""
+    n = sb.batch.num_rows
+    numbers = (np.arange(sb.start, sb.start + n) if sb.row_numbers is None
+               else np.asarray(sb.row_numbers, np.int64))
+    keep = np.flatnonzero(~np.isin(numbers, skip))
+    if len(keep) == n:
+        return sb
+    counted(n - len(keep))
+    if not len(keep):
+        return None
+    return SourceBatch(sb.file, sb.start, sb.batch.take(pa.array(keep)), row_numbers=numbers[keep].tolist())
 
 
 def _without(sb: SourceBatch, scan, id_column: Optional[str]) -> Optional[SourceBatch]:
