@@ -4,20 +4,31 @@ Airflow's task timeout, Kubernetes and spot preemption send SIGTERM; a person
 presses Ctrl-C. The handlers only record the request; the engine loop acts on
 it at its next turn (drain within the grace period, abort the rest, flush,
 exit 75), so a checkpoint is never written from inside a signal handler.
+
+One stop often arrives twice at once: `scancel`, or Airflow stopping a task,
+signals the whole process group, and the wrapper that runs overnight (the Slurm
+script, the Airflow task) passes the signal on as well. A second signal of the
+same kind within SAME_STOP_S of the first is that same stop, not the second
+that aborts; a person pressing Ctrl-C again a moment later does abort.
 """
 
 from __future__ import annotations
 
 import signal
 import threading
+import time
 from typing import Optional
+
+SAME_STOP_S = 0.5
 
 
 class StopRequests:
-    def __init__(self):
+    def __init__(self, clock=time.monotonic):
         self.first: Optional[str] = None   # name of the first signal received
         self.count = 0
         self._previous: dict = {}
+        self._clock = clock
+        self._first_at: Optional[float] = None
 
     @property
     def is_urgent(self) -> bool:
@@ -25,9 +36,13 @@ class StopRequests:
         return self.count >= 2
 
     def _handle(self, signum, frame) -> None:
-        self.count += 1
+        name = signal.Signals(signum).name
+        now = self._clock()
         if self.first is None:
-            self.first = signal.Signals(signum).name
+            self.first, self._first_at = name, now
+        elif self.count == 1 and name == self.first and now - self._first_at < SAME_STOP_S:
+            return  # the same stop, delivered twice (to the process group, and passed on by a wrapper)
+        self.count += 1
 
     def install(self) -> "StopRequests":
         """Record SIGTERM and SIGINT from now on (once: installed again, it keeps the handlers it replaced)."""

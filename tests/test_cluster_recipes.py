@@ -113,7 +113,7 @@ def start_slurm_task(tmp_path: Path, tiny_model: str, restarts: int) -> tuple[su
                                   "SLURM_RESTART_COUNT": str(restarts), "CONFIG": str(config)}
     env["PATH"] = f"{bin_dir}{os.pathsep}{env['PATH']}"
     proc = subprocess.Popen(["bash", str(CLUSTER / "slurm.sbatch")], env=env, cwd=REPO, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)   # a job's own processes
     return proc, out / "shards" / "00000-of-00001", calls
 
 
@@ -141,15 +141,18 @@ def test_the_slurm_script_requeues_at_the_time_limit_only(tmp_path, tiny_model):
     assert "requeueing job 4242 (restart 0)" in err
     status = json.loads((shard / "status.json").read_text())
     assert status["exit_code"] == 75 and 0 < status["rows"]["done"] < 400
-    # 2. scancel: the same drain and exit 75, no requeue
+    # 2. scancel: SIGTERM to every process of the job (the script passes it on too: one stop, twice at once):
+    #    the same drain, nothing aborted, exit 75, no requeue
     calls.unlink()
     parts = len(list(shard.glob("parts/*.parquet")))
     proc, shard, calls = start_slurm_task(tmp_path, tiny_model, restarts=1)
     wait_for_a_part(proc, shard, parts)
-    proc.send_signal(signal.SIGTERM)
+    os.killpg(proc.pid, signal.SIGTERM)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 75, err[-2000:]
     assert not calls.exists()
+    status = json.loads((shard / "status.json").read_text())
+    assert status["rows"]["aborted"] == 0 and "aborting" not in err
     # 3. the time limit again, with the requeues spent: exit 75, no requeue
     parts = len(list(shard.glob("parts/*.parquet")))
     proc, shard, calls = start_slurm_task(tmp_path, tiny_model, restarts=3)

@@ -155,7 +155,7 @@ def test_a_signal_during_the_deadlines_drain_gets_its_grace(data, tmp_path, cfg,
 def test_a_second_signal_aborts_at_once_and_leaves_a_consistent_checkpoint(data, tmp_path, cfg):
     out = tmp_path / "out"
     eng = FakeEngine(max_num_seqs=2, step_sleep=0.05, length_of=lambda ids: 200)
-    steps_at = signal_when(eng, 10, signal.SIGINT, times=2, gap=0.1)
+    steps_at = signal_when(eng, 10, signal.SIGINT, times=2, gap=0.7)   # (a person's second Ctrl-C)
     s = run_job(cfg(data, out, scheduler={"grace_s": 60}), engine_factory=given(eng), is_tty=False)
     aborted = json.loads((out / "status.json").read_text())["rows"]["aborted"]
     assert s.state == "interrupted" and s.exit_code == 75 and len(eng.aborted) == aborted > 0
@@ -164,6 +164,35 @@ def test_a_second_signal_aborts_at_once_and_leaves_a_consistent_checkpoint(data,
     assert len(steps_at) == 2 and eng.num_steps <= steps_at[1] + 1, (steps_at, eng.num_steps)
     done = pq.read_table(out / "parts").num_rows if (out / "parts").exists() else 0
     assert done == s.num_done
+
+
+def test_one_stop_delivered_twice_at_once_drains(data, tmp_path, cfg):
+    """`scancel`, or Airflow stopping a task, signals the process group, and the wrapper passes the signal on: two
+    SIGTERMs 20 ms apart are one stop, which drains (they aborted the rows in flight as a second signal does)."""
+    out = tmp_path / "out"
+    eng = FakeEngine(max_num_seqs=2, step_sleep=0.05, length_of=lambda ids: 20)
+    signal_when(eng, 10, signal.SIGTERM, times=2, gap=0.02)
+    s = run_job(cfg(data, out, scheduler={"grace_s": 60}), engine_factory=given(eng), is_tty=False)
+    assert (s.state, s.exit_code) == ("interrupted", 75) and eng.aborted == []
+    assert json.loads((out / "status.json").read_text())["rows"]["aborted"] == 0
+
+
+def test_stop_requests_count_a_repeat_of_the_same_signal_at_once_as_one():
+    from overnight.pipeline.signals import SAME_STOP_S, StopRequests
+
+    t = [0.0]
+    r = StopRequests(clock=lambda: t[0])
+    r._handle(signal.SIGTERM, None)
+    t[0] += SAME_STOP_S / 2
+    r._handle(signal.SIGTERM, None)          # the process group's copy
+    assert (r.first, r.count, r.is_urgent) == ("SIGTERM", 1, False)
+    r._handle(signal.SIGINT, None)           # another signal: the second stop
+    assert r.is_urgent
+    r = StopRequests(clock=lambda: t[0])
+    r._handle(signal.SIGINT, None)
+    t[0] += SAME_STOP_S * 2
+    r._handle(signal.SIGINT, None)           # a person's second Ctrl-C, a moment later
+    assert r.is_urgent
 
 
 def test_an_engine_that_died_on_the_signal_during_the_drain_is_not_stepped_again(data, tmp_path, cfg):

@@ -33,6 +33,7 @@ from overnight.pipeline.output.layout import check_layout, job_dirs, worker_out
 from overnight.pipeline.output.lock import RunLock
 from overnight.pipeline.progress import Progress, fmt_duration
 from overnight.pipeline.report import EXIT_ENGINE, EXIT_FAILED, EXIT_PARTIAL, Summary, eta_for, iso
+from overnight.pipeline.signals import SAME_STOP_S
 
 log = logging.getLogger("overnight")
 
@@ -373,8 +374,14 @@ class Driver:
         if threading.current_thread() is not threading.main_thread():
             return {}
 
+        first_at = []
+
         def handle(signum, frame):
             name = signal.Signals(signum).name
+            now = time.monotonic()
+            if len(self.signals) == 1 and name == self.signals[0] and now - first_at[0] < SAME_STOP_S:
+                return  # the same stop, delivered twice (signals.py)
+            first_at.append(now)
             self.signals.append(name)
             self.coordinator.stop.remote(name)  # each worker's runner says "interrupted by SIGTERM", as one engine
             log.warning(f"{name}: every worker stops admitting rows and drains (a second signal aborts at once)")
