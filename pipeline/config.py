@@ -311,7 +311,7 @@ class OutputConfig:
         _check(self.metrics_port is None or 1 <= self.metrics_port <= 65535,
                f"output.metrics_port is {self.metrics_port}; it must be a port, 1 to 65535.")
         _check(self.price_per_hour is None or (self.price_per_hour >= 0 and math.isfinite(self.price_per_hour)),
-               f"output.price_per_hour is {self.price_per_hour}; it must be 0 or more.")
+               f"output.price_per_hour is {self.price_per_hour}; it must be a finite number, 0 or more.")
 
 
 @dataclass

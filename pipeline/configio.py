@@ -28,12 +28,15 @@ def _loader():
             """A key given twice (two ``sampling:`` sections) is refused: YAML would keep the last silently."""
             if isinstance(node, yaml.MappingNode):
                 seen = set()
-                for key_node, _ in node.value:
+                for key_node, value_node in node.value:
+                    if key_node.tag == "tag:yaml.org,2002:merge":  # <<: *defaults, whose keys this one may override
+                        continue
                     key = self.construct_object(key_node, deep=deep)
                     if isinstance(key, (str, int, float, bool)) and key in seen:
-                        raise yaml.constructor.ConstructorError(
-                            None, None, f"{key!r} is given twice; keep one (its keys merged into one section)",
-                            key_node.start_mark)
+                        how = ("keep one section, with the keys of both" if isinstance(value_node, yaml.MappingNode)
+                               else "keep one")
+                        raise yaml.constructor.ConstructorError(None, None, f"{key!r} is given twice; {how}",
+                                                                key_node.start_mark)
                     seen.add(key) if isinstance(key, (str, int, float, bool)) else None
             return super().construct_mapping(node, deep)
 

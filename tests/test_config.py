@@ -157,11 +157,14 @@ def test_a_section_or_key_given_twice_is_refused(tmp_path):
     """YAML keeps the last of two equal keys: a second `sampling:` section dropped the first's max_tokens silently."""
     p = tmp_path / "dup.yaml"
     p.write_text("sampling:\n  max_tokens: 5\nengine:\n  max_num_seqs: 4\nsampling:\n  temperature: 0.5\n")
-    with pytest.raises(ConfigError, match=r"dup.yaml is not valid YAML: 'sampling' is given twice; keep one (?s:.*)line 5"):
+    with pytest.raises(ConfigError, match=r"dup.yaml is not valid YAML: 'sampling' is given twice; keep one section, "
+                                          r"with the keys of both(?s:.*)line 5"):
         load_yaml(str(p))
     p.write_text("sampling:\n  max_tokens: 5\n  max_tokens: 6\n")
-    with pytest.raises(ConfigError, match="'max_tokens' is given twice"):
+    with pytest.raises(ConfigError, match="'max_tokens' is given twice; keep one\n"):
         load_yaml(str(p))
+    p.write_text("sampling: {<<: {max_tokens: 16, temperature: 0.2}, temperature: 0.7}\n")  # a merge key's are
+    assert load_yaml(str(p)) == {"sampling": {"max_tokens": 16, "temperature": 0.7}}         # overridden, not twice
     p.write_text("sampling:\n  max_tokens: 5\nengine:\n  max_tokens: 5\n")   # the same key in two sections is fine
     assert load_yaml(str(p)) == {"sampling": {"max_tokens": 5}, "engine": {"max_tokens": 5}}
 
@@ -169,7 +172,8 @@ def test_a_section_or_key_given_twice_is_refused(tmp_path):
 @pytest.mark.parametrize("output,message", [
     ({"metrics_port": 99999}, "output.metrics_port is 99999; it must be a port, 1 to 65535."),
     ({"metrics_port": 0}, "output.metrics_port is 0; it must be a port, 1 to 65535."),
-    ({"price_per_hour": -5.0}, "output.price_per_hour is -5.0; it must be 0 or more."),
+    ({"price_per_hour": -5.0}, "output.price_per_hour is -5.0; it must be a finite number, 0 or more."),
+    ({"price_per_hour": float("inf")}, "output.price_per_hour is inf; it must be a finite number, 0 or more."),
 ])
 def test_output_values_the_cli_checks_are_checked_in_the_config_too(output, message):
     with pytest.raises(ConfigError, match=re.escape(message)):

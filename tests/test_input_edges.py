@@ -214,3 +214,15 @@ def test_a_prompt_column_of_text_in_one_file_and_bytes_in_another(tmp_path, cfg)
     parts = _parts(tmp_path / "out")
     assert parts.schema.field("prompt").type == pa.string()
     assert sorted(p for p in parts.column("prompt").to_pylist() if p) == ["a", "b", "c"]
+
+
+def test_bytes_beside_text_in_another_column_are_refused_not_turned_into_bytes(tmp_path, cfg):
+    """Only the prompt or chat column reads bytes as text: a passed-through column of strings in one file and
+    bytes in another is refused naming both files, not made bytes in every row."""
+    inp = tmp_path / "in"
+    inp.mkdir()
+    pq.write_table(pa.table({"prompt": ["a"], "category": pa.array(["cat"], pa.string())}), inp / "a.parquet")
+    pq.write_table(pa.table({"prompt": ["b"], "category": pa.array([b"dog"], pa.binary())}), inp / "b.parquet")
+    with pytest.raises(InputError, match=r"Column 'category' has type string in .*a.parquet but binary in "
+                                         r".*b.parquet"):
+        run_job(cfg(inp, tmp_path / "out"), engine_factory=given(FakeEngine()), is_tty=False)

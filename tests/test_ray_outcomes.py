@@ -35,10 +35,18 @@ def test_an_empty_input_on_ray_has_nothing_to_do(tmp_path, cfg, local_ray):
     out = tmp_path / "out"
     s = run_on_ray(cfg(inp, out, engine={"kind": "echo"}), False, 2, is_tty=False)
     assert (s.state, s.exit_code, s.num_rows) == ("completed", 0, 0)
-    assert s.message == f"nothing to do: {inp} has no rows" and not (out / "workers").exists()
+    assert s.message == f"nothing to do: {inp} has no rows"
     st = job_status(str(out))
     assert (st["state"], st["exit_code"], st["rows_done"], st["rows_left"]) == ("completed", 0, 0, 0)
     assert status_lines(st)[1].startswith("rows: 0 done of 0, 0 left")
+    # inspect and export read it as a job on Ray workers of no rows, as one engine's (they refused it)
+    from overnight.pipeline.tools.export import export
+    from overnight.pipeline.tools.inspection import open_results, summary_lines
+
+    con, m = open_results(str(out))
+    assert con.execute("select count(*) from results").fetchone() == (0,) and m["state"] == "completed"
+    assert summary_lines(con, m)[0].startswith("job in 1 Ray worker folders  state: completed")
+    assert export(str(out), "openai", str(tmp_path / "o.jsonl"))["rows"] == 0
 
 
 def test_a_deadline_that_passes_before_any_worker_starts_exits_75(tmp_path, cfg, local_ray, monkeypatch):

@@ -59,16 +59,29 @@ def connect(ray, address: Optional[str], workers: int) -> None:
                           f"start a local cluster on this machine; nothing was run.") from None
 
 
-def nothing_to_do(root, url: str, limit: Optional[int], workers: int):
-    """An input with no rows (or --limit 0): no Ray, no worker; the job is complete, as on one engine."""
+def nothing_to_do(cfg, root, source, model, workers: int):
+    """An input with no rows (or --limit 0): no Ray, no worker; the job is complete, as on one engine. Its first
+    worker folder gets the manifest of a completed job of no rows (so that `inspect` and `export` read OUT as a
+    job on Ray workers, and a rerun with rows continues it there)."""
     import logging
     import time
 
+    from overnight.pipeline.output import manifest as mf
+    from overnight.pipeline.output.layout import worker_out
     from overnight.pipeline.report import Summary, iso
 
-    why = "--limit 0 takes no rows" if limit == 0 else f"{url} has no rows"
+    why = "--limit 0 takes no rows" if cfg.input.limit == 0 else f"{source.url} has no rows"
     message = f"nothing to do: {why}"
     logging.getLogger("overnight").info(message)
+    folder = worker_out(cfg.output.path, 0)
+    if folder.read_manifest() is None:
+        cfg_dict = cfg.to_dict()
+        info = {"url": source.url, "num_files": len(source.files), "num_rows": 0, "cwd": os.getcwd()}
+        m = mf.start_attempt(mf.new_manifest(cfg_dict, mf.fingerprint_fields(cfg, model.requested, model.chat), info),
+                             cfg_dict, info)
+        m["counts"] = {"num_rows": 0, "num_ok": 0, "num_error": 0, "num_done": 0, "num_output_tokens": 0,
+                       "num_parts": 0}
+        folder.write_manifest(mf.end_attempt(m, mf.RunState.COMPLETED, message))
     root.write_status({"state": "completed", "exit_code": 0, "message": message, "out": root.shown(),
                        "workers": workers, "rows": {"total": 0, "done": 0, "remaining": 0}, "eta_s": 0.0,
                        "per_worker": {}, "updated_at": iso(time.time())})

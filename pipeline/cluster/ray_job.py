@@ -75,7 +75,7 @@ def run_on_ray(cfg: JobConfig, fresh: bool, workers: int, address: Optional[str]
         units = plan_units(source.files, workers, cfg.input.limit, ids.duplicates)
         total = sum(u.num_rows for u in units) - ids.num_duplicates   # (a duplicate is neither done nor left)
         if total == 0:
-            return nothing_to_do(root, source.url, cfg.input.limit, workers)
+            return nothing_to_do(cfg, root, source, model, workers)
         # Every worker gets the same absolute deadline and margin.
         sc = dataclasses.replace(cfg.scheduler, deadline=iso(deadline_at) if deadline_at else None, time_budget=None,
                                  safety_margin_s=margin if deadline_at else cfg.scheduler.safety_margin_s)

@@ -29,9 +29,10 @@ def is_id_type(t: pa.DataType) -> bool:
     return pa.types.is_integer(t) or pa.types.is_string(t) or pa.types.is_large_string(t) or is_string_view(t)
 
 
-def compatible(a: pa.DataType, b: pa.DataType) -> bool:
-    """Whether two files' types of one column unify: the same, null, both integers, both floats or both text or
-    bytes (a dictionary-encoded column by its values' type)."""
+def compatible(a: pa.DataType, b: pa.DataType, bytes_are_text: bool = False) -> bool:
+    """Whether two files' types of one column unify: the same, null, both integers, both floats or both text
+    (with ``bytes_are_text``, bytes too: the prompt or chat column); a dictionary-encoded column by its values'
+    type."""
     a = a.value_type if pa.types.is_dictionary(a) else a
     b = b.value_type if pa.types.is_dictionary(b) else b
     if a == b or pa.types.is_null(a) or pa.types.is_null(b):
@@ -40,10 +41,9 @@ def compatible(a: pa.DataType, b: pa.DataType) -> bool:
         return True
     if pa.types.is_floating(a) and pa.types.is_floating(b):
         return True
-    # text of any kind, and bytes (text written without Parquet's UTF8 annotation, as validate reads it): as one,
-    # they are read as binary, the type both cast to
-    text = (pa.types.is_string, pa.types.is_large_string, is_string_view, pa.types.is_binary,
-            pa.types.is_large_binary)
+    text = (pa.types.is_string, pa.types.is_large_string, is_string_view)
+    if bytes_are_text:  # text written without Parquet's UTF8 annotation, as validate reads a prompt or chat column:
+        text += (pa.types.is_binary, pa.types.is_large_binary)  # read as binary, the type both cast to
     return any(f(a) for f in text) and any(f(b) for f in text)
 
 

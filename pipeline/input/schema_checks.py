@@ -52,7 +52,8 @@ def check_id_range(fs, id_column: str, meta, schema: pa.Schema, shown: str, path
 def unify(fs, url: str, files: list, reads=lambda name: "needed") -> pa.Schema:
     """The files' schemas as one dataset's: a column of two types that cannot be read as one is refused, naming
     both files; one the job does not read (``reads(name)`` None: not a request column, not passed through) is
-    left out of the dataset instead. ``reads`` says why a column is read: "passthrough", or "needed"."""
+    left out of the dataset instead. ``reads`` says why a column is read: "text" (the prompt or chat column, whose
+    bytes are read as text), "passthrough", or "needed"."""
     seen: dict = {}
     unread: set = set()
     for f in files:
@@ -61,8 +62,8 @@ def unify(fs, url: str, files: list, reads=lambda name: "needed") -> pa.Schema:
                 seen[fld.name] = (fld.type, f)
                 continue
             t0, f0 = seen[fld.name]
-            if not compatible(t0, fld.type):
-                why = reads(fld.name)
+            why = reads(fld.name)
+            if not compatible(t0, fld.type, bytes_are_text=why == "text"):
                 if why is None:
                     unread.add(fld.name)
                     continue

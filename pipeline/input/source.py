@@ -108,10 +108,12 @@ class ParquetSource:
         self.sees_every_row = True
 
     def _why_read(self, name: str) -> Optional[str]:
-        """Why the job reads a column: "needed" (the prompt, chat, id, a request or scheduling column),
-        "passthrough", or None (it does not)."""
+        """Why the job reads a column: "text" (the prompt or chat column), "needed" (the id, a request or
+        scheduling column), "passthrough", or None (it does not)."""
         cfg = self.cfg
-        if name in (cfg.prompt_column, cfg.messages_column, cfg.id_column, *OVERRIDE_COLUMNS, *SCHEDULING_COLUMNS):
+        if name in (cfg.prompt_column, cfg.messages_column):
+            return "text"
+        if name in (cfg.id_column, *OVERRIDE_COLUMNS, *SCHEDULING_COLUMNS):
             return "needed"
         p = cfg.passthrough
         return "passthrough" if p == "all" or (p != "none" and name in p) else None

@@ -85,8 +85,20 @@ def _writing(path: str, option: str):
 
 
 def _json(value) -> str:
-    """One JSON line, each value as json_value gives it (the same JSON type on every line)."""
-    return json.dumps(_finite(value), default=str, allow_nan=False)
+    """One JSON line, each value as json_value gives it (the same JSON type on every line): json's own encoder,
+    with DECIMAL and bytes through its ``default`` hook; the walk of _finite only for a line with a NaN."""
+    try:
+        return json.dumps(value, default=_default, allow_nan=False)
+    except ValueError:
+        return json.dumps(_finite(value), default=str, allow_nan=False)
+
+
+def _default(value):
+    if isinstance(value, decimal.Decimal):
+        return float(value)
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return base64.b64encode(bytes(value)).decode("ascii")
+    return str(value)
 
 
 def json_value(value):
