@@ -24,21 +24,29 @@ def _loader():
     import yaml
 
     class Loader(yaml.SafeLoader):
-        def construct_mapping(self, node, deep=False):
-            """A key given twice (two ``sampling:`` sections) is refused: YAML would keep the last silently."""
-            if isinstance(node, yaml.MappingNode):
+        def flatten_mapping(self, node):
+            """A key given twice (two ``sampling:`` sections) is refused: YAML would keep the last silently. Each
+            mapping is checked once, as written: before its merge keys (<<: *defaults, whose keys it may override)
+            bring theirs in, which rewrites it in place."""
+            checked = self.__dict__.setdefault("_checked", set())
+            if id(node) not in checked:
+                checked.add(id(node))
                 seen = set()
                 for key_node, value_node in node.value:
-                    if key_node.tag == "tag:yaml.org,2002:merge":  # <<: *defaults, whose keys this one may override
+                    if key_node.tag == "tag:yaml.org,2002:merge":
                         continue
-                    key = self.construct_object(key_node, deep=deep)
-                    if isinstance(key, (str, int, float, bool)) and key in seen:
+                    key = self.construct_object(key_node)
+                    try:
+                        again = key in seen
+                        seen.add(key)
+                    except TypeError:  # an unhashable key, which YAML's own constructor refuses
+                        continue
+                    if again:
                         how = ("keep one section, with the keys of both" if isinstance(value_node, yaml.MappingNode)
                                else "keep one")
                         raise yaml.constructor.ConstructorError(None, None, f"{key!r} is given twice; {how}",
                                                                 key_node.start_mark)
-                    seen.add(key) if isinstance(key, (str, int, float, bool)) else None
-            return super().construct_mapping(node, deep)
+            super().flatten_mapping(node)
 
     numbers = ("tag:yaml.org,2002:int", "tag:yaml.org,2002:float")
     Loader.yaml_implicit_resolvers = {k: [(tag, rx) for tag, rx in v if tag not in numbers]

@@ -165,6 +165,12 @@ def test_a_section_or_key_given_twice_is_refused(tmp_path):
         load_yaml(str(p))
     p.write_text("sampling: {<<: {max_tokens: 16, temperature: 0.2}, temperature: 0.7}\n")  # a merge key's are
     assert load_yaml(str(p)) == {"sampling": {"max_tokens": 16, "temperature": 0.7}}         # overridden, not twice
+    # an anchored mapping whose own merge was brought in where it was first used, aliased again (it was refused)
+    p.write_text("d: &d {max_tokens: 4}\nx: {<<: &f {<<: *d, max_tokens: 8}}\nsampling: *f\n")
+    assert load_yaml(str(p))["sampling"] == {"max_tokens": 8}
+    p.write_text("sampling: {<<: {max_tokens: 4, max_tokens: 5}}\n")   # a repeat inside a merged mapping too
+    with pytest.raises(ConfigError, match="'max_tokens' is given twice"):
+        load_yaml(str(p))
     p.write_text("sampling:\n  max_tokens: 5\nengine:\n  max_tokens: 5\n")   # the same key in two sections is fine
     assert load_yaml(str(p)) == {"sampling": {"max_tokens": 5}, "engine": {"max_tokens": 5}}
 
