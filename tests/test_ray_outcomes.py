@@ -143,11 +143,23 @@ def test_an_id_in_two_workers_units_is_answered_once(tmp_path, cfg, local_ray):
     out = tmp_path / "out"
     c = cfg(inp, out, engine={"kind": "echo", "echo_step_ms": 5, "max_num_seqs": 8}, sampling={"max_tokens": 4})
     s = run_on_ray(c, False, 2, is_tty=False)
-    assert (s.state, s.exit_code, s.num_rows, s.num_done, s.num_duplicates) == ("completed", 0, 200, 200, 200)
+    assert (s.state, s.exit_code, s.num_rows, s.num_done, s.num_duplicates) == ("completed", 0, 400, 200, 200)
     ids = ids_in(out)
     assert len(ids) == len(set(ids)) == 200
     prompts = {p for (p,) in __import__("duckdb").sql(
         f"select prompt from read_parquet('{out}/workers/*/parts/*.parquet')").fetchall()}
     assert prompts == {f"q 0 {i}" for i in range(200)}          # the first of each id, in input order
-    st = json.loads((out / "status.json").read_text())
-    assert st["rows"] == {"total": 200, "done": 200, "remaining": 0}
+    st = json.loads((out / "status.json").read_text())   # the input's rows, as one engine counts them
+    assert st["rows"] == {"total": 400, "done": 200, "remaining": 0, "duplicates": 200}
+    # request lines: a worker numbers a JSONL file's rows by line (blank lines too), and so does the driver's pass
+    from openai_lines import completion
+
+    lines = tmp_path / "requests.jsonl"
+    lines.write_text("".join(json.dumps(completion(f"c{i % 32}")) + ("\n\n" if i % 4 == 3 else "\n")
+                             for i in range(64)))
+    out2 = tmp_path / "out2"
+    s = run_on_ray(cfg(lines, out2, engine={"kind": "echo", "echo_step_ms": 5, "max_num_seqs": 4},
+                       sampling={"max_tokens": 4}), False, 2, is_tty=False)
+    assert (s.exit_code, s.num_rows, s.num_done, s.num_duplicates) == (0, 64, 32, 32), s.line()
+    ids = ids_in(out2)
+    assert len(ids) == len(set(ids)) == 32

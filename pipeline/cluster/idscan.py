@@ -24,13 +24,15 @@ class IdScan:
     done_in_input: int = 0      # the folders' rows whose ids are the input's (each id once)
     gone: int = 0               # the folders' ids no longer in the input
     examples: list = field(default_factory=list)   # up to 3 of those
-    duplicates: dict = field(default_factory=dict)  # file index -> sorted row numbers whose id repeats an earlier one
-    num_duplicates: int = 0
+    skips: dict = field(default_factory=dict)  # unit index -> the row numbers (as its batches number them) of its
+    num_duplicates: int = 0                    # rows whose id repeats one met earlier in the input
 
 
-def scan_input_ids(cfg, source, fresh: bool) -> IdScan:
+def scan_input_ids(cfg, source, fresh: bool, units: list) -> IdScan:
+    """The pass over the ids of the job's units, in order (the input up to its --limit): each unit's rows are read
+    as its worker will read them, so the rows to skip are numbered as that worker's batches number them (a JSONL
+    file's line numbers, blank lines counted)."""
     from overnight.pipeline.idkeys import KeyTable, first_of_each, keys_of
-    from overnight.pipeline.input.source import _head
     from overnight.pipeline.output.checkpoint import Scan
 
     out = IdScan()
@@ -46,15 +48,8 @@ def scan_input_ids(cfg, source, fresh: bool) -> IdScan:
     if len(done):
         done.flags[...] = 0
     met = KeyTable() if id_col else None
-    dups: dict = {}
     found_null = set()
-    remaining = cfg.input.limit
-    for sb in source._read(source.fragments(), [id_col] if id_col else []):
-        if remaining is not None:
-            if remaining <= 0:
-                break
-            sb = _head(sb, remaining) if sb.batch.num_rows > remaining else sb
-            remaining -= sb.batch.num_rows
+    for unit, sb in ((u, sb) for u in units for sb in source._read(iter(u.fragments), [id_col] if id_col else [])):
         n = sb.batch.num_rows
         origins = None
         if id_col:
@@ -69,7 +64,7 @@ def scan_input_ids(cfg, source, fresh: bool) -> IdScan:
             first = new[first_of_each(keys[new], checks[new])] if len(new) else new
             again = np.setdiff1d(rows, first, assume_unique=True)
             if len(again):
-                dups.setdefault(sb.file.path, []).extend(sb.row_number(int(i)) for i in again)
+                out.skips.setdefault(unit.index, []).extend(sb.row_number(int(i)) for i in again)
             met.add(keys[first], checks[first])
         if len(done) and len(rows):
             slots = done.find(keys[rows], checks[rows])
@@ -80,9 +75,8 @@ def scan_input_ids(cfg, source, fresh: bool) -> IdScan:
                  else pa.array([f"{sb.file.name}#{sb.row_number(int(i))}" for i in null]))
             k, c, _ = keys_of(o)
             found_null.update(o.filter(pa.array(scan.null_origins.find(k, c) >= 0)).to_pylist())
-    index = {f.path: i for i, f in enumerate(source.files)}
-    out.duplicates = {index[p]: np.unique(np.asarray(r, np.int64)) for p, r in dups.items()}
-    out.num_duplicates = sum(len(r) for r in out.duplicates.values())
+    out.skips = {u: tuple(int(r) for r in rows) for u, rows in out.skips.items()}
+    out.num_duplicates = sum(len(r) for r in out.skips.values())
     if len(done):
         occupied = done.occupied()
         flagged = (done.flags & met_flag) != 0

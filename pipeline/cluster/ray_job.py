@@ -65,15 +65,16 @@ def run_on_ray(cfg: JobConfig, fresh: bool, workers: int, address: Optional[str]
         # again, holding the lock: an unsharded run may have ended in OUT, or a shard begun, since the check
         check_layout(cfg.output.path, None, ray=True)
         legacy = check_worker_folders(cfg, fresh, model, retry_errors)
-        ids = scan_input_ids(cfg, source, fresh)
+        units = plan_units(source.files, workers, cfg.input.limit)
+        ids = scan_input_ids(cfg, source, fresh, units)
         if ids.gone:
             log.warning(f"{ids.gone} rows in {root.shown()} are no longer in the input (e.g. ids "
                         f"{', '.join(repr(i) for i in ids.examples)}); their results are kept")
         if ids.num_duplicates:
             log.warning(f"{ids.num_duplicates} input rows repeat an id met earlier in the input; each is skipped "
                         f"and counted as a duplicate (give every row a unique id)")
-        units = plan_units(source.files, workers, cfg.input.limit, ids.duplicates)
-        total = sum(u.num_rows for u in units) - ids.num_duplicates   # (a duplicate is neither done nor left)
+        units = [dataclasses.replace(u, skip=ids.skips.get(u.index, ())) for u in units]
+        total = sum(u.num_rows for u in units) - ids.num_duplicates   # to answer: a duplicate is neither done nor left
         if total == 0:
             return nothing_to_do(cfg, root, source, model, workers)
         # Every worker gets the same absolute deadline and margin.
@@ -92,7 +93,7 @@ def run_on_ray(cfg: JobConfig, fresh: bool, workers: int, address: Optional[str]
         connect(ray, address, workers)
         driver = Driver(ray, wcfg, units, total, workers, root, lock, deadline_at, started, is_tty,
                         cfg.output.log_every_seconds, source.files, margin if deadline_at else 0.0, early=signals,
-                        done_at_start=ids.done_in_input, num_removed=ids.gone)
+                        done_at_start=ids.done_in_input, num_removed=ids.gone, num_duplicates=ids.num_duplicates)
         return driver.run(on_started)
     finally:
         lock.release()
@@ -100,7 +101,8 @@ def run_on_ray(cfg: JobConfig, fresh: bool, workers: int, address: Optional[str]
 
 class Driver:
     def __init__(self, ray, cfg, units, total, workers, root, lock, deadline_at, started, is_tty, log_every, files,
-                 margin: float = 0.0, early=None, done_at_start: Optional[int] = None, num_removed: int = 0):
+                 margin: float = 0.0, early=None, done_at_start: Optional[int] = None, num_removed: int = 0,
+                 num_duplicates: int = 0):
         import uuid
 
         self.early = early  # a signal that came while the job opened, replayed when the driver's handlers start
@@ -124,6 +126,7 @@ class Driver:
         # the job's rows done at the start: the folders' rows whose ids are the input's (not those gone from it)
         self.done_before = min(sum(self.done_in.values()) if done_at_start is None else done_at_start, total)
         self.num_removed = num_removed
+        self.num_rows = total + num_duplicates   # the input's rows, as one engine counts them (duplicates too)
         self.progress = Progress(total, min(self.done_before, total), log_every, is_tty=is_tty)
         self.signals: list[str] = []
         self.warned = self.warned_unplaced = self.told_lost = False
@@ -300,7 +303,8 @@ class Driver:
         f = forecast
         return {"state": state, "exit_code": exit_code, "message": message, "out": self.root.shown(),
                 "workers": self.num_workers, "units_pending": pending,
-                "rows": {"total": self.total, "done": done, "remaining": max(0, self.total - done)},
+                "rows": {"total": self.num_rows, "done": done, "remaining": max(0, self.total - done),
+                         "duplicates": self.num_rows - self.total},
                 "output_tokens_per_s": round(sum(s.get("output_tokens_per_s") or 0 for s in statuses.values()
                                                  if s.get("state") == "running"), 2),
                 "eta_s": eta_for(state, None if eta is None else round(eta, 1)),
@@ -359,7 +363,7 @@ class Driver:
         elapsed = time.time() - self.started
         this_attempt = sum(r["output_tokens_per_s"] * r["elapsed_s"] for r in results.values())
         return Summary(run_id=f"ray-{self.num_workers}-workers", out=self.root.shown(), state=state, exit_code=code,
-                       num_rows=self.total, num_done=done, num_ok=ok, num_error=err,
+                       num_rows=self.num_rows, num_done=done, num_ok=ok, num_error=err,
                        num_resumed=sum(r["num_resumed"] for r in results.values()),
                        num_duplicates=sum(r["num_duplicates"] for r in results.values()), num_output_tokens=toks,
                        num_removed=self.num_removed,

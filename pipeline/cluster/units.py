@@ -42,9 +42,8 @@ class Unit:
         return sum(f.num_rows for f in self.fragments)
 
 
-def plan_units(files, num_workers: int, limit: Optional[int] = None, duplicates: Optional[dict] = None) -> list[Unit]:
-    """Units in input order, at least UNITS_PER_WORKER per worker where the rows allow, up to ``limit`` rows;
-    ``duplicates`` (file index -> sorted row numbers) go to the units that hold them as rows to skip."""
+def plan_units(files, num_workers: int, limit: Optional[int] = None) -> list[Unit]:
+    """Units in input order, at least UNITS_PER_WORKER per worker where the rows allow, up to ``limit`` rows."""
     _, groups = fragments_of(files)
     total = sum(g.num_rows for g in groups)
     if limit is not None:
@@ -63,20 +62,9 @@ def plan_units(files, num_workers: int, limit: Optional[int] = None, duplicates:
         for a in range(0, n, step):
             b = min(n, a + step)
             whole = a == 0 and b == g.num_rows
-            frag = Fragment(g.file_index, g.row_group, b - a, None if whole else (a, b))
-            units.append(Unit(len(units), (frag,), skip=_rows_in(files, frag, (duplicates or {}).get(g.file_index))))
+            units.append(Unit(len(units), (Fragment(g.file_index, g.row_group, b - a, None if whole else (a, b)),)))
         left -= n
     return units
-
-
-def _rows_in(files, frag: Fragment, rows) -> tuple[int, ...]:
-    """The given file rows (sorted) that the fragment holds."""
-    if rows is None or not len(rows):
-        return ()
-    start = 0 if frag.row_group is None else sum(files[frag.file_index].row_groups[:frag.row_group])
-    start += frag.rows[0] if frag.rows else 0
-    lo, hi = np.searchsorted(rows, [start, start + frag.num_rows])
-    return tuple(int(r) for r in rows[lo:hi])
 
 
 class UnitSource(ParquetSource):
