@@ -1,7 +1,8 @@
 """What the Ray driver's pass over the input's ids costs before any worker starts (pipeline/cluster/idscan.py):
 every id read once (that column alone), duplicates found for the units to skip, and on a resume the worker
 folders' ids matched against the input. Side by side in one run: a fresh job (no folder yet), and the same input
-after a job whose folder holds every row (a resume), for string ids with and without duplicates.
+after a job whose folder holds every row (a resume), for string ids with and without duplicates; and OpenAI Batch
+request lines (a tenth as many), whose every line is parsed for its custom_id.
 
     python benchmarks/ray_id_scan.py --rows 1000000
 """
@@ -41,15 +42,28 @@ def folder_holding_every_row(src: str, out: str) -> None:
                 % t.num_rows)
 
 
+def write_lines(path: str, rows: int) -> None:
+    """OpenAI Batch request lines: the id is each line's custom_id, so the pass parses every line."""
+    import json
+
+    with open(path, "w") as f:
+        for i in range(rows):
+            f.write(json.dumps({"custom_id": f"c{i}", "method": "POST", "url": "/v1/chat/completions",
+                                "body": {"model": "m", "messages": [{"role": "user", "content": f"question {i} " * 5}],
+                                         "max_tokens": 64}}) + "\n")
+
+
 def timed(cfg, fresh: bool, reps: int):
     from overnight.pipeline.cluster.idscan import scan_input_ids
+    from overnight.pipeline.cluster.units import plan_units
     from overnight.pipeline.input.source import open_source
 
     best, got = float("inf"), None
     for _ in range(reps):
         source = open_source(cfg.input)
+        units = plan_units(source.files, 2, cfg.input.limit)
         t = time.perf_counter()
-        got = scan_input_ids(cfg, source, fresh)
+        got = scan_input_ids(cfg, source, fresh, units)
         best = min(best, time.perf_counter() - t)
     return best, got
 
@@ -73,6 +87,12 @@ def main() -> None:
             print(f"{args.rows} rows, {name}: fresh {fresh:.2f} s ({args.rows / fresh / 1e6:.2f} M ids/s, "
                   f"{f.num_duplicates} duplicates); resume over a folder of every id {resume:.2f} s "
                   f"({r.done_in_input} done in the input, {r.gone} gone)")
+        lines = os.path.join(tmp, "requests.jsonl")
+        n = args.rows // 10
+        write_lines(lines, n)
+        fresh, _ = timed(resolve({"input": {"path": lines}, "output": {"path": os.path.join(tmp, "out-jsonl")}}),
+                         True, args.reps)
+        print(f"{n} JSONL request lines: fresh {fresh:.2f} s ({n / fresh / 1e6:.3f} M lines/s)")
 
 
 if __name__ == "__main__":

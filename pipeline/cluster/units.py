@@ -33,8 +33,9 @@ class Unit:
     index: int
     fragments: tuple[Fragment, ...]
     recheck: tuple[str, ...] = ()  # "folder#n": output folders of workers that held this unit and died
-    # rows (by file row number) whose id repeats one met earlier in the input, maybe in another unit: skipped and
-    # counted as duplicates, as one engine's resume filter does (idscan.py)
+    # rows (numbered as the unit's batches number them: a Parquet file's row, a JSONL file's line) whose id repeats
+    # one met earlier in the input, maybe in another unit: skipped and counted as duplicates, as one engine's resume
+    # filter does (idscan.py)
     skip: tuple[int, ...] = ()
 
     @property
