@@ -135,6 +135,25 @@ def test_compatible_widths_are_unified(tmp_path):
     assert [r["max_tokens"] for _, _, r in all_rows(s)] == [5, 6]
 
 
+def test_struct_schemas_of_other_shapes_in_other_files_are_merged(tmp_path, write_parquet):
+    # a JSON schema per file, as structs: their fields merge, each row's missing ones null (dropped by validate)
+    from overnight.pipeline.input.validate import parse_batch
+    from tests.test_validate import DEFAULTS
+
+    s1 = {"type": "object", "properties": {"a": {"type": "string"}}}
+    s2 = {"type": "object", "properties": {"b": {"type": "integer"}}}
+    write_parquet({"id": ["x"], "prompt": ["p"], "json_schema": [s1]}, "j/a.parquet")
+    write_parquet({"id": ["y"], "prompt": ["q"], "json_schema": [s2]}, "j/b.parquet")
+    src = source(tmp_path / "j")
+    got = [p.sampling["structured"] for sb in src.batches() for p in parse_batch(sb, src.cfg, DEFAULTS, [])[0]]
+    assert got == [{"json": s1}, {"json": s2}]
+    # fields of one name but types that do not merge: refused, naming the JSON text form
+    write_parquet({"id": ["z"], "prompt": ["r"], "json_schema": [{"type": "object", "properties": 5}]},
+                  "j/c.parquet")
+    with pytest.raises(InputError, match="or write it as JSON text"):
+        source(tmp_path / "j")
+
+
 def test_column_present_in_some_files_only_reads_as_null(tmp_path, write_parquet):
     write_parquet({"prompt": ["x"], "max_tokens": [5]}, "s/a.parquet")
     write_parquet({"prompt": ["y"]}, "s/b.parquet")

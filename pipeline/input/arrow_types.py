@@ -30,9 +30,9 @@ def is_id_type(t: pa.DataType) -> bool:
 
 
 def compatible(a: pa.DataType, b: pa.DataType, bytes_are_text: bool = False) -> bool:
-    """Whether two files' types of one column unify: the same, null, both integers, both floats or both text
-    (with ``bytes_are_text``, bytes too: the prompt or chat column); a dictionary-encoded column by its values'
-    type."""
+    """Whether two files' types of one column unify: the same, null, both integers, both floats, both text
+    (with ``bytes_are_text``, bytes too: the prompt or chat column), or structs and lists whose fields merge; a
+    dictionary-encoded column by its values' type."""
     a = a.value_type if pa.types.is_dictionary(a) else a
     b = b.value_type if pa.types.is_dictionary(b) else b
     if a == b or pa.types.is_null(a) or pa.types.is_null(b):
@@ -41,10 +41,20 @@ def compatible(a: pa.DataType, b: pa.DataType, bytes_are_text: bool = False) -> 
         return True
     if pa.types.is_floating(a) and pa.types.is_floating(b):
         return True
+    if _nested(a) and _nested(b):  # structs of other fields (a JSON schema per file): their fields merged, a
+        try:                        # file's missing ones null (as a struct column's rows of one file already are)
+            pa.unify_schemas([pa.schema([("c", a)]), pa.schema([("c", b)])], promote_options="permissive")
+            return True
+        except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError):
+            return False
     text = (pa.types.is_string, pa.types.is_large_string, is_string_view)
     if bytes_are_text:  # text written without Parquet's UTF8 annotation, as validate reads a prompt or chat column:
         text += (pa.types.is_binary, pa.types.is_large_binary)  # read as binary, the type both cast to
     return any(f(a) for f in text) and any(f(b) for f in text)
+
+
+def _nested(t: pa.DataType) -> bool:
+    return pa.types.is_struct(t) or pa.types.is_list(t) or pa.types.is_large_list(t)
 
 
 def plain(schema: pa.Schema) -> pa.Schema:

@@ -69,6 +69,9 @@ def unify(fs, url: str, files: list, reads=lambda name: "needed") -> pa.Schema:
                     continue
                 other = (", or leave it out of --passthrough (a list of the columns to keep, or none)"
                          if why == "passthrough" else "")
+                if pa.types.is_struct(t0) or pa.types.is_struct(fld.type):
+                    other += (", or write it as JSON text (a string column) in every file" if
+                              fld.name in ("json_schema", "response_format") else "")
                 raise InputError(
                     f"Column {fld.name!r} has type {t0} in {unstrip(fs, f0.path)} but {fld.type} in "
                     f"{unstrip(fs, f.path)}. Mixed schemas cannot be read as one dataset: cast the "
