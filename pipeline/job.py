@@ -120,7 +120,7 @@ def _open_locked(cfg, fresh, source, out, model, fields, lock, deadline_at, marg
     """shortcut: a completed job over an unchanged input may skip the scan of its parts (``unchanged``). A Ray
     worker's folder is not a job of its own (its units change from run to run), so a worker passes False.
     retry_errors: the parts' error rows are removed first, so that the run answers those rows again."""
-    given = mf.fingerprint_fields(cfg, model.requested, model.chat, as_given=True)  # as OUTs before stop 37 had it
+    given = mf.older_fields(cfg, model.requested, model.chat)  # as OUTs before stops 37 and 45 had them
     _check_other_shards(cfg, source, out, fields, given, fresh)
     if out.remove_leftovers():
         log.info("removed the temporary files of a run killed while it wrote in %s", out.shown())

@@ -86,7 +86,7 @@ def test_rows_pick_registered_adapters_and_the_fingerprint_names_them(write_parq
     assert got["c"]["lora"] == "poem" and got["c"]["text"].endswith("through poem")   # the column is kept
     assert "sample_index" not in got["a"]                                                # no n, no logprobs
     fields = json.loads((out / "manifest.json").read_text())["fingerprint_fields"]
-    assert fields["lora"] == {"poem": loras["poem"], "sql": loras["sql"]}
+    assert fields["lora"].keys() == {"poem", "sql"} and fields["lora"]["sql"].startswith("sha256:")
     # the model column names the adapter that answered the row, whatever is passed through; the export follows it
     inp = write_parquet({"id": ["a", "b", "c"], "prompt": ["x?", "y?", "z?"], "lora": [None, "  sql ", "poem"]})
     out = tmp_path / "none"
@@ -99,6 +99,34 @@ def test_rows_pick_registered_adapters_and_the_fingerprint_names_them(write_parq
     answered = {x["custom_id"]: x["response"]["body"]["model"]
                 for x in map(json.loads, (tmp_path / "none.jsonl").read_text().splitlines())}
     assert answered == {"a": base, "b": "sql", "c": "poem"}
+
+
+def test_the_fingerprint_holds_each_adapter_by_its_content(write_parquet, tmp_path, cfg, monkeypatch):
+    from overnight.pipeline.output import manifest as mf
+    from overnight.pipeline.output.checkpoint import OutputError
+
+    inp = write_parquet({"id": ["a", "b"], "prompt": ["x?", "y?"], "lora": ["sql", "sql"]})
+    out = tmp_path / "out"
+    adapter(tmp_path / "one/ad/sql", rank=8)
+    adapter(tmp_path / "two/ad/sql", rank=16)
+
+    def run(where, path, limit=None):
+        monkeypatch.chdir(tmp_path / where)
+        return run_job(cfg(inp, out, engine={"lora": {"sql": path}}, input={"limit": limit}),
+                       engine_factory=given(FakeEngine()), is_tty=False)
+
+    assert run("one", "ad/sql", limit=1).num_done == 1
+    assert run("one", "./ad/sql").num_done == 2                  # the same folder, written another way: resumes
+    (tmp_path / "copy").mkdir()
+    assert run("copy", str(tmp_path / "one/ad/sql")).num_resumed == 2     # or from another place
+    with pytest.raises(OutputError, match="lora.sql"):
+        run("two", "ad/sql")                                     # the same words, another adapter: refused
+    # an OUT fingerprinted by the folder as given (before stop 45) resumes with the same words
+    m = json.loads((out / "manifest.json").read_text())
+    m["fingerprint_fields"]["lora"] = {"sql": "ad/sql"}
+    m["fingerprint"] = mf.fingerprint(m["fingerprint_fields"])
+    (out / "manifest.json").write_text(json.dumps(m))
+    assert run("one", "ad/sql").num_resumed == 2
 
 
 def test_the_cli_registers_adapters(write_parquet, tmp_path, tiny_model):

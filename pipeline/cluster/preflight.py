@@ -22,7 +22,7 @@ def check_worker_folders(cfg, fresh: bool, model, retry_errors: bool) -> bool:
 
     legacy = False
     fields = mf.fingerprint_fields(cfg, model.requested, model.chat)
-    given = mf.fingerprint_fields(cfg, model.requested, model.chat, as_given=True)
+    given = mf.older_fields(cfg, model.requested, model.chat)
     for d in job_dirs(cfg.output.path):
         previous = d.out.read_manifest()
         if previous is not None:

@@ -8,12 +8,42 @@ the weights); they are checked when the job opens, so a bad one fails before the
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import json
 import os
 
 from overnight.pipeline.config import LORA_RANKS, ConfigError, EngineConfig
 
 WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
+
+
+def adapter_digest(path: str) -> str:
+    """The adapter's content, for the job's fingerprint: sha256 of its adapter_config.json and weights (so that
+    the same folder written another way, or copied, is the same setting, and another adapter at the same relative
+    path is not). A folder without them gives its absolute path: ``check_adapters`` refuses it anyway."""
+    files = [os.path.join(path, n) for n in ("adapter_config.json",) + WEIGHTS]
+    stamp = tuple((f, st.st_size, st.st_mtime_ns) for f in files if (st := _stat(f)) is not None)
+    return _digest(stamp) if stamp else os.path.abspath(path)
+
+
+def _stat(path: str):
+    try:
+        return os.stat(path)
+    except OSError:
+        return None
+
+
+@functools.lru_cache(maxsize=64)
+def _digest(stamp: tuple) -> str:
+    """Read once per run (keyed by the files' sizes and times): weights of hundreds of MB take a second or so."""
+    h = hashlib.sha256()
+    for path, _, _ in stamp:
+        h.update(os.path.basename(path).encode() + b"\0")
+        with open(path, "rb") as f:
+            while chunk := f.read(1 << 20):
+                h.update(chunk)
+    return "sha256:" + h.hexdigest()[:32]
 
 
 def adapter_rank(name: str, path: str) -> int:

@@ -40,10 +40,11 @@ LATER_SAMPLING = {"stop_token_ids": [], "presence_penalty": 0.0, "frequency_pena
                   "json_schema": None, "regex": None, "choice": None, "n": 1, "logprobs": None}
 
 
-def fingerprint_fields(cfg, model: str, chat: bool, as_given: bool = False) -> dict:
+def fingerprint_fields(cfg, model: str, chat: bool, as_given: bool = False, lora_as_given: bool = False) -> dict:
     """as_given: --json-schema as the user gave it, a file's path, as fingerprints did before stop 37 (an OUT
     written then resumes); otherwise the schema itself, so that an edited schema file is a change of settings
-    and the same schema given inline or from another path is not."""
+    and the same schema given inline or from another path is not. Likewise the --lora adapters: by their content
+    (``adapter_digest``), or, as_given or lora_as_given, by their folders as given, as before stop 45."""
     fields = _fields(cfg, model, chat)
     for k, default in LATER_SAMPLING.items():
         value = getattr(cfg.sampling, k)
@@ -53,9 +54,21 @@ def fingerprint_fields(cfg, model: str, chat: bool, as_given: bool = False) -> d
         from overnight.pipeline.input.checks import job_structured
 
         fields["sampling"]["json_schema"] = job_structured(cfg.sampling)["json"]
-    if cfg.engine.lora:  # the adapters rows may pick (name -> folder), likewise only when registered
-        fields["lora"] = dict(sorted(cfg.engine.lora.items()))
+    if cfg.engine.lora:  # the adapters rows may pick (name -> content), likewise only when registered
+        from overnight.pipeline.engine.lora import adapter_digest
+
+        fields["lora"] = {name: path if as_given or lora_as_given else adapter_digest(path)
+                          for name, path in sorted(cfg.engine.lora.items())}
     return fields
+
+
+def older_fields(cfg, model: str, chat: bool) -> list:
+    """These settings as earlier versions fingerprinted them, for ``same_settings``'s ``also``: an OUT they wrote
+    resumes."""
+    if cfg.sampling.json_schema is None and not cfg.engine.lora:
+        return []
+    return [fingerprint_fields(cfg, model, chat, as_given=True),
+            fingerprint_fields(cfg, model, chat, lora_as_given=True)]
 
 
 def _fields(cfg, model: str, chat: bool) -> dict:
@@ -98,13 +111,13 @@ def differences(previous: dict, fields: dict) -> str:
     return "; ".join(diffs[:6]) or "settings differ"
 
 
-def same_settings(previous: dict, fields: dict, also: Optional[dict] = None) -> bool:
-    """Whether a manifest was written with these settings. also: the same settings as an older version
-    fingerprinted them (``fingerprint_fields(as_given=True)``)."""
-    return previous.get("fingerprint") in [fingerprint(f) for f in (fields, also) if f is not None]
+def same_settings(previous: dict, fields: dict, also: Optional[list] = None) -> bool:
+    """Whether a manifest was written with these settings. also: the same settings as older versions
+    fingerprinted them (``older_fields``)."""
+    return previous.get("fingerprint") in [fingerprint(f) for f in [fields, *(also or [])]]
 
 
-def check_resume(previous: dict, fields: dict, out_url: str, also: Optional[dict] = None) -> None:
+def check_resume(previous: dict, fields: dict, out_url: str, also: Optional[list] = None) -> None:
     """Refuse to mix outputs of different settings in one OUT."""
     if same_settings(previous, fields, also):
         return
