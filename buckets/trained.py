@@ -45,6 +45,7 @@ from overnight.buckets.linear import Design, dense, fit_pairwise, fit_ridge
 from overnight.buckets.metrics import kendall_tau
 from overnight.buckets.predictors import Prediction, Predictor
 from overnight.buckets.tokens import TokenInputs, TokenTable, fingerprint, rows_of, token_ids
+from overnight.pipeline.config import ConfigError
 
 FORMAT = "overnight-predictor/3"
 # Penalty grids searched by cross-validation: the dense block's as a share of the rows, the hashed words' as is
@@ -61,6 +62,10 @@ _subset = subset  # the name earlier callers used
 
 class PredictorFileError(Exception):
     "A predictor file cannot be used; the message says why and how to fix it."
+
+
+class PredictorUsageError(PredictorFileError, ConfigError):
+    "--predictor names no predictor file (missing, or another kind of file): bad usage, exit 2."
 
 
 @dataclass
@@ -325,7 +330,7 @@ class TrainedPredictor(Predictor):
 
         fs, p = url_to_fs(path)
         if not fs.exists(p):
-            raise PredictorFileError(f"Predictor file {path} does not exist. Use 'heuristic', 'online', or a file "
+            raise PredictorUsageError(f"Predictor file {path} does not exist. Use 'heuristic', 'online', or a file "
                                      f"written by `overnight predictor train OUT --save FILE`.")
         try:
             with fs.open(p, "rb") as f:
@@ -344,10 +349,10 @@ class TrainedPredictor(Predictor):
         except PredictorFileError:
             raise
         except Exception as e:
-            raise PredictorFileError(f"{path} is not a predictor file written by `overnight predictor train` "
+            raise PredictorUsageError(f"{path} is not a predictor file written by `overnight predictor train` "
                                      f"({type(e).__name__}: {e}).") from None
         if meta.get("format") != FORMAT or meta.get("hash_dim") != HASH_DIM or len(blob["wd"]) != len(NUMERIC_NAMES) + 1:
-            raise PredictorFileError(f"{path} was written by an incompatible version ({meta.get('format')}); "
+            raise PredictorUsageError(f"{path} was written by an incompatible version ({meta.get('format')}); "
                                      f"train it again with `overnight predictor train`.")
         tokens = token_calib = None
         if "token_table" in blob:
@@ -382,11 +387,11 @@ def _load_format2(path: str, raw: bytes) -> Predictor:
         blob = torch.load(io.BytesIO(raw), weights_only=True)
         meta = json.loads(blob["meta"])
     except Exception as e:
-        raise PredictorFileError(f"{path} is not a predictor file written by `overnight predictor train` "
+        raise PredictorUsageError(f"{path} is not a predictor file written by `overnight predictor train` "
                                  f"({type(e).__name__}: {e}).") from None
     from overnight.buckets.mlp import FORMAT as FORMAT2, MlpPredictor
 
     if meta.get("format") != FORMAT2 or meta.get("hash_dim") != HASH_DIM:
-        raise PredictorFileError(f"{path} was written by an incompatible version ({meta.get('format')}); "
+        raise PredictorUsageError(f"{path} was written by an incompatible version ({meta.get('format')}); "
                                  f"train it again with `overnight predictor train`.")
     return MlpPredictor.from_blob(blob, meta)

@@ -86,7 +86,8 @@ def run(input_path, out, config_file, fresh, retry_errors, as_json, **options):
             summary = run_job(cfg, fresh=fresh, retry_errors=retry_errors)
         except EngineError as e:
             failed(e, EXIT_ENGINE, stdout)
-        except ConfigError as e:  # one only the job can check (--shard auto's index and count): bad usage still
+        except ConfigError as e:  # one only the job can check (--shard auto's index and count, a column or model
+            # an option names that is not there, an OUT of other settings): bad usage still
             failed(e, 2, stdout)
         except USER_ERRORS as e:
             failed(e, 1, stdout)

@@ -19,7 +19,7 @@ from overnight.pipeline.input.shards import FRAGMENTS, ROWS, parse_shard, rule_o
 from overnight.pipeline.input.source import ParquetSource, open_source
 from overnight.pipeline.input.stage import OpenModel, open_model
 from overnight.pipeline.output import manifest as mf
-from overnight.pipeline.output.checkpoint import OutputDir, OutputError
+from overnight.pipeline.output.checkpoint import OutputDir, OutputError, OutputUsageError
 from overnight.pipeline.output.layout import check_layout, job_out, read_manifests
 from overnight.pipeline.output.lock import LockError, RunLock
 from overnight.pipeline.output.scan import Scan, id_kind
@@ -62,7 +62,7 @@ class OpenJob:
 
 def open_job(cfg: JobConfig, fresh: bool = False, now: Optional[float] = None, retry_errors: bool = False) -> OpenJob:
     if not cfg.output.path:
-        raise OutputError("No output folder given. Pass --out OUT (or output.path in the config).")
+        raise ConfigError("No output folder given. Pass --out OUT (or output.path in the config).")
     deadline_at, margin_s = resolve_deadline(cfg.scheduler, time.time() if now is None else now)
     from overnight.pipeline.input.checks import job_structured
     job_structured(cfg.sampling)  # a bad --json-schema / --regex fails now, not after the engine started
@@ -247,7 +247,7 @@ def _check_split(cfg, source, out, manifests=None) -> None:
             continue
         theirs = rule_of(m.get("input"))
         if theirs != mine:
-            raise OutputError(f"Shard {d.label} of this job in {cfg.output.path} split the input by {SPLITS[theirs]}"
+            raise OutputUsageError(f"Shard {d.label} of this job in {cfg.output.path} split the input by {SPLITS[theirs]}"
                               f", and shard {source.shard} by {SPLITS[mine]}: together they would miss some rows "
                               f"and answer others twice. Run shard {source.shard} again with --fresh, alone: it "
                               f"then splits as the others do.")
@@ -270,7 +270,7 @@ def _check_other_shards(cfg, source, out, fields, given, fresh: bool = False) ->
         if m is None or d.shard is None:
             continue
         if d.out.root != out.root and not fresh and not mf.same_settings(m, fields, given):
-            raise OutputError(f"Shard {d.label} of this job in {cfg.output.path} ran with other settings "
+            raise OutputUsageError(f"Shard {d.label} of this job in {cfg.output.path} ran with other settings "
                               f"({mf.differences(m, fields)}); every shard of a job must run with the same "
                               f"settings. Rerun with theirs, run every shard again with --fresh to answer all "
                               f"with these, or choose another --out.")

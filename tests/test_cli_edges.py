@@ -196,3 +196,30 @@ def test_policy_priority_without_a_priority_column_says_it_runs_as_fifo(tmp_path
         run_job(cfg(inp, tmp_path / "out2", scheduler={"policy": "priority"}), engine_factory=given(FakeEngine()),
                 is_tty=False)
     assert "--policy priority" not in caplog.text
+
+
+def test_what_a_rerun_cannot_fix_is_bad_usage_and_exits_2(tmp_path, write_parquet, tiny_model):
+    # A retry policy (Kubernetes' FailIndex, the Airflow DAG) fails at once on 2, and retries 1: a missing --out, a
+    # column or model an option names that is not there, or an OUT of other settings meets the same on every retry.
+    inp = write_parquet({"id": ["a", "b"], "prompt": ["x", "y"]})
+    out = str(tmp_path / "out")
+    base = ["run", str(inp), "--model", tiny_model, "--engine", "echo"]
+
+    def code(*args):
+        r = CliRunner().invoke(cli, [*base, *args])
+        return r.exit_code, r.output
+
+    assert code("--out", out)[0] == 0
+    cases = {"--temperature 0.9": ("--out", out, "--temperature", "0.9"),      # an OUT of other settings
+             "no --out": (), "--prompt-column": ("--out", out + "2", "--prompt-column", "text"),
+             "--id-column": ("--out", out + "2", "--id-column", "key"),
+             "--passthrough": ("--out", out + "2", "--passthrough", "nope"),
+             "--model": ("--out", out + "2", "--model", str(tmp_path / "no-model")),
+             "--predictor": ("--out", out + "2", "--predictor", str(tmp_path / "no.pt"))}
+    for what, args in cases.items():
+        rc, said = code(*args)
+        assert rc == 2 and said.startswith("Error: "), (what, rc, said)
+    # an input that is not there yet (an upstream task still writing it) is retried
+    r = CliRunner().invoke(cli, ["run", str(tmp_path / "later.parquet"), "--out", out + "3", "--engine", "echo",
+                                 "--model", tiny_model])
+    assert r.exit_code == 1 and "does not exist" in r.output

@@ -144,7 +144,7 @@ def test_resume_and_fingerprint_refusal(tmp_path, model_path):
     invoke("run", inp, "--out", out, *FAST, "--limit", "5")
     assert parts(out).num_rows == 5
     refused = invoke("run", inp, "--out", out, *FAST, "--temperature", "0.9", ok=False)
-    assert refused.exit_code == 1
+    assert refused.exit_code == 2   # bad usage: a rerun fails the same way
     assert refused.output.startswith(f"Error: {out} holds results of a run with different settings "
                                      f"(sampling.temperature: 0.2 -> 0.9). Resuming would mix outputs.")
     result = invoke("run", inp, "--out", out, *FAST)

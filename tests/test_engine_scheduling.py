@@ -120,7 +120,7 @@ def test_predictor_train_eval_and_run_with_it(warm, tmp_path):
                                  [r["max_tokens"] for r in done])).tokens
     assert [r["predicted_tokens"] for r in done] == [int(round(x)) for x in expect]
     bad = CliRunner().invoke(cli, ["run", str(inp), "--out", str(tmp_path / "x"), "--predictor", str(tmp_path / "no.pt")])
-    assert bad.exit_code == 1 and f"Predictor file {tmp_path / 'no.pt'} does not exist" in bad.output
+    assert bad.exit_code == 2 and f"Predictor file {tmp_path / 'no.pt'} does not exist" in bad.output
 
 
 def test_tune_tiny_grid_writes_a_preset(warm, tmp_path):

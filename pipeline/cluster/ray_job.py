@@ -27,8 +27,8 @@ from overnight.pipeline.cluster.eta import job_forecast, worker_forecast
 from overnight.pipeline.cluster.idscan import scan_input_ids
 from overnight.pipeline.cluster.preflight import check_worker_folders, connect, nothing_to_do
 from overnight.pipeline.cluster.units import plan_units
-from overnight.pipeline.config import JobConfig
-from overnight.pipeline.output.checkpoint import OutputDir, OutputError
+from overnight.pipeline.config import ConfigError, JobConfig
+from overnight.pipeline.output.checkpoint import OutputDir
 from overnight.pipeline.output.layout import check_layout, job_dirs, worker_out
 from overnight.pipeline.output.lock import RunLock
 from overnight.pipeline.progress import Progress, fmt_duration
@@ -52,7 +52,7 @@ def run_on_ray(cfg: JobConfig, fresh: bool, workers: int, address: Optional[str]
 
     ray = _ray()
     if not cfg.output.path:
-        raise OutputError("No output folder given. Pass --out OUT (or output.path in the config).")
+        raise ConfigError("No output folder given. Pass --out OUT (or output.path in the config).")
     started = time.time()
     deadline_at, margin = resolve_deadline(cfg.scheduler, started)
     source = open_source(cfg.input)

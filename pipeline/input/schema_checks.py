@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pyarrow as pa
 
-from overnight.pipeline.config import InputConfig
+from overnight.pipeline.config import ConfigError, InputConfig
 from overnight.pipeline.input.arrow_types import compatible, is_id_type, is_text, plain
 from overnight.pipeline.output.storage import unstrip
 
@@ -15,6 +15,11 @@ INT64_MAX = 2 ** 63 - 1
 
 class InputError(Exception):
     "The input cannot be read as a job; the message names the file or column and the fix."
+
+
+class InputUsageError(InputError, ConfigError):
+    """An input that does not fit the options (a column they name, or the prompt column, it lacks): bad usage,
+    exit 2, as a rerun meets the same; an input that cannot be read stays an InputError, exit 1."""
 
 
 def first_line(e: Exception) -> str:
@@ -92,7 +97,7 @@ def check_columns(cfg: InputConfig, fs, url: str, files: list, schema: pa.Schema
     names = set(schema.names)
     prompt, messages = cfg.prompt_column, cfg.messages_column
     if prompt not in names and messages not in names:
-        raise InputError(
+        raise InputUsageError(
             f"{url} has no column {prompt!r} (columns: {', '.join(schema.names)}). "
             f"Name the prompt column with --prompt-column, or add a {messages!r} column of chats.")
     for f in files:
@@ -101,11 +106,11 @@ def check_columns(cfg: InputConfig, fs, url: str, files: list, schema: pa.Schema
             raise InputError(f"{unstrip(fs, f.path)} has no column {prompt!r} or {messages!r} "
                              f"(columns: {', '.join(f.schema.names)}). Every input file needs the prompt column.")
     if prompt in names and not is_text(schema.field(prompt).type):
-        raise InputError(
+        raise InputUsageError(
             f"Column {prompt!r} in {url} has type {schema.field(prompt).type}; prompts must be strings. "
             f"Pick the text column with --prompt-column.")
     if cfg.id_column not in names and cfg.id_column != InputConfig.id_column:
-        raise InputError(f"Id column {cfg.id_column!r} is not in {url} (columns: {', '.join(schema.names)}). "
+        raise InputUsageError(f"Id column {cfg.id_column!r} is not in {url} (columns: {', '.join(schema.names)}). "
                          f"Fix --id-column, or leave it out to derive each row's id from its file and row.")
     if cfg.id_column in names:
         having = next(f for f in files if cfg.id_column in f.schema.names)
@@ -117,10 +122,10 @@ def check_columns(cfg: InputConfig, fs, url: str, files: list, schema: pa.Schema
                     f"own (without one, each row's id comes from its file and row).")
         t = schema.field(cfg.id_column).type
         if not is_id_type(t):
-            raise InputError(f"Id column {cfg.id_column!r} in {url} has type {t}; ids must be integers "
+            raise InputUsageError(f"Id column {cfg.id_column!r} in {url} has type {t}; ids must be integers "
                              f"or strings. Cast it, or name another column with --id-column.")
     if isinstance(cfg.passthrough, list):
         missing = [c for c in cfg.passthrough if c not in names]
         if missing:
-            raise InputError(f"Passthrough column {missing[0]!r} is not in {url} "
+            raise InputUsageError(f"Passthrough column {missing[0]!r} is not in {url} "
                              f"(columns: {', '.join(schema.names)}). Fix --passthrough.")

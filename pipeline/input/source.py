@@ -25,7 +25,7 @@ from overnight.pipeline.config import InputConfig
 from overnight.pipeline.input.arrow_types import ColumnCastError, conform
 from overnight.pipeline.input.listing import (GLOB_CHARS, PARQUET_SUFFIXES, file_version, glob_base, is_data_file,
                                               is_hidden)
-from overnight.pipeline.input.schema_checks import InputError, check_columns, check_id_range, unify
+from overnight.pipeline.input.schema_checks import InputError, InputUsageError, check_columns, check_id_range, unify
 from overnight.pipeline.input.schema_checks import first_line as _first_line  # noqa: F401 (its users import it here)
 from overnight.pipeline.input.shards import ROWS, Fragment, Selection, Shard, hash_shard, split
 from overnight.pipeline.output.faults import failpoint
@@ -93,7 +93,7 @@ class ParquetSource:
 
     def __init__(self, cfg: InputConfig, shard: Optional[Shard] = None, split_rule: str = ROWS):
         if not cfg.path:
-            raise InputError("No input given. Pass a Parquet file, folder or glob as INPUT (or input.path in the config).")
+            raise InputUsageError("No input given. Pass a Parquet file, folder or glob as INPUT (or input.path in the config).")
         self.cfg = cfg
         self.url = cfg.path
         self.fs, root = url_to_fs(cfg.path)

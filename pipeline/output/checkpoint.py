@@ -22,6 +22,7 @@ from typing import Optional
 
 import pyarrow as pa
 
+from overnight.pipeline.config import ConfigError
 from overnight.pipeline.output.faults import failpoint
 from overnight.pipeline.output.scan import Scan, id_kind
 from overnight.pipeline.output.storage import (StorageError, join, read_text, redact, unstrip, url_to_fs, with_retries,
@@ -41,6 +42,11 @@ SCAN_CHUNK_ROWS = 65536
 
 class OutputError(Exception):
     "The output folder cannot be used; the message names it and the fix."
+
+
+class OutputUsageError(OutputError, ConfigError):
+    """An OUT that holds another job's results than these options ask for (other settings, another split):
+    bad usage, exit 2, as a rerun meets the same; a folder that cannot be used now stays an OutputError, exit 1."""
 
 
 def _footer_says(meta, names: list[str], id_column: str) -> tuple[bool, bool]:

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from overnight.pipeline.input.shards import Shard
-from overnight.pipeline.output.checkpoint import MANIFEST, OutputDir, OutputError
+from overnight.pipeline.output.checkpoint import MANIFEST, OutputDir, OutputUsageError
 from overnight.pipeline.output.lock import RunLock
 from overnight.pipeline.output.storage import join
 
@@ -104,7 +104,7 @@ def check_layout(url: str, shard: Optional[Shard], ray: bool = False) -> None:
             d.group, f"run every shard with --shard K/{d.shard.n} (or auto with {d.shard.n} tasks; a Slurm array "
                      f"task submitted alone, as with sbatch --array=2, is shard 0/1 to auto: give it --shard "
                      f"K/{d.shard.n})" if d.shard else "")
-        raise OutputError(f"{url} holds the results of {held}, and {this}. Changing how a job is split between "
+        raise OutputUsageError(f"{url} holds the results of {held}, and {this}. Changing how a job is split between "
                           f"attempts would move rows between shards, so it is refused: {fix} to continue, or use "
                           f"another --out (or remove {url}) to start over.")
 

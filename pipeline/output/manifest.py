@@ -16,7 +16,7 @@ import socket
 import uuid
 from typing import Optional
 
-from overnight.pipeline.output.checkpoint import OutputError
+from overnight.pipeline.output.checkpoint import OutputUsageError
 
 FORMAT = 1
 
@@ -122,7 +122,7 @@ def check_resume(previous: dict, fields: dict, out_url: str, also: Optional[list
     if same_settings(previous, fields, also):
         return
     detail = differences(previous, fields)
-    raise OutputError(
+    raise OutputUsageError(
         f"{out_url} holds results of a run with different settings ({detail}). Resuming would mix outputs. "
         f"Rerun with the original settings to continue, pass --fresh to discard those results and start over, "
         f"or choose another --out.")

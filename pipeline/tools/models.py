@@ -17,11 +17,17 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Optional
 
+from overnight.pipeline.config import ConfigError
+
 log = logging.getLogger("overnight")
 
 
 class ModelError(Exception):
     "A model could not be found, prepared or loaded; the message says how to fix it."
+
+
+class ModelUsageError(ModelError, ConfigError):
+    "--model names no model (an unknown alias, a folder that is missing or not a model): bad usage, exit 2."
 
 
 @dataclass(frozen=True)
@@ -80,7 +86,7 @@ def prepare(name: str, force: bool = False, echo: Callable[[str], None] = log.in
     """Convert an alias's GGUF file into a bf16 safetensors folder, once. Returns the folder."""
     alias = ALIASES.get(name)
     if alias is None:
-        raise ModelError(f"Unknown model alias {name!r}. Known aliases: {', '.join(sorted(ALIASES))}.")
+        raise ModelUsageError(f"Unknown model alias {name!r}. Known aliases: {', '.join(sorted(ALIASES))}.")
     target = alias_folder(alias)
     if is_prepared(alias) and not force:
         return target
@@ -155,7 +161,7 @@ def resolve(model: str, auto_prepare: bool = True) -> ResolvedModel:
         alias = ALIASES[model]
         if not is_prepared(alias):
             if not auto_prepare:
-                raise ModelError(f"Model alias {model!r} is not prepared yet. Run: overnight models prepare {model}")
+                raise ModelUsageError(f"Model alias {model!r} is not prepared yet. Run: overnight models prepare {model}")
             prepare(model)
         return ResolvedModel(requested=model, path=alias_folder(alias), alias=model)
 
@@ -164,22 +170,22 @@ def resolve(model: str, auto_prepare: bool = True) -> ResolvedModel:
         _check_folder(expanded)
         return ResolvedModel(requested=model, path=os.path.abspath(expanded))
     if os.path.exists(expanded):
-        raise ModelError(f"--model {model} is a file, not a model folder. Pass the folder that holds "
+        raise ModelUsageError(f"--model {model} is a file, not a model folder. Pass the folder that holds "
                          f"config.json and the tokenizer, or an alias ({', '.join(sorted(ALIASES))}).")
     looks_like_path = model.startswith(("/", "./", "../", "~")) or os.sep + os.sep in model
     if looks_like_path or not _HUB_ID.match(model):
-        raise ModelError(f"Model folder {model} does not exist. Pass an existing folder, a hub id such as "
+        raise ModelUsageError(f"Model folder {model} does not exist. Pass an existing folder, a hub id such as "
                          f"HuggingFaceTB/SmolLM2-135M-Instruct, or an alias ({', '.join(sorted(ALIASES))}).")
     return ResolvedModel(requested=model, path=model, is_hub=True)
 
 
 def _check_folder(folder: str) -> None:
     if not os.path.exists(os.path.join(folder, "config.json")):
-        raise ModelError(f"Model folder {folder} has no config.json. Pass a Hugging Face model folder "
+        raise ModelUsageError(f"Model folder {folder} has no config.json. Pass a Hugging Face model folder "
                          f"(as written by save_pretrained).")
     tokenizer_files = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
     if not any(os.path.exists(os.path.join(folder, name)) for name in tokenizer_files):
-        raise ModelError(f"Model folder {folder} has no tokenizer (none of {', '.join(tokenizer_files)}). "
+        raise ModelUsageError(f"Model folder {folder} has no tokenizer (none of {', '.join(tokenizer_files)}). "
                          f"Save it there with tokenizer.save_pretrained({folder!r}).")
 
 
