@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -50,6 +51,7 @@ def load_outputs(urls: list[str], one_per_prompt: bool = False) -> LengthData:
     """The runs' ok rows (a row of n samples by its first); with ``one_per_prompt``, for training, each prompt's
     latest row only."""
     from overnight.pipeline.output.layout import job_manifest
+    from overnight.pipeline.output.manifest import engine_kind
     from overnight.pipeline.tools.inspection import open_results
 
     texts, ptok, caps, actual, hit, stored, finished, models = [], [], [], [], [], [], [], []
@@ -58,6 +60,10 @@ def load_outputs(urls: list[str], one_per_prompt: bool = False) -> LengthData:
         if manifest is None:
             raise DatasetError(f"{url} has no manifest.json: pass the --out folder of an `overnight run`.")
         fields = manifest.get("fingerprint_fields", {})
+        if engine_kind(manifest) != "vllm":
+            logging.getLogger("overnight").warning(
+                f"{url} was answered by the {engine_kind(manifest)} engine (a fake, for tests), not by a model: "
+                f"its lengths say nothing of a model's")
         if fields.get("model") and fields["model"] not in models:
             models.append(fields["model"])
         prompt_col = fields.get("prompt_column", "prompt")

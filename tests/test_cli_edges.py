@@ -223,3 +223,19 @@ def test_what_a_rerun_cannot_fix_is_bad_usage_and_exits_2(tmp_path, write_parque
     r = CliRunner().invoke(cli, ["run", str(tmp_path / "later.parquet"), "--out", out + "3", "--engine", "echo",
                                  "--model", tiny_model])
     assert r.exit_code == 1 and "does not exist" in r.output
+
+
+def test_the_echo_engines_rows_are_not_resumed_or_measured_as_a_models(tmp_path, cfg, write_parquet, tiny_model):
+    from overnight.pipeline.scheduling.plan import make_plan
+
+    inp = write_parquet({"id": list(range(6)), "prompt": ["hi there"] * 6})
+    out = tmp_path / "out"
+    r = CliRunner().invoke(cli, ["run", str(inp), "--out", str(out), "--model", tiny_model, "--engine", "echo",
+                                 "--limit", "3"])
+    assert r.exit_code == 0, r.output
+    with pytest.raises(OutputError, match=r"different settings \(engine: 'echo' -> 'vllm'\)"):
+        run_job(cfg(inp, out), engine_factory=given(FakeEngine()), is_tty=False)
+    assert make_plan(cfg(inp, out), out=str(out)).throughput_source == "none"      # not echo's rate
+    assert make_plan(cfg(inp, out, engine={"kind": "echo"}), out=str(out)).tokens_per_s > 0
+    r = CliRunner().invoke(cli, ["run", str(inp), "--out", str(out), "--model", tiny_model, "--engine", "echo"])
+    assert r.exit_code == 0 and "6/6 rows" in r.output, r.output                 # echo resumes echo

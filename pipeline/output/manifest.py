@@ -54,12 +54,19 @@ def fingerprint_fields(cfg, model: str, chat: bool, as_given: bool = False, lora
         from overnight.pipeline.input.checks import job_structured
 
         fields["sampling"]["json_schema"] = job_structured(cfg.sampling)["json"]
+    if cfg.engine.kind != "vllm":  # the echo engine's rows are not a model's: a vLLM run does not resume them
+        fields["engine"] = cfg.engine.kind
     if cfg.engine.lora:  # the adapters rows may pick (name -> content), likewise only when registered
         from overnight.pipeline.engine.lora import adapter_digest
 
         fields["lora"] = {name: path if as_given or lora_as_given else adapter_digest(path)
                           for name, path in sorted(cfg.engine.lora.items())}
     return fields
+
+
+def engine_kind(manifest: Optional[dict]) -> str:
+    """The engine that wrote an OUT's rows: vllm, or echo (a fake for tests and fault injection)."""
+    return (((manifest or {}).get("config") or {}).get("engine") or {}).get("kind") or "vllm"
 
 
 def older_fields(cfg, model: str, chat: bool) -> list:
@@ -107,7 +114,9 @@ def _flatten(d: dict, prefix: str = "") -> dict:
 
 def differences(previous: dict, fields: dict) -> str:
     old, new = _flatten(previous.get("fingerprint_fields", {})), _flatten(fields)
-    diffs = [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)]
+    absent = {"engine": "vllm"}  # a key fingerprinted only when it is not its default
+    old, new = ({k: d.get(k, absent.get(k)) for k in set(old) | set(new)} for d in (old, new))
+    diffs = [f"{k}: {old[k]!r} -> {new[k]!r}" for k in sorted(old) if old[k] != new[k]]
     return "; ".join(diffs[:6]) or "settings differ"
 
 

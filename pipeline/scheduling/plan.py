@@ -12,6 +12,7 @@ from overnight.buckets.annotate import LengthAnnotator
 from overnight.buckets.bucketing import assign, describe, quantile_bounds
 from overnight.buckets.predictors import make_predictor
 from overnight.pipeline.output.checkpoint import Scan
+from overnight.pipeline.output import manifest as mf
 from overnight.pipeline.output.layout import job_dirs
 from overnight.pipeline.config import JobConfig, Policy
 from overnight.pipeline.input.resume import ResumeFilter
@@ -51,9 +52,11 @@ class Plan:
     num_duplicates: int = 0
 
 
-def measured_throughput(out_url: str) -> Optional[float]:
-    """Output tokens/s a previous run of this job measured (its status.json; a sharded job's shards together)."""
-    rates = [float((d.out.read_status() or {}).get("output_tokens_per_s") or 0) for d in job_dirs(out_url)]
+def measured_throughput(out_url: str, kind: str = "vllm") -> Optional[float]:
+    """Output tokens/s a previous run of this job measured (its status.json; a sharded job's shards together), on
+    an engine of this kind (the echo engine's rate is not a model's)."""
+    rates = [float((d.out.read_status() or {}).get("output_tokens_per_s") or 0) for d in job_dirs(out_url)
+             if mf.engine_kind(d.out.read_manifest()) == kind]
     return sum(rates) or None
 
 
@@ -112,8 +115,8 @@ def make_plan(cfg: JobConfig, out: Optional[str] = None, throughput: Optional[fl
         source_name = "--throughput"
     elif cfg.scheduler.tokens_per_second:
         tps, source_name = cfg.scheduler.tokens_per_second, "config scheduler.tokens_per_second"
-    elif out and measured_throughput(out):
-        tps, source_name = measured_throughput(out), f"measured by the last run in {out}"
+    elif out and measured_throughput(out, cfg.engine.kind):
+        tps, source_name = measured_throughput(out, cfg.engine.kind), f"measured by the last run in {out}"
     total = float(work.sum())
     plan = Plan(num_rows=source.num_rows, num_done=num_done, num_errors=num_errors, num_todo=len(pred),
                 predictor=annotator.predictor.name, buckets=lines, predicted_tokens=int(total),
