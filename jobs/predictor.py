@@ -55,7 +55,11 @@ def train(outs, save_to, epochs, holdout, seed, model, no_embeddings):
     from overnight.buckets.dataset import load_outputs
     from overnight.buckets.features import stack
     from overnight.buckets.trained import TrainedPredictor
+    from overnight.pipeline.output.storage import unwritable
 
+    why = unwritable(save_to)
+    if why:  # before the training, not after it
+        raise click.BadParameter(f"{save_to} cannot be written: {why}", param_hint="--save")
     if model and no_embeddings:
         raise click.UsageError("--model names the model whose token embeddings to learn from; --no-embeddings "
                                "learns from none. Pass one or the other.")

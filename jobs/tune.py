@@ -46,7 +46,7 @@ def tune(input_path, config_file, batched_tokens, seqs, sample, time_limit, save
         overnight run prompts.parquet --out results/ --config configs/tuned.yaml
     """
     from overnight.pipeline.scheduling.when import parse_budget
-    from overnight.pipeline.output.storage import url_to_fs, write_atomic
+    from overnight.pipeline.output.storage import unwritable, url_to_fs, write_atomic
     from overnight.pipeline.tools.tune import preset_yaml, tune as run_tune
 
     import functools
@@ -55,6 +55,9 @@ def tune(input_path, config_file, batched_tokens, seqs, sample, time_limit, save
     from overnight.pipeline.streams import filtered_stderr, reserved_stdout
 
     b, s = int_list(batched_tokens, "--batched-tokens"), int_list(seqs, "--seqs")
+    why = save_to and unwritable(save_to)
+    if why:  # said before the engines start, not after the minutes they take
+        raise click.BadParameter(f"{save_to} cannot be written: {why}", param_hint="--save")
     cfg = build_config(input_path, None, config_file, options)
     if cfg.engine.kind != "vllm":
         from overnight.pipeline.config import ConfigError
@@ -79,8 +82,13 @@ def tune(input_path, config_file, batched_tokens, seqs, sample, time_limit, save
              f"at {best.tokens_per_s:.1f} output tok/s")
         text = preset_yaml(report, cfg, cfg.input.path)
         if save_to:
-            fs, path = url_to_fs(save_to)
-            write_atomic(fs, path, text.encode())
+            try:
+                fs, path = url_to_fs(save_to)
+                write_atomic(fs, path, text.encode())
+            except OSError as e:
+                echo(text, nl=False)  # what was measured is not lost
+                raise click.ClickException(f"--save {save_to}: cannot be written ({type(e).__name__}: {e}); the "
+                                           f"preset is above") from None
             echo(f"preset written to {save_to}")
         else:
             echo(text, nl=False)

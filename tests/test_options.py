@@ -256,6 +256,50 @@ def test_tune_refuses_the_echo_engine_and_empty_lists(write_parquet, tiny_model,
         assert r.exit_code == 2 and f"Invalid value for {option}: {value!r}: give one or more positive" in r.output
 
 
+def test_tune_says_a_refused_pair_and_an_unwritable_preset_before_any_engine(write_parquet, tiny_model, tmp_path,
+                                                                              monkeypatch):
+    """A pair the config refuses is a result of its own (it aborted the grid after the engines before it ran), a
+    --save that cannot be written is said before the engines start, and --limit below --sample takes the fewer."""
+    import overnight.pipeline.tools.tune as tune_mod
+
+    started = []
+
+    class Engine:   # vLLM's stand-in: ten tokens a step, one row finished per step
+        startup_seconds, kv_cache_tokens, num_preemptions = 0.1, 1000, 0
+
+        def __init__(self, ecfg):
+            started.append((ecfg.max_num_batched_tokens, ecfg.max_num_seqs))
+            self.rows = []
+
+        def add(self, rid, ids, sampling):
+            self.rows.append(rid)
+
+        def has_unfinished(self):
+            return bool(self.rows)
+
+        def step(self):
+            self.rows.pop()
+            return [type("F", (), {"num_output_tokens": 10})()]
+
+        def shutdown(self):
+            pass
+
+    monkeypatch.setattr(tune_mod.VllmEngine, "from_config", classmethod(lambda cls, ecfg, path: Engine(ecfg)))
+    monkeypatch.setattr(tune_mod, "shutdown_engines", lambda: None)
+    inp = write_parquet({"id": list("abcdef"), "prompt": ["hi"] * 6})
+    (tmp_path / "a-file").write_text("")
+    r = CliRunner().invoke(cli, ["tune", inp, "--model", tiny_model, "--seqs", "4", "--batched-tokens", "2048",
+                                 "--save", str(tmp_path / "a-file" / "tuned.yaml")])
+    assert r.exit_code == 2 and f"{tmp_path / 'a-file'} is a file, not a folder" in r.output and not started
+    preset = tmp_path / "tuned.yaml"
+    r = CliRunner().invoke(cli, ["tune", inp, "--model", tiny_model, "--seqs", "4,128", "--batched-tokens", "64,2048",
+                                 "--limit", "2", "--save", str(preset)])
+    assert r.exit_code == 0, r.output
+    assert "max_num_batched_tokens=64 max_num_seqs=128: refused: " in r.output.splitlines()[0]
+    assert started == [(64, 4), (2048, 4), (2048, 128)]
+    assert "best of 3 settings measured on\n# 2 rows of" in preset.read_text()
+
+
 def test_unknown_option_names_are_refused():
     with pytest.raises(TypeError, match="kv_cache_space_gib"):
         opts.config_layer(kv_cache_space_gib=2.0)

@@ -141,3 +141,22 @@ def read_text(fs, path: str) -> Optional[str]:
     except IsADirectoryError:
         raise StorageError(f"{unstrip(fs, path)} is a folder, where overnight keeps a file of that name. Move it "
                            f"away, or choose another --out.") from None
+
+
+def unwritable(url: str) -> Optional[str]:
+    """Why a file cannot be written at this local path (a folder there, a file where a folder must be, a folder
+    without write permission), checked before the work that makes it; None when it can, or for remote storage,
+    which says so only when written."""
+    fs, path = url_to_fs(url)
+    if not is_local(fs):
+        return None
+    if os.path.isdir(path):
+        return "it is a folder"
+    parent = os.path.dirname(os.path.abspath(path))
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        return f"{parent} is a file, not a folder"
+    if not os.access(parent, os.W_OK | os.X_OK):
+        return f"{parent} is not writable"
+    return None

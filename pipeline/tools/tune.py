@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
-from overnight.pipeline.config import JobConfig
+from overnight.pipeline.config import ConfigError, JobConfig
 from overnight.pipeline.engine.vllm import VllmEngine, shutdown_engines
 from overnight.pipeline.input.source import open_source
 from overnight.pipeline.input.stage import open_model, prepare
@@ -34,6 +34,7 @@ class Point:
     kv_cache_tokens: Optional[int] = None
     num_preemptions: int = 0
     error: Optional[str] = None
+    refused: bool = False  # by the config, before an engine started: not measured
 
 
 @dataclass
@@ -52,7 +53,8 @@ class TuneReport:
 def sample_rows(cfg: JobConfig, n: int):
     """The model, the first n input rows prepared as `overnight run` prepares them (bad rows left out), and why
     the first few bad ones were."""
-    source = open_source(dataclasses.replace(cfg.input, limit=n))
+    limit = n if cfg.input.limit is None else min(n, cfg.input.limit)   # (--limit below --sample: the fewer)
+    source = open_source(dataclasses.replace(cfg.input, limit=limit))
     model = open_model(cfg)
     rows, errors = [], []
     for batch in prepare(cfg, source, model):
@@ -80,14 +82,19 @@ def tune(cfg: JobConfig, batched_tokens: list[int], seqs: list[int], sample: int
         return report
     started = time.monotonic()
     last_cost = 0.0
-    grid = [(b, s) for b in batched_tokens for s in seqs]
-    for b, s in grid:
-        if report.points and time.monotonic() - started + last_cost > time_limit_s:
+    grid = []
+    for b, s in [(b, s) for b in batched_tokens for s in seqs]:
+        try:  # a pair the config refuses (fewer batched tokens than sequences) is said before any engine starts
+            grid.append((b, s, dataclasses.replace(cfg.engine, max_num_batched_tokens=b, max_num_seqs=s)))
+        except ConfigError as e:
+            report.points.append(Point(b, s, error=str(e), refused=True))
+            echo(f"max_num_batched_tokens={b} max_num_seqs={s}: refused: {e}")
+    for b, s, ecfg in grid:
+        if any(not p.refused for p in report.points) and time.monotonic() - started + last_cost > time_limit_s:
             report.skipped.append((b, s))
             continue
         point = Point(b, s)
         t0 = time.monotonic()
-        ecfg = dataclasses.replace(cfg.engine, max_num_batched_tokens=b, max_num_seqs=s)
         shutdown_engines()
         try:
             engine = VllmEngine.from_config(ecfg, model.path)
@@ -117,7 +124,7 @@ def preset_yaml(report: TuneReport, cfg: JobConfig, input_url: str) -> str:
     assert best is not None
     when = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
     lines = [
-        f"# Written by `overnight tune` on {when}: best of {len(report.points)} settings measured on",
+        f"# Written by `overnight tune` on {when}: best of {sum(not p.refused for p in report.points)} settings measured on",
         f"# {report.num_rows} rows of {input_url} with model {cfg.engine.model}. Use it with --config.",
         "engine:",
         f"  model: {cfg.engine.model}",
