@@ -332,7 +332,10 @@ def build_config(input_path: Optional[str], out: Optional[str], config_file: Opt
     """
     from overnight.pipeline.configio import resolve
 
-    if input_path and input_path.endswith((".yaml", ".yml")) and not config_file:
+    if input_path and input_path.endswith((".yaml", ".yml")):
+        if config_file:
+            raise ConfigError(f"INPUT {input_path} is a config file, and --config {config_file} is another: give "
+                              f"one config, and the input as INPUT or its input.path.")
         config_file, input_path = input_path, None
     return resolve(config_layer(input_path, out, **options), config_file)
 

@@ -25,9 +25,15 @@ def status(out: str, as_json: bool) -> None:
         overnight status results/
         overnight status s3://bucket/results/ --json | jq .state
     """
+    from overnight.pipeline.output.checkpoint import OutputError
     from overnight.pipeline.tools.status import job_status, status_lines
 
-    s = job_status(out)
+    try:
+        s = job_status(out)
+    except OutputError as e:  # no job there (yet): with --json, still one document, for a sensor's XCom or jq
+        if as_json:
+            click.echo(json.dumps({"state": "missing", "exit_code": None, "message": str(e)}, indent=2))
+        raise
     if as_json:
         click.echo(json.dumps(s, indent=2))
     else:

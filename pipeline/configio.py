@@ -229,4 +229,5 @@ def resolve(cli: dict, config_file: Optional[str] = None) -> JobConfig:
     data.setdefault("engine", {})["model"] = model
     if config_file:  # an unknown key or a wrong type names the file; values are judged once, all layers merged
         check_keys(user, config_file)
-    return build(data, source="configuration")
+    return build(data, source=f"configuration ({config_file} and the command line)" if config_file
+                 else "configuration")

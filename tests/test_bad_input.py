@@ -176,11 +176,11 @@ CASES = [
          "Resuming would mix outputs. Rerun with the original settings to continue, pass --fresh to discard those "
          "results and start over, or choose another --out."),
     Case("deadline in the past", lambda e: run_args(e, e.rows(), "--deadline", "2020-01-01T00:00"), 2,
-         prefix="Error: deadline 2020-01-01T00:00 is in the past (it is now ",
+         prefix="Error: --deadline (scheduler.deadline) 2020-01-01T00:00 is in the past (it is now ",
          suffix="). Give a later time, or a --time-budget such as 90m."),
     Case("deadline malformed", lambda e: run_args(e, e.rows(), "--deadline", "tomorrow 6am"), 2,
-         "Error: deadline 'tomorrow 6am' is not an ISO time; use e.g. 2026-11-23T06:00 (local time) or "
-         "2026-11-23T06:00+01:00."),
+         "Error: --deadline (scheduler.deadline) 'tomorrow 6am' is not an ISO time; use e.g. 2026-11-23T06:00 "
+         "(local time) or 2026-11-23T06:00+01:00."),
     Case("time budget malformed", lambda e: run_args(e, e.rows(), "--time-budget", "a while"), 2,
          "Error: --time-budget (scheduler.time_budget) 'a while' is not a duration; use e.g. 90m, 1h30m, 45s "
          "or 3600."),

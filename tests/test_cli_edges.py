@@ -239,3 +239,24 @@ def test_the_echo_engines_rows_are_not_resumed_or_measured_as_a_models(tmp_path,
     assert make_plan(cfg(inp, out, engine={"kind": "echo"}), out=str(out)).tokens_per_s > 0
     r = CliRunner().invoke(cli, ["run", str(inp), "--out", str(out), "--model", tiny_model, "--engine", "echo"])
     assert r.exit_code == 0 and "6/6 rows" in r.output, r.output                 # echo resumes echo
+
+
+def test_two_config_files_and_a_config_files_bad_value_are_named(tmp_path, write_parquet, tiny_model):
+    a, b = tmp_path / "a.yaml", tmp_path / "b.yaml"
+    a.write_text("sampling:\n  temperature: 9\n")
+    b.write_text("scheduler:\n  deadline: 2020-01-01T00:00\n")
+    r = CliRunner().invoke(cli, ["run", str(a), "--config", str(b)])
+    assert r.exit_code == 2 and f"INPUT {a} is a config file, and --config {b} is another" in r.output, r.output
+    inp = write_parquet({"prompt": ["hi"]})
+    r = CliRunner().invoke(cli, ["run", inp, "--out", str(tmp_path / "o"), "--config", str(a), "--model", tiny_model])
+    assert r.exit_code == 2 and f"configuration ({a} and the command line): sampling.temperature is 9.0" in r.output
+    r = CliRunner().invoke(cli, ["run", inp, "--out", str(tmp_path / "o"), "--config", str(b), "--model", tiny_model,
+                                 "--engine", "echo"])
+    assert r.exit_code == 2 and "--deadline (scheduler.deadline) 2020-01-01T00:00 is in the past" in r.output, r.output
+
+
+def test_status_json_of_an_out_with_no_job_yet_is_still_one_document(tmp_path):
+    r = CliRunner().invoke(cli, ["status", str(tmp_path / "tonight"), "--json"])
+    assert r.exit_code == 1 and "Error: Output folder" in r.stderr
+    doc = json.loads(r.stdout)
+    assert doc["state"] == "missing" and doc["exit_code"] is None and doc["message"].startswith("Output folder")

@@ -34,9 +34,10 @@ def test_bad_budget(text):
 def test_parse_deadline():
     now = 1_800_000_000.0
     assert parse_deadline("2030-01-01T00:00+00:00", now) == 1893456000.0
-    with pytest.raises(ConfigError, match="deadline 2020-01-01T00:00 is in the past .* or a --time-budget"):
+    with pytest.raises(ConfigError, match=r"^--deadline \(scheduler.deadline\) 2020-01-01T00:00 is in the past .* "
+                                          r"or a --time-budget"):
         parse_deadline("2020-01-01T00:00", now)
-    with pytest.raises(ConfigError, match="deadline 'tomorrow' is not an ISO time"):
+    with pytest.raises(ConfigError, match=r"scheduler.deadline\) 'tomorrow' is not an ISO time"):
         parse_deadline("tomorrow", now)
 
 
