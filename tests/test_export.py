@@ -35,6 +35,19 @@ def test_one_file_in_input_order(job, tmp_path, fmt):
     assert got == ids[:30]
 
 
+def test_csv_writes_nested_values_as_json(tmp_path, cfg, write_parquet):
+    import csv
+
+    meta = [{"src": "a", "tags": ["x", "y"]}, {"src": "b", "tags": []}]
+    inp = write_parquet({"id": ["a", "b"], "prompt": ["p", "q"], "meta": meta, "stop": [["\n\n"], None]})
+    out = tmp_path / "out"
+    run_job(cfg(inp, out, input={"passthrough": ["meta"]}), engine_factory=given(FakeEngine()), is_tty=False)
+    export(str(out), "csv", str(tmp_path / "o.csv"))
+    rows = list(csv.DictReader(open(tmp_path / "o.csv", newline="")))
+    assert [json.loads(r["meta"]) for r in rows] == meta            # DuckDB's own literal ({'src': a, ...}) before
+    assert rows[0]["text"] and not rows[0]["text"].startswith('"')   # text stays text
+
+
 def _stopped(out) -> set:
     """Remove OUT's last part, as if the job had been killed before it wrote it; the ids the other parts hold."""
     parts = sorted((out / "parts").glob("part-*.parquet"))

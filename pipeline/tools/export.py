@@ -32,6 +32,10 @@ def _q(text: str) -> str:
     return "'" + text.replace("'", "''") + "'"
 
 
+def _ident(name: str) -> str:
+    return '"' + name.replace('"', '""') + '"'
+
+
 def export(url: str, fmt: str, output: str, errors: Optional[str] = None) -> dict:
     import duckdb
 
@@ -49,6 +53,12 @@ def export(url: str, fmt: str, output: str, errors: Optional[str] = None) -> dic
                               f"expired (batch_expired). Export it once the job has ended (`overnight status "
                               f"{url}`), or export the rows done so far with --format jsonl or parquet.")
     query, in_order = _ordered(con, manifest or {}, url)
+    if fmt == "csv":  # a nested value (logprobs, a list of stops, a struct passed through) as JSON text in its cell
+        nested = [name for name, kind, *_ in con.execute(f"describe ({query})").fetchall()
+                  if kind.endswith("]") or kind.startswith(("STRUCT", "MAP", "UNION"))]
+        if nested:
+            query = f"select * replace ({', '.join(f'to_json({_ident(c)}) as {_ident(c)}' for c in nested)}) " \
+                    f"from ({query})"
     if fmt in ("parquet", "csv"):
         opts = "(format parquet, compression zstd)" if fmt == "parquet" else "(header, format csv)"
         try:
