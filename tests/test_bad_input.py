@@ -137,10 +137,10 @@ CASES = [
                                                                      "prompt": pa.array([], pa.string())}))), 0,
          "overnight: done: 0/0 rows (0 ok, 0 error), 0 output tokens in 0s (0 tok/s) -> {root}/out; nothing to do: "
          "{root}/in.parquet has no rows"),
-    Case("no prompt column", lambda e: run_args(e, e.parquet({"id": [1], "question": ["q"]})), 1,
+    Case("no prompt column", lambda e: run_args(e, e.parquet({"id": [1], "question": ["q"]})), 2,
          "Error: {root}/in.parquet has no column 'prompt' (columns: id, question). Name the prompt column with "
          "--prompt-column, or add a 'messages' column of chats."),
-    Case("prompt column not text", lambda e: run_args(e, e.parquet({"prompt": [1, 2]})), 1,
+    Case("prompt column not text", lambda e: run_args(e, e.parquet({"prompt": [1, 2]})), 2,
          "Error: Column 'prompt' in {root}/in.parquet has type int64; prompts must be strings. Pick the text column "
          "with --prompt-column."),
     Case("mixed schemas", lambda e: mixed(e), 1,
@@ -163,15 +163,15 @@ CASES = [
          "Error: {root}/job.yaml: engine.max_num_seqs must be an integer, got 'lots'."),
     Case("invalid yaml", lambda e: ["run", "--config", e.text("job.yaml", "sampling: [oops\n")], 2,
          prefix="Error: {root}/job.yaml is not valid YAML: "),
-    Case("missing model folder", lambda e: run_args(e, e.rows(), "--model", str(e.root / "no-model")), 1,
+    Case("missing model folder", lambda e: run_args(e, e.rows(), "--model", str(e.root / "no-model")), 2,
          "Error: Model folder {root}/no-model does not exist. Pass an existing folder, a hub id such as "
          "HuggingFaceTB/SmolLM2-135M-Instruct, or an alias (smollm2-135m)."),
-    Case("model without tokenizer", lambda e: run_args(e, e.rows(), "--model", model_without_tokenizer(e)), 1,
+    Case("model without tokenizer", lambda e: run_args(e, e.rows(), "--model", model_without_tokenizer(e)), 2,
          "Error: Model folder {root}/no-tokenizer has no tokenizer (none of tokenizer.json, tokenizer_config.json, "
          "tokenizer.model, vocab.json). Save it there with tokenizer.save_pretrained('{root}/no-tokenizer')."),
     Case("out is a file", lambda e: ["run", e.rows(), "--out", e.text("out.txt", "x"), "--model", e.model], 1,
          "Error: Output {root}/out.txt is a file. --out needs a folder (it is created when missing)."),
-    Case("out of another job", other_job_out, 1,
+    Case("out of another job", other_job_out, 2,
          "Error: {root}/out holds results of a run with different settings (sampling.temperature: 0.5 -> 0.9). "
          "Resuming would mix outputs. Rerun with the original settings to continue, pass --fresh to discard those "
          "results and start over, or choose another --out."),

@@ -184,12 +184,18 @@ def test_an_empty_file_without_the_prompt_column_is_no_error(tmp_path, cfg):
 
 
 def test_a_column_the_job_does_not_read_does_not_block_it(tmp_path, cfg):
-    """A struct of another shape in each file: refused while it is passed through (with the fix of leaving it out),
-    left out of the dataset when --passthrough leaves it out."""
+    """A struct of another shape in each file is passed through with the fields merged (each file's missing ones
+    null); one whose fields do not merge is refused while it is passed through (with the fix of leaving it out),
+    and left out of the dataset when --passthrough leaves it out."""
     inp = tmp_path / "in"
     inp.mkdir()
     pq.write_table(pa.table({"prompt": ["a"], "meta": pa.array([{"a": 1}])}), inp / "a.parquet")
     pq.write_table(pa.table({"prompt": ["b"], "meta": pa.array([{"a": 1, "z": True}])}), inp / "b.parquet")
+    s = run_job(cfg(inp, tmp_path / "merged"), engine_factory=given(FakeEngine()), is_tty=False)
+    assert (s.exit_code, s.num_ok) == (0, 2)
+    got = {r["prompt"]: r["meta"] for r in _parts(tmp_path / "merged").to_pylist()}
+    assert got == {"a": {"a": 1, "z": None}, "b": {"a": 1, "z": True}}
+    pq.write_table(pa.table({"prompt": ["b"], "meta": pa.array([{"a": "one"}])}), inp / "b.parquet")
     with pytest.raises(InputError, match=r"Column 'meta' has type .* leave it out of --passthrough"):
         run_job(cfg(inp, tmp_path / "out"), engine_factory=given(FakeEngine()), is_tty=False)
     s = run_job(cfg(inp, tmp_path / "out", input={"passthrough": "none"}), engine_factory=given(FakeEngine()),
