@@ -87,7 +87,9 @@ class Clockwork:
         # The ETA shown is the command's return: the last row's, and then the job's end (FINISH_S).
         shown = [None if x is None else x + FINISH_S for x in (f.eta_s, f.eta_low_s, f.eta_high_s)]
         # at risk as the warning says it (DeadlineTracker.steer): not from the engine's first seconds
-        self.progress.set_forecast(shown[0], f.time_left_s if self.tracker.deadline else None,
+        # the deadline itself, as the user gave it (new rows stop a safety margin before it)
+        deadline_left = max(0.0, self.tracker.deadline - self.tracker.clock()) if self.tracker.deadline else None
+        self.progress.set_forecast(shown[0], deadline_left,
                                    f.will_miss and self.tracker.trusts(f),
                                    {"remaining_tokens": round(f.remaining_tokens), "forecast_tokens_per_s":
                                     round(f.tokens_per_s, 2), "rows_expected_left": f.rows_expected_left,

@@ -368,3 +368,17 @@ def test_a_finished_run_gives_no_stale_eta(write_parquet, tmp_path, cfg):
     s, _ = budget_run(cfg, inp, tmp_path / "stopped", "fifo")
     st = __import__("json").loads((tmp_path / "stopped" / "status.json").read_text())
     assert s.state == "partial" and st["eta_s"] is None
+
+
+def test_the_deadline_shown_is_the_deadline_not_the_stop_for_new_rows(write_parquet, tmp_path, cfg):
+    """The progress line's "deadline in", status.json's and the report's deadline: the one given (new rows stop a
+    safety margin, here 20 s of the 60 s budget, before it; it showed that stop)."""
+    import json
+
+    out = tmp_path / "out"
+    s, _ = budget_run(cfg, deadline_data(write_parquet), out, "fifo", safety_margin_s=20.0)
+    assert s.exit_code == 75
+    left = [x["deadline_left_s"] for x in json.loads((out / "timeline.json").read_text())
+            if x.get("deadline_left_s") is not None]
+    assert left[0] > 50 and left == sorted(left, reverse=True), left    # 40 s and less before
+    assert min(left) < 20                                                 # shown while the rows in flight drain

@@ -255,6 +255,7 @@ class Driver:
         now = time.time()
         left = max(0, self.total - done)
         time_left = self.deadline_at - self.margin - now if self.deadline_at else None
+        shown_left = max(0.0, self.deadline_at - now) if self.deadline_at else None  # the deadline itself
         # Each worker's own forecast of the rows it holds, and the rows no worker holds yet (eta.py); until a
         # worker has one, the rows per second so far.
         own = [w for w in (worker_forecast(st, now) for st in statuses.values() if st.get("state") == "running")
@@ -262,15 +263,15 @@ class Driver:
         f = job_forecast(own, left - sum(w.remaining_rows for w in own), time_left)
         if f is not None:
             eta, at_risk, expected_left = f.eta_s, f.will_miss, f.rows_expected_left
-            self.progress.set_forecast(eta, time_left, at_risk, {"rows_expected_left": expected_left,
-                                                                 "eta_low_s": f.eta_low_s, "eta_high_s": f.eta_high_s})
+            self.progress.set_forecast(eta, shown_left, at_risk, {"rows_expected_left": expected_left,
+                                                                  "eta_low_s": f.eta_low_s, "eta_high_s": f.eta_high_s})
         else:
             elapsed = now - self.started
             rate = (done - self.done_before) / elapsed if elapsed > 0 else 0.0
             eta = left / rate if rate > 0 else None
             at_risk = eta is not None and time_left is not None and eta > time_left
             expected_left = max(0, left - int(rate * max(0.0, time_left or 0.0)))
-            self.progress.set_forecast(eta, time_left, at_risk)
+            self.progress.set_forecast(eta, shown_left, at_risk)
         if at_risk and not self.warned and (f is not None or done > self.done_before):
             self.warned = True
             log.warning(f"deadline at risk: over {self.num_workers} workers the job needs {fmt_duration(eta)} but "
