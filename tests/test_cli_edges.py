@@ -237,6 +237,14 @@ def test_the_echo_engines_rows_are_not_resumed_or_measured_as_a_models(tmp_path,
         run_job(cfg(inp, out), engine_factory=given(FakeEngine()), is_tty=False)
     assert make_plan(cfg(inp, out), out=str(out)).throughput_source == "none"      # not echo's rate
     assert make_plan(cfg(inp, out, engine={"kind": "echo"}), out=str(out)).tokens_per_s > 0
+    # an echo OUT written before the engine entered the fingerprint (stop 45): its config says echo
+    from overnight.pipeline.output import manifest as mf
+    m = json.loads((out / "manifest.json").read_text())
+    del m["fingerprint_fields"]["engine"]
+    m["fingerprint"] = mf.fingerprint(m["fingerprint_fields"])
+    (out / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(OutputError, match=r"different settings \(engine: 'echo' -> 'vllm'\)"):
+        run_job(cfg(inp, out), engine_factory=given(FakeEngine()), is_tty=False)
     r = CliRunner().invoke(cli, ["run", str(inp), "--out", str(out), "--model", tiny_model, "--engine", "echo"])
     assert r.exit_code == 0 and "6/6 rows" in r.output, r.output                 # echo resumes echo
 

@@ -188,3 +188,25 @@ def test_a_request_lines_model_picks_a_registered_adapter(write_parquet, tmp_pat
     run_job(cfg(pq_inp, tmp_path / "o3", engine={"lora": loras}), engine_factory=given(FakeEngine()), is_tty=False)
     row = parts(tmp_path / "o3").to_pylist()[0]
     assert row["_model"] == "sql" and "through" not in row["text"]
+
+
+def test_a_ray_folder_of_an_older_version_gets_the_schema_as_it_was_fingerprinted(tmp_path, cfg, write_parquet):
+    """The Ray driver hands workers the --json-schema file's path (not the schema) only for folders that
+    fingerprinted it by its path (before stop 37); one of stops 37-44 (the schema itself, the adapters by path)
+    keeps getting the schema, which a worker on another node can read."""
+    import types
+
+    from overnight.pipeline.cluster.preflight import check_worker_folders
+    from overnight.pipeline.output import manifest as mf
+    from overnight.pipeline.output.layout import worker_out
+
+    schema = tmp_path / "schema.json"
+    schema.write_text('{"type": "object"}')
+    job = cfg(write_parquet({"prompt": ["x?"]}), tmp_path / "out", engine={"lora": {"sql": adapter(tmp_path / "sql")}},
+              sampling={"json_schema": str(schema)})
+    model = types.SimpleNamespace(requested=job.engine.model, chat=True)
+    for fields, legacy in [(mf.fingerprint_fields(job, model.requested, True, lora_as_given=True), False),
+                           (mf.fingerprint_fields(job, model.requested, True, as_given=True), True),
+                           (mf.fingerprint_fields(job, model.requested, True), False)]:
+        worker_out(str(tmp_path / "out"), 0).write_manifest(mf.new_manifest({}, fields, {}))
+        assert check_worker_folders(job, False, model, False) is legacy

@@ -152,6 +152,11 @@ def test_struct_schemas_of_other_shapes_in_other_files_are_merged(tmp_path, writ
                   "j/c.parquet")
     with pytest.raises(InputError, match="or write it as JSON text"):
         source(tmp_path / "j")
+    # nor is a field's type promoted: a list of text beside a list of bytes would make the text bytes
+    write_parquet({"id": ["v"], "prompt": ["s"], "tags": pa.array([["x"]], pa.list_(pa.string()))}, "k/a.parquet")
+    write_parquet({"id": ["w"], "prompt": ["t"], "tags": pa.array([[b"y"]], pa.list_(pa.binary()))}, "k/b.parquet")
+    with pytest.raises(InputError, match=r"Column 'tags' has type list<\w+: string> .* but list<\w+: binary>"):
+        source(tmp_path / "k", passthrough=["tags"])
 
 
 def test_column_present_in_some_files_only_reads_as_null(tmp_path, write_parquet):

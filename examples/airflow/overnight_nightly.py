@@ -9,7 +9,8 @@ N shards). Its exit code decides whether Airflow retries it:
   stopped by hand reach overnight as SIGTERM: it drains, saves what finished and exits 75.
 - 69: the engine failed to start or died (a busy or broken GPU); rows are saved. The retry waits
   ``retry_delay``, doubling each time (``retry_exponential_backoff``).
-- 2: bad usage (an option's or the config's value): the task fails at once, without the retries, which would
+- 2: bad usage (an option's or the config's value, or one the input, model or OUT does not fit: a column it
+  lacks, a missing model, an OUT of other settings): the task fails at once, without the retries, which would
   not help (AirflowFailException); the message says why.
 - 1: a failure, which the message names: bad input, but also storage that stayed unreachable through
   overnight's own retries, or a lock another run holds. It is retried like 69, and a retry that meets the same
@@ -48,7 +49,7 @@ INPUT = os.environ.get("OVERNIGHT_INPUT", "")
 SHARDS = int(os.environ.get("OVERNIGHT_SHARDS", "4"))
 EXTRA = os.environ.get("OVERNIGHT_EXTRA_ARGS", "")
 RETRY_DELAY = timedelta(seconds=float(os.environ.get("OVERNIGHT_RETRY_DELAY_S", "120")))
-NOT_RETRIED = (2,)  # bad usage (an option's or the config's value): a retry would fail the same way
+NOT_RETRIED = (2,)  # bad usage (an option's or the config's value, or one the input does not fit): a retry fails alike
 
 with DAG(
     dag_id="overnight_nightly",

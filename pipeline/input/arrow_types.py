@@ -42,8 +42,9 @@ def compatible(a: pa.DataType, b: pa.DataType, bytes_are_text: bool = False) -> 
     if pa.types.is_floating(a) and pa.types.is_floating(b):
         return True
     if _nested(a) and _nested(b):  # structs of other fields (a JSON schema per file): their fields merged, a
-        try:                        # file's missing ones null (as a struct column's rows of one file already are)
-            pa.unify_schemas([pa.schema([("c", a)]), pa.schema([("c", b)])], promote_options="permissive")
+        try:                        # file's missing ones null (as a struct column's rows of one file already are);
+            # a field's own type is not promoted (text would become bytes, int64 uint64): the same in both, or null
+            pa.unify_schemas([pa.schema([("c", a)]), pa.schema([("c", b)])], promote_options="default")
             return True
         except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError):
             return False

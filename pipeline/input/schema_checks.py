@@ -103,7 +103,7 @@ def check_columns(cfg: InputConfig, fs, url: str, files: list, schema: pa.Schema
     for f in files:
         fnames = set(f.schema.names)
         if prompt not in fnames and messages not in fnames and f.num_rows:  # (an empty file has no rows to ask)
-            raise InputError(f"{unstrip(fs, f.path)} has no column {prompt!r} or {messages!r} "
+            raise InputUsageError(f"{unstrip(fs, f.path)} has no column {prompt!r} or {messages!r} "
                              f"(columns: {', '.join(f.schema.names)}). Every input file needs the prompt column.")
     if prompt in names and not is_text(schema.field(prompt).type):
         raise InputUsageError(
@@ -116,7 +116,7 @@ def check_columns(cfg: InputConfig, fs, url: str, files: list, schema: pa.Schema
         having = next(f for f in files if cfg.id_column in f.schema.names)
         for f in files:
             if cfg.id_column not in f.schema.names and f.num_rows:  # its rows would all be null-id errors
-                raise InputError(
+                raise InputUsageError(
                     f"{unstrip(fs, f.path)} has no id column {cfg.id_column!r}, which other input files "
                     f"have ({unstrip(fs, having.path)}). Add the column to it, or run it as a job of its "
                     f"own (without one, each row's id comes from its file and row).")

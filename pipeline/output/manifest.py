@@ -114,8 +114,9 @@ def _flatten(d: dict, prefix: str = "") -> dict:
 
 def differences(previous: dict, fields: dict) -> str:
     old, new = _flatten(previous.get("fingerprint_fields", {})), _flatten(fields)
-    absent = {"engine": "vllm"}  # a key fingerprinted only when it is not its default
-    old, new = ({k: d.get(k, absent.get(k)) for k in set(old) | set(new)} for d in (old, new))
+    keys = set(old) | set(new) | {"engine"}  # fingerprinted only when not vllm (and only since stop 45)
+    old = {k: old.get(k, engine_kind(previous) if k == "engine" else None) for k in keys}
+    new = {k: new.get(k, "vllm" if k == "engine" else None) for k in keys}
     diffs = [f"{k}: {old[k]!r} -> {new[k]!r}" for k in sorted(old) if old[k] != new[k]]
     return "; ".join(diffs[:6]) or "settings differ"
 
@@ -123,7 +124,12 @@ def differences(previous: dict, fields: dict) -> str:
 def same_settings(previous: dict, fields: dict, also: Optional[list] = None) -> bool:
     """Whether a manifest was written with these settings. also: the same settings as older versions
     fingerprinted them (``older_fields``)."""
-    return previous.get("fingerprint") in [fingerprint(f) for f in [fields, *(also or [])]]
+    candidates = [fields, *(also or [])]
+    if "engine" not in previous.get("fingerprint_fields", {}):  # before stop 45, the engine was its config's only
+        if engine_kind(previous) != fields.get("engine", "vllm"):
+            return False
+        candidates = [{k: v for k, v in f.items() if k != "engine"} for f in candidates]
+    return previous.get("fingerprint") in [fingerprint(f) for f in candidates]
 
 
 def check_resume(previous: dict, fields: dict, out_url: str, also: Optional[list] = None) -> None:

@@ -147,6 +147,8 @@ def unwritable(url: str) -> Optional[str]:
     """Why a file cannot be written at this local path (a folder there, a file where a folder must be, a folder
     without write permission), checked before the work that makes it; None when it can, or for remote storage,
     which says so only when written."""
+    if not url.strip():
+        return "no path given"
     fs, path = url_to_fs(url)
     if not is_local(fs):
         return None
