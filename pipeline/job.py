@@ -170,7 +170,8 @@ def _open_locked(cfg, fresh, source, out, model, fields, lock, deadline_at, marg
         input_info["shard"] = str(source.shard)
         input_info["split"] = source.selection.how
         input_info["split_rule"] = source.selection.rule
-        input_info["listing"] = source.listing_digest()
+        input_info["listing"] = source.listing_digest(versions=False)   # (what a shard before stop 45 compares)
+        input_info["listing_versions"] = source.listing_digest()
     cfg_dict = cfg.to_dict()
     cfg_dict["input"]["path"] = redact(cfg_dict["input"]["path"] or "")
     cfg_dict["output"]["path"] = redact(cfg_dict["output"]["path"] or "")
@@ -259,13 +260,13 @@ SPLITS = {ROWS: "equal row ranges", FRAGMENTS: "whole files and row groups (the 
 def _check_other_shards(cfg, source, out, fields, given, fresh: bool = False) -> None:
     """Every shard of a job runs with the same settings, over the same input listing (the split is computed
     from it: a file added or grown would move rows between shards, whose resumes are their own). With --fresh a
-    shard starts over with new settings: the others follow with --fresh (each then checks against those that
-    went first)."""
+    shard starts over with new settings or a new input: the others follow with --fresh (each then checks against
+    those that went first, and one rerun without it is refused by its own folder)."""
     if source.shard is None:
         return
     manifests = read_manifests(cfg.output.path)
     _check_split(cfg, source, out, manifests)
-    listing = source.listing_digest()
+    listings = {"listing_versions": source.listing_digest(), "listing": source.listing_digest(versions=False)}
     for d, m in manifests:
         if m is None or d.shard is None:
             continue
@@ -274,12 +275,15 @@ def _check_other_shards(cfg, source, out, fields, given, fresh: bool = False) ->
                               f"({mf.differences(m, fields)}); every shard of a job must run with the same "
                               f"settings. Rerun with theirs, run every shard again with --fresh to answer all "
                               f"with these, or choose another --out.")
-        theirs = m.get("input", {}).get("listing")
-        if theirs and theirs != listing:
-            raise OutputError(f"The input {source.url} has changed since shard {d.label} of this job ran (files "
-                              f"or row groups were added, removed or rewritten). The shards split the input by "
-                              f"its listing, so a change would move rows between shards: finish the job with the "
-                              f"input as it was, or run the new input into another --out.")
+        key = "listing_versions" if m.get("input", {}).get("listing_versions") else "listing"
+        theirs = m.get("input", {}).get(key)
+        if theirs and theirs != listings[key] and not fresh:  # (--fresh: every shard starts over, with this input)
+            raise OutputUsageError(
+                f"The input {source.url} has changed since shard {d.label} of this job ran (files or row groups "
+                f"were added, removed or rewritten: a file's size, or its modification time or ETag, differs; "
+                f"every shard must read the same files). The shards split the input by its listing, so a change "
+                f"would move rows between shards: finish the job with the input as it was, run every shard again "
+                f"with --fresh to answer the new input, or run it into another --out.")
 
 
 MAX_BUDGET_S = 366 * 86400.0

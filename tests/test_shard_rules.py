@@ -235,3 +235,39 @@ def test_the_ray_driver_checks_the_layout_again_once_it_holds_the_lock(tmp_path,
     with pytest.raises(OutputError, match="holds the results of an unsharded run, and this run is on Ray workers"):
         ray_job.run_on_ray(cfg(inp, out), False, 2, is_tty=False)
     assert not (out / "workers").exists() and not (out / LOCK).exists()
+
+
+def test_a_shard_refuses_an_input_rewritten_with_the_same_row_groups_and_fresh_starts_over(tmp_path, cfg):
+    """A file rewritten with its ids reversed, in row groups of the same sizes: the listing without the files'
+    versions was the same, and shard 1 answered shard 0's ids again while half the ids were never answered (a
+    completed job). --fresh for every shard starts over with the new input (each was refused, by its own folder
+    too)."""
+    import os
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from overnight.pipeline.output.checkpoint import OutputUsageError
+
+    inp = tmp_path / "in.parquet"
+    ids = [f"r{i:03d}" for i in range(100)]
+    pq.write_table(pa.table({"id": ids, "prompt": [f"q {i}" for i in ids]}), inp, row_group_size=50)
+    out = tmp_path / "out"
+
+    def shard(k, fresh=False):
+        return run_job(cfg(inp, out, cluster={"shard": f"{k}/2"}), engine_factory=given(FakeEngine()), is_tty=False,
+                       fresh=fresh)
+
+    assert shard(0).num_done == 50
+    before = os.stat(inp).st_mtime_ns
+    pq.write_table(pa.table({"id": ids[::-1], "prompt": [f"q {i}" for i in ids[::-1]]}), inp, row_group_size=50)
+    os.utime(inp, ns=(before + 10**9, before + 10**9))    # (a rewrite within the clock's tick is seen by size only)
+    with pytest.raises(OutputUsageError, match="has changed since shard 0/2 of this job ran .* with --fresh"):
+        shard(1)
+    assert shard(0, fresh=True).num_done == 50 and shard(1, fresh=True).num_done == 50
+    con, _ = open_results(str(out))
+    assert con.execute("select count(*), count(distinct id) from results").fetchone() == (100, 100)
+    with pytest.raises(OutputUsageError, match="has changed since shard"):   # and its own folder refuses a rerun
+        pq.write_table(pa.table({"id": ids, "prompt": ids}), inp, row_group_size=50)
+        os.utime(inp, ns=(before + 2 * 10**9, before + 2 * 10**9))
+        shard(1)

@@ -175,10 +175,13 @@ class ParquetSource:
         parts.append(f"limit={self.cfg.limit} shard={self.shard} id={self.cfg.id_column}")
         return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
 
-    def listing_digest(self) -> str:
-        """The input listing a split is computed from (names, row groups): a shard refuses a changed one."""
+    def listing_digest(self, versions: bool = True) -> str:
+        """The input listing a split is computed from (names, row groups) and each file's version (size and
+        modification time or ETag: a file rewritten with the same row groups, its rows reordered, moves rows
+        between shards): a shard refuses a changed one. ``versions`` False: without them, as before stop 45."""
         import hashlib
-        text = "\n".join(f"{f.name}:{','.join(map(str, f.row_groups))}" for f in self.files)
+        text = "\n".join(f"{f.name}:{','.join(map(str, f.row_groups))}" + (f":{f.version}" if versions else "")
+                         for f in self.files)
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
     @property
