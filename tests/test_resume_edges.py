@@ -57,7 +57,7 @@ def test_results_no_longer_in_the_input_are_not_counted_done_once_it_is_read(tmp
     s = job_status(str(out))
     assert (s["rows_done"], s["rows_left"]) == (rows["done"], rows["remaining"])   # not 20 done, 0 left
     con, m = open_results(str(out))
-    assert f"{rows['remaining']} not done" in summary_lines(con, m)[2]
+    assert f"{rows['remaining']} not done; 20 no longer in the input, not counted as done" in summary_lines(con, m)[2]
 
 
 def test_an_unchanged_rerun_keeps_the_duplicates(tmp_path, cfg, write_parquet):

@@ -136,7 +136,9 @@ def summary_lines(con, manifest: Optional[dict], price_per_hour: Optional[float]
         k = manifest["shards_not_started"]
         left += f", and the rows of {k} shard{'s' if k > 1 else ''} not started"
     samples = f"; {num_samples} samples" if "sample_index" in columns else ""
-    lines.append(f"rows: {n} ({ok} ok, {err} error{left}{samples})")
+    gone = counts.get("num_removed") or 0   # (the results are kept, and counted in ok and error)
+    gone = f"; {gone} no longer in the input, not counted as done" if gone else ""
+    lines.append(f"rows: {n} ({ok} ok, {err} error{left}{gone}{samples})")
     if ok:
         first, last, avg_out, p50, p90 = con.execute(
             f"select min(queued_at), max(finished_at), sum(output_tokens) / {ok}, "
