@@ -248,10 +248,10 @@ def _check_split(cfg, source, out, manifests=None) -> None:
             continue
         theirs = rule_of(m.get("input"))
         if theirs != mine:
-            raise OutputUsageError(f"Shard {d.label} of this job in {cfg.output.path} split the input by {SPLITS[theirs]}"
-                              f", and shard {source.shard} by {SPLITS[mine]}: together they would miss some rows "
-                              f"and answer others twice. Run shard {source.shard} again with --fresh, alone: it "
-                              f"then splits as the others do.")
+            raise OutputUsageError(
+                f"Shard {d.label} of this job in {cfg.output.path} split the input by {SPLITS[theirs]}, and shard "
+                f"{source.shard} by {SPLITS[mine]}: together they would miss some rows and answer others twice. "
+                f"Run shard {source.shard} again with --fresh, alone: it then splits as the others do.")
 
 
 SPLITS = {ROWS: "equal row ranges", FRAGMENTS: "whole files and row groups (the rule of an older overnight)"}

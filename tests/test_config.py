@@ -71,8 +71,9 @@ def test_the_file_is_judged_with_the_layers_over_it(tmp_path):
     p.write_text("engine:\n  max_num_batched_tokens: 100\n")
     # alone against the defaults (128 sequences) it would be refused; with the preset's 64 and the CLI's 32 it is fine
     assert resolve({"engine": {"max_num_seqs": 32}}, str(p)).engine.max_num_batched_tokens == 100
-    with pytest.raises(ConfigError, match=r"^configuration \(.*job.yaml and the command line\): "
-                                          r".*max_num_batched_tokens \(100\) is smaller than engine.max_num_seqs \(200\)"):
+    with pytest.raises(ConfigError, match=r"^configuration \(.*job.yaml and the command line\): .*"
+                                          r"max_num_batched_tokens \(100\) is smaller than engine.max_num_seqs "
+                                          r"\(200\)"):
         resolve({"engine": {"max_num_seqs": 200}}, str(p))
 
 

@@ -93,7 +93,8 @@ class ParquetSource:
 
     def __init__(self, cfg: InputConfig, shard: Optional[Shard] = None, split_rule: str = ROWS):
         if not cfg.path:
-            raise InputUsageError("No input given. Pass a Parquet file, folder or glob as INPUT (or input.path in the config).")
+            raise InputUsageError("No input given. Pass a Parquet file, folder or glob as INPUT (or input.path in "
+                                  "the config).")
         self.cfg = cfg
         self.url = cfg.path
         self.fs, root = url_to_fs(cfg.path)

@@ -26,11 +26,11 @@ def parse_deadline(text: str, now: float) -> float:
     try:
         when = dt.datetime.fromisoformat(text.strip())
     except ValueError:
-        raise ConfigError(f"--deadline (scheduler.deadline) {text!r} is not an ISO time; use e.g. 2026-11-23T06:00 (local time) "
-                          f"or 2026-11-23T06:00+01:00.") from None
+        raise ConfigError(f"--deadline (scheduler.deadline) {text!r} is not an ISO time; use e.g. "
+                          f"2026-11-23T06:00 (local time) or 2026-11-23T06:00+01:00.") from None
     at = when.timestamp()
     if at <= now:
         shown = dt.datetime.fromtimestamp(now).isoformat(timespec="seconds")
-        raise ConfigError(f"--deadline (scheduler.deadline) {text} is in the past (it is now {shown}). Give a later time, "
-                          f"or a --time-budget such as 90m.")
+        raise ConfigError(f"--deadline (scheduler.deadline) {text} is in the past (it is now {shown}). Give a "
+                          f"later time, or a --time-budget such as 90m.")
     return at

@@ -161,7 +161,8 @@ def resolve(model: str, auto_prepare: bool = True) -> ResolvedModel:
         alias = ALIASES[model]
         if not is_prepared(alias):
             if not auto_prepare:
-                raise ModelUsageError(f"Model alias {model!r} is not prepared yet. Run: overnight models prepare {model}")
+                raise ModelUsageError(f"Model alias {model!r} is not prepared yet. Run: overnight models prepare "
+                                      f"{model}")
             prepare(model)
         return ResolvedModel(requested=model, path=alias_folder(alias), alias=model)
 

@@ -124,7 +124,8 @@ def preset_yaml(report: TuneReport, cfg: JobConfig, input_url: str) -> str:
     assert best is not None
     when = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
     lines = [
-        f"# Written by `overnight tune` on {when}: best of {sum(not p.refused for p in report.points)} settings measured on",
+        f"# Written by `overnight tune` on {when}: best of {sum(not p.refused for p in report.points)} settings "
+        f"measured on",
         f"# {report.num_rows} rows of {input_url} with model {cfg.engine.model}. Use it with --config.",
         "engine:",
         f"  model: {cfg.engine.model}",
