@@ -260,8 +260,9 @@ SPLITS = {ROWS: "equal row ranges", FRAGMENTS: "whole files and row groups (the 
 def _check_other_shards(cfg, source, out, fields, given, fresh: bool = False) -> None:
     """Every shard of a job runs with the same settings, over the same input listing (the split is computed
     from it: a file added or grown would move rows between shards, whose resumes are their own). With --fresh a
-    shard starts over with new settings or a new input: the others follow with --fresh (each then checks against
-    those that went first, and one rerun without it is refused by its own folder)."""
+    shard starts over with new settings: the others follow with --fresh (each then checks against those that went
+    first). Not with a new input: a shard not run again would keep rows of the old split, so every shard refuses
+    one until OUT is emptied."""
     if source.shard is None:
         return
     manifests = read_manifests(cfg.output.path)
@@ -277,13 +278,13 @@ def _check_other_shards(cfg, source, out, fields, given, fresh: bool = False) ->
                               f"with these, or choose another --out.")
         key = "listing_versions" if m.get("input", {}).get("listing_versions") else "listing"
         theirs = m.get("input", {}).get(key)
-        if theirs and theirs != listings[key] and not fresh:  # (--fresh: every shard starts over, with this input)
+        if theirs and theirs != listings[key] and not (fresh and d.out.root == out.root):  # (its own: cleared)
             raise OutputUsageError(
                 f"The input {source.url} has changed since shard {d.label} of this job ran (files or row groups "
-                f"were added, removed or rewritten: a file's size, or its modification time or ETag, differs; "
+                f"were added, removed or rewritten: a file's size, or its ETag or modification time, differs; "
                 f"every shard must read the same files). The shards split the input by its listing, so a change "
-                f"would move rows between shards: finish the job with the input as it was, run every shard again "
-                f"with --fresh to answer the new input, or run it into another --out.")
+                f"would move rows between shards, and --fresh clears one shard's folder only: finish the job with "
+                f"the input as it was, or answer the new input in another --out (or after removing {cfg.output.path}).")
 
 
 MAX_BUDGET_S = 366 * 86400.0

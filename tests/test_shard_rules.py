@@ -237,11 +237,11 @@ def test_the_ray_driver_checks_the_layout_again_once_it_holds_the_lock(tmp_path,
     assert not (out / "workers").exists() and not (out / LOCK).exists()
 
 
-def test_a_shard_refuses_an_input_rewritten_with_the_same_row_groups_and_fresh_starts_over(tmp_path, cfg):
+def test_a_shard_refuses_an_input_rewritten_with_the_same_row_groups_even_with_fresh(tmp_path, cfg):
     """A file rewritten with its ids reversed, in row groups of the same sizes: the listing without the files'
     versions was the same, and shard 1 answered shard 0's ids again while half the ids were never answered (a
-    completed job). --fresh for every shard starts over with the new input (each was refused, by its own folder
-    too)."""
+    completed job). --fresh clears one shard's folder only, so it is refused too: a shard not run again would keep
+    the old split's rows. The new input is answered in an emptied OUT."""
     import os
 
     import pyarrow as pa
@@ -262,12 +262,14 @@ def test_a_shard_refuses_an_input_rewritten_with_the_same_row_groups_and_fresh_s
     before = os.stat(inp).st_mtime_ns
     pq.write_table(pa.table({"id": ids[::-1], "prompt": [f"q {i}" for i in ids[::-1]]}), inp, row_group_size=50)
     os.utime(inp, ns=(before + 10**9, before + 10**9))    # (a rewrite within the clock's tick is seen by size only)
-    with pytest.raises(OutputUsageError, match="has changed since shard 0/2 of this job ran .* with --fresh"):
+    with pytest.raises(OutputUsageError, match="has changed since shard 0/2 of this job ran .* another --out "
+                                               f"\\(or after removing {out}\\)"):
         shard(1)
-    assert shard(0, fresh=True).num_done == 50 and shard(1, fresh=True).num_done == 50
+    # shard 0 alone had run: its --fresh starts the job over, and shard 1 follows
+    assert shard(0, fresh=True).num_done == 50 and shard(1).num_done == 50
     con, _ = open_results(str(out))
     assert con.execute("select count(*), count(distinct id) from results").fetchone() == (100, 100)
-    with pytest.raises(OutputUsageError, match="has changed since shard"):   # and its own folder refuses a rerun
-        pq.write_table(pa.table({"id": ids, "prompt": ids}), inp, row_group_size=50)
-        os.utime(inp, ns=(before + 2 * 10**9, before + 2 * 10**9))
-        shard(1)
+    pq.write_table(pa.table({"id": ids, "prompt": ids}), inp, row_group_size=50)
+    os.utime(inp, ns=(before + 2 * 10**9, before + 2 * 10**9))
+    with pytest.raises(OutputUsageError, match="has changed since shard 1/2"):   # the other shard's folder
+        shard(0, fresh=True)

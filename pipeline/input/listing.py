@@ -9,8 +9,9 @@ GLOB_CHARS = "*?["
 # What a folder's Parquet files end with.
 PARQUET_SUFFIXES = (".parquet", ".parq", ".pq")
 # What tells a rewritten file from the same one, besides its size: the first of these keys a file system's info()
-# has (local: mtime; S3: LastModified, ETag; GCS: updated, md5Hash; memory: created).
-VERSION_KEYS = ("mtime", "LastModified", "ETag", "last_modified", "etag", "updated", "md5", "md5Hash", "created")
+# has; a hash of the content first (S3: ETag; GCS: md5Hash), so that the same file uploaded again is the same (a
+# shard refuses an input whose files changed), then a time (local: mtime; memory: created).
+VERSION_KEYS = ("ETag", "etag", "md5Hash", "md5", "mtime", "LastModified", "last_modified", "updated", "created")
 
 
 def glob_base(root: str) -> str:
