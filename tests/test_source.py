@@ -157,6 +157,13 @@ def test_struct_schemas_of_other_shapes_in_other_files_are_merged(tmp_path, writ
     write_parquet({"id": ["w"], "prompt": ["t"], "tags": pa.array([[b"y"]], pa.list_(pa.binary()))}, "k/b.parquet")
     with pytest.raises(InputError, match=r"Column 'tags' has type list<\w+: string> .* but list<\w+: binary>"):
         source(tmp_path / "k", passthrough=["tags"])
+    # a third file is checked against the first two's fields together
+    meta = [{"x": "a"}, {"x": "b", "y": "c"}, {"x": "d", "y": b"e"}]
+    for i, m in enumerate(meta):
+        write_parquet({"id": [str(i)], "prompt": ["p"], "meta": [m]}, f"m/{i}.parquet")
+    with pytest.raises(InputError, match=r"Column 'meta' has type struct<x: string, y: string> .* but struct<x: "
+                                         r"string, y: binary>"):
+        source(tmp_path / "m", passthrough=["meta"])
 
 
 def test_column_present_in_some_files_only_reads_as_null(tmp_path, write_parquet):

@@ -41,20 +41,25 @@ def compatible(a: pa.DataType, b: pa.DataType, bytes_are_text: bool = False) -> 
         return True
     if pa.types.is_floating(a) and pa.types.is_floating(b):
         return True
-    if _nested(a) and _nested(b):  # structs of other fields (a JSON schema per file): their fields merged, a
-        try:                        # file's missing ones null (as a struct column's rows of one file already are);
-            # a field's own type is not promoted (text would become bytes, int64 uint64): the same in both, or null
-            pa.unify_schemas([pa.schema([("c", a)]), pa.schema([("c", b)])], promote_options="default")
-            return True
-        except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError):
-            return False
+    if nested(a) and nested(b):
+        return merged(a, b) is not None
     text = (pa.types.is_string, pa.types.is_large_string, is_string_view)
     if bytes_are_text:  # text written without Parquet's UTF8 annotation, as validate reads a prompt or chat column:
         text += (pa.types.is_binary, pa.types.is_large_binary)  # read as binary, the type both cast to
     return any(f(a) for f in text) and any(f(b) for f in text)
 
 
-def _nested(t: pa.DataType) -> bool:
+def merged(a: pa.DataType, b: pa.DataType) -> Optional[pa.DataType]:
+    """Structs of other fields (a JSON schema per file) as one type: their fields merged, a file's missing ones
+    null (as a struct column's rows of one file already are); a field's own type is not promoted (text would
+    become bytes, int64 uint64): the same in both, or null. None when they do not merge."""
+    try:
+        return pa.unify_schemas([pa.schema([("c", a)]), pa.schema([("c", b)])], promote_options="default")[0].type
+    except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError):
+        return None
+
+
+def nested(t: pa.DataType) -> bool:
     return pa.types.is_struct(t) or pa.types.is_list(t) or pa.types.is_large_list(t)
 
 

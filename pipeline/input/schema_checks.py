@@ -7,7 +7,7 @@ from __future__ import annotations
 import pyarrow as pa
 
 from overnight.pipeline.config import ConfigError, InputConfig
-from overnight.pipeline.input.arrow_types import compatible, is_id_type, is_text, plain
+from overnight.pipeline.input.arrow_types import compatible, is_id_type, is_text, merged, nested, plain
 from overnight.pipeline.output.storage import unstrip
 
 INT64_MAX = 2 ** 63 - 1
@@ -68,7 +68,10 @@ def unify(fs, url: str, files: list, reads=lambda name: "needed") -> pa.Schema:
                 continue
             t0, f0 = seen[fld.name]
             why = reads(fld.name)
-            if not compatible(t0, fld.type, bytes_are_text=why == "text"):
+            ok = compatible(t0, fld.type, bytes_are_text=why == "text")
+            if ok and nested(t0) and nested(fld.type):
+                seen[fld.name] = (merged(t0, fld.type), f0)   # the next file's checked against every one's fields
+            elif not ok:
                 if why is None:
                     unread.add(fld.name)
                     continue

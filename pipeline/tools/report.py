@@ -105,11 +105,11 @@ def _row_filter(con) -> str:
 
 
 def _deadline(lanes) -> Optional[float]:
-    for _, samples, _ in lanes:
-        for s in reversed(samples):
-            if s.get("deadline_left_s") is not None:
-                return s["t"] + s["deadline_left_s"]
-    return None
+    """A sample taken between forecasts carries the last one's time left, and one past the deadline 0: the
+    earliest end that a sample still before it gives is the deadline's."""
+    ends = [s["t"] + s["deadline_left_s"] for _, samples, _ in lanes for s in samples
+            if s.get("deadline_left_s") is not None and s["deadline_left_s"] > 0]
+    return min(ends) if ends else None
 
 
 def _progress(lanes, deadline) -> Figure:
