@@ -225,7 +225,7 @@ def test_what_a_rerun_cannot_fix_is_bad_usage_and_exits_2(tmp_path, write_parque
     assert r.exit_code == 1 and "does not exist" in r.output
 
 
-def test_the_echo_engines_rows_are_not_resumed_or_measured_as_a_models(tmp_path, cfg, write_parquet, tiny_model):
+def test_the_echo_engines_rows_are_not_resumed_or_planned_as_a_models(tmp_path, cfg, write_parquet, tiny_model):
     from overnight.pipeline.scheduling.plan import make_plan
 
     inp = write_parquet({"id": list(range(6)), "prompt": ["hi there"] * 6})
@@ -235,7 +235,8 @@ def test_the_echo_engines_rows_are_not_resumed_or_measured_as_a_models(tmp_path,
     assert r.exit_code == 0, r.output
     with pytest.raises(OutputError, match=r"different settings \(engine: 'echo' -> 'vllm'\)"):
         run_job(cfg(inp, out), engine_factory=given(FakeEngine()), is_tty=False)
-    assert make_plan(cfg(inp, out), out=str(out)).throughput_source == "none"      # not echo's rate
+    with pytest.raises(OutputError, match=r"engine: 'echo' -> 'vllm'"):   # plan says so as the run does
+        make_plan(cfg(inp, out), out=str(out))
     assert make_plan(cfg(inp, out, engine={"kind": "echo"}), out=str(out)).tokens_per_s > 0
     # an echo OUT written before the engine entered the fingerprint (stop 45): its config says echo
     from overnight.pipeline.output import manifest as mf
@@ -268,3 +269,14 @@ def test_status_json_of_an_out_with_no_job_yet_is_still_one_document(tmp_path):
     assert r.exit_code == 1 and "Error: Output folder" in r.stderr
     doc = json.loads(r.stdout)
     assert doc["state"] == "missing" and doc["exit_code"] is None and doc["message"].startswith("Output folder")
+
+
+def test_plan_refuses_an_out_of_other_settings_as_the_run_does(tmp_path, cfg, write_parquet, tiny_model):
+    inp = write_parquet({"id": [1, 2, 3], "prompt": ["a", "b", "c"]})
+    out = tmp_path / "out"
+    run_job(cfg(inp, out, sampling={"max_tokens": 256}), engine_factory=given(FakeEngine()), is_tty=False)
+    base = ["plan", str(inp), "--out", str(out), "--model", tiny_model]
+    r = CliRunner().invoke(cli, [*base, "--max-tokens", "100"])
+    assert r.exit_code == 2 and "different settings (sampling.max_tokens: 256 -> 100)" in r.output, r.output
+    r = CliRunner().invoke(cli, [*base, "--max-tokens", "256"])
+    assert r.exit_code == 0 and "3 already done" in r.output, r.output

@@ -82,15 +82,19 @@ def make_plan(cfg: JobConfig, out: Optional[str] = None, throughput: Optional[fl
     annotator = LengthAnnotator(make_predictor(cfg.buckets.predictor), cfg.sampling.max_tokens, "log",
                                 cfg.buckets.num_buckets)
     done = Scan()
+    model = open_model(cfg)
     for d in job_dirs(out) if out else []:  # every shard's or worker's folder
-        if d.out.read_manifest():
+        previous = d.out.read_manifest()
+        if previous:  # a folder of other settings: the run refuses it, so its rows are not this job's done
+            mf.check_resume(previous, mf.fingerprint_fields(cfg, model.requested, model.chat), d.out.url,
+                            also=mf.older_fields(cfg, model.requested, model.chat))
             d.out.scan(cfg.input.id_column, into=done)
     tally = Tally(source.num_rows)
     resume = ResumeFilter(done, tally, out or "")
     predicted, prompt_tokens, samples, priorities = [], [], [], []
     num_errors = 0
     errors = []
-    for batch in prepare(cfg, source, open_model(cfg), annotator, resume):
+    for batch in prepare(cfg, source, model, annotator, resume):
         num_errors += len(batch.errors)
         errors.extend(e.error for e in batch.errors[:5 - len(errors)])
         predicted.extend(r.predicted_tokens for r in batch.rows)
