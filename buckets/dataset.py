@@ -47,9 +47,10 @@ def output_name(column: str, manifest: dict) -> str:
     return f"input_{column}" if column in set(RESULT_FIELDS) | set(SAMPLE_FIELDS) else column
 
 
-def load_outputs(urls: list[str], one_per_prompt: bool = False) -> LengthData:
+def load_outputs(urls: list[str], one_per_prompt: bool = False, need_prompt: bool = True) -> LengthData:
     """The runs' ok rows (a row of n samples by its first); with ``one_per_prompt``, for training, each prompt's
-    latest row only."""
+    latest row only. ``need_prompt`` False: an OUT without the prompt column gives empty texts (the stored
+    predictions against the actual lengths need none)."""
     from overnight.pipeline.output.layout import job_manifest
     from overnight.pipeline.output.manifest import engine_kind
     from overnight.pipeline.tools.inspection import open_results
@@ -79,9 +80,10 @@ def load_outputs(urls: list[str], one_per_prompt: bool = False) -> LengthData:
                                f"then train on it.")
         # an input column whose name is a result's (``text``) is in the output under another name
         prompt_col, messages_col = (output_name(c, manifest) for c in (prompt_col, messages_col))
-        if prompt_col not in columns and messages_col not in columns:
+        if prompt_col not in columns and messages_col not in columns and need_prompt:
             raise DatasetError(f"{url} holds no prompt column ({prompt_col!r}): the run was made with --passthrough "
-                               f"leaving it out. Rerun with --passthrough all (the default) to train on it.")
+                               f"leaving it out. Rerun with --passthrough all (the default) to train a predictor on "
+                               f"it or evaluate one (`predictor eval` without --predictor needs no prompt).")
         p = f'"{prompt_col}"' if prompt_col in columns else "null"
         m = f'"{messages_col}"' if messages_col in columns else "null"
         cap = "coalesce(max_tokens, {0})".format(default_cap) if "max_tokens" in columns else str(default_cap)

@@ -165,7 +165,7 @@ def eval_cmd(out, spec, as_json):
     from overnight.buckets.dataset import load_outputs
     from overnight.buckets.evaluate import evaluate
 
-    e = evaluate(load_outputs([out]), spec)
+    e = evaluate(load_outputs([out], need_prompt=spec is not None), spec)
     if as_json:
         # NaN (tau of fewer than 2 rows, say) is not JSON: null
         click.echo(json.dumps({k: None if isinstance(v, float) and v != v else v for k, v in asdict(e).items()},

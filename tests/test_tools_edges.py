@@ -172,3 +172,14 @@ def test_inspect_tables_line_up_with_wide_characters():
     assert at == [6, 6, 6, 6]                                   # the text column starts at one place in every row
     assert rows[2].endswith("...") and _width(rows[2]) == 25
     assert render(["t"], [("abc" * 100,)], max_width=20).splitlines()[2] == "abc" * 5 + "ab..."
+
+
+def test_predictor_eval_of_the_stored_predictions_needs_no_prompt_column(tmp_path, cfg, write_parquet):
+    inp = write_parquet({"id": list(range(20)), "prompt": [f"say {i} " * (i % 7 + 1) for i in range(20)],
+                         "tag": ["x"] * 20})
+    out = tmp_path / "out"
+    run_job(cfg(inp, out, input={"passthrough": ["tag"]}), engine_factory=given(FakeEngine()), is_tty=False)
+    r = CliRunner().invoke(cli, ["predictor", "eval", str(out), "--json"])
+    assert r.exit_code == 0 and json.loads(r.output)["num_rows"] == 20, r.output
+    r = CliRunner().invoke(cli, ["predictor", "eval", str(out), "--predictor", "heuristic"])   # this one reads it
+    assert r.exit_code == 1 and "holds no prompt column ('prompt')" in r.output
