@@ -65,8 +65,11 @@ def load_outputs(urls: list[str], one_per_prompt: bool = False, need_prompt: boo
             logging.getLogger("overnight").warning(
                 f"{url} was answered by the {engine_kind(manifest)} engine (a fake, for tests), not by a model: "
                 f"its lengths say nothing of a model's")
-        if fields.get("model") and fields["model"] not in models:
-            models.append(fields["model"])
+        if fields.get("model"):  # a folder by its path, however the run spelled it
+            from overnight.pipeline.tools.models import model_key
+            model = model_key(fields["model"], (manifest.get("input") or {}).get("cwd"))
+            if model not in models:
+                models.append(model)
         prompt_col = fields.get("prompt_column", "prompt")
         messages_col = fields.get("messages_column", "messages")
         default_cap = int(fields.get("sampling", {}).get("max_tokens", 512))

@@ -72,7 +72,8 @@ def open_job(cfg: JobConfig, fresh: bool = False, now: Optional[float] = None, r
         from overnight.buckets.trained import TrainedPredictor
         trained = TrainedPredictor.load(cfg.buckets.predictor)  # fail now, not after the engine started
         served = getattr(trained, "meta", {}).get("served_models")
-        if served and cfg.engine.model not in served:
+        from overnight.pipeline.tools.models import model_key
+        if served and model_key(cfg.engine.model) not in {model_key(s) for s in served}:
             log.warning(f"the predictor {cfg.buckets.predictor} learned the output lengths of "
                         f"{', '.join(served)}, not of {cfg.engine.model}: another model's answers may be longer or "
                         f"shorter. Train one on runs of this model (`overnight predictor train OUT --save FILE`), "

@@ -183,3 +183,17 @@ def test_predictor_eval_of_the_stored_predictions_needs_no_prompt_column(tmp_pat
     assert r.exit_code == 0 and json.loads(r.output)["num_rows"] == 20, r.output
     r = CliRunner().invoke(cli, ["predictor", "eval", str(out), "--predictor", "heuristic"])   # this one reads it
     assert r.exit_code == 1 and "holds no prompt column ('prompt')" in r.output
+
+
+def test_one_model_spelled_two_ways_is_one_model_to_the_predictor(tmp_path, write_parquet, tiny_model, monkeypatch):
+    import os
+
+    from overnight.buckets.dataset import load_outputs
+
+    inp = write_parquet({"id": list(range(10)), "prompt": [f"say {i}" for i in range(10)]})
+    monkeypatch.chdir(os.path.dirname(tiny_model))
+    for out, model in (("a", os.path.basename(tiny_model)), ("b", tiny_model)):
+        r = CliRunner().invoke(cli, ["run", inp, "--out", str(tmp_path / out), "--model", model, "--engine", "echo"])
+        assert r.exit_code == 0, r.output
+    monkeypatch.chdir(tmp_path)                                  # read from elsewhere: by where each run started
+    assert load_outputs([str(tmp_path / "a"), str(tmp_path / "b")]).models == [os.path.normpath(tiny_model)]

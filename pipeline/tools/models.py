@@ -155,6 +155,16 @@ def _convert(name: str, alias, target: str, echo) -> str:
     return target
 
 
+def model_key(model: str, cwd: Optional[str] = None) -> str:
+    """One name for one model, however --model spelled it: an alias or hub id as given, a folder by its absolute
+    path (a relative one from ``cwd``, the folder the run started in)."""
+    if model in ALIASES:
+        return model
+    path = os.path.expanduser(model)
+    path = path if os.path.isabs(path) else os.path.join(cwd or os.getcwd(), path)
+    return os.path.normpath(path) if os.path.isdir(path) else model
+
+
 def resolve(model: str, auto_prepare: bool = True) -> ResolvedModel:
     """Turn ``--model`` (alias, folder or hub id) into what vLLM loads, checking it first."""
     if model in ALIASES:
