@@ -7,8 +7,9 @@
 * heuristic: rules over the prompt text (instruction verbs, explicit lengths, math questions). No history.
 * online:    the heuristic, corrected by the trained predictor's model refitted during the run on the rows
              already finished; later rows get better predictions.
-* trained:   a regularised linear model fitted on earlier runs' outputs (buckets/trained.py); as FILE it is
-             the online predictor's prior, so the run keeps learning from the file on.
+* trained:   a regularised linear model fitted on earlier runs' outputs (buckets/trained.py), as FILE; it
+             does not learn during the run (OnlinePredictor(prior=...) would start from it and learn, as
+             measured in docs/BENCHMARKS.md, but --predictor FILE does not use it).
 """
 
 from __future__ import annotations
