@@ -59,7 +59,8 @@ class Progress:
         self.bar = None
         self.forecast_eta: Optional[float] = None
         self.eta_range: Optional[tuple[float, float]] = None
-        self.deadline_left: Optional[float] = None
+        self._deadline_left: Optional[float] = None
+        self._deadline_set_at = 0.0
         self.deadline_at_risk = False
         # The job's story over time, for `overnight report`: a sample at each forecast (every 2 s), thinned to
         # every other one whenever MAX_SAMPLES is reached, so a night's run keeps ~1,000-2,000 points.
@@ -98,9 +99,16 @@ class Progress:
         self.forecast_eta = eta_s
         self.eta_range = None if not detail or detail.get("eta_low_s") is None else (detail["eta_low_s"],
                                                                                      detail["eta_high_s"])
-        self.deadline_left = deadline_left_s
+        self._deadline_left, self._deadline_set_at = deadline_left_s, self.clock()
         self.deadline_at_risk = at_risk
         self.sample(detail)
+
+    @property
+    def deadline_left(self) -> Optional[float]:
+        """The time to the deadline now: the last forecast's, counted down since (forecasts may be far apart)."""
+        if self._deadline_left is None:
+            return None
+        return max(0.0, self._deadline_left - (self.clock() - self._deadline_set_at))
 
     def sample(self, detail: Optional[dict] = None) -> None:
         now = time.time()
@@ -123,6 +131,8 @@ class Progress:
         return text
 
     def eta_seconds(self) -> Optional[float]:
+        if self.total and self.done >= self.total:  # every row done: the last forecast's ETA is past
+            return 0.0
         if self.forecast_eta is not None:
             return self.forecast_eta
         rate = self.row_rate.per_second()

@@ -144,8 +144,10 @@ def nothing_to_do(job) -> Summary:
     log.info(message)
     mf.end_attempt(job.manifest, mf.RunState.COMPLETED, message)
     job.out.write_manifest(job.manifest)
-    job.out.write_status({"state": "completed", "exit_code": 0, "message": message, "run_id": job.run_id,
-                          "rows": {"total": 0, "done": 0}, "updated_at": mf.now_iso()})
+    status = {"state": "completed", "exit_code": 0, "message": message, "run_id": job.run_id,
+              "rows": {"total": 0, "done": 0}, "updated_at": mf.now_iso()}
+    job.out.write_status(status)
+    _metrics_file(job, status)
     return summary(Tally(0), job.run_id, job.out.shown(), mf.RunState.COMPLETED, 0, message, {})
 
 
@@ -170,7 +172,16 @@ def already_done(job) -> Summary:
               "attempt": len(job.manifest["attempts"]), "rows": t.rows(0), "eta_s": 0.0, "engine_started": False,
               "updated_at": mf.now_iso()}
     job.out.write_status(status)
+    _metrics_file(job, status)
     return summary(t, job.run_id, job.out.shown(), mf.RunState.COMPLETED, 0, message, {})
+
+
+def _metrics_file(job, status: dict) -> None:
+    """--metrics-file for a run that finds nothing to do: it says so too (a file an earlier attempt wrote, exit
+    75 say, stayed as it was)."""
+    if job.cfg.output.metrics_file:
+        from overnight.pipeline.output.metrics import Metrics
+        Metrics(job.cfg.output.metrics_file, None, job.out.shown()).update(status)
 
 
 def eta_for(state: str, eta: Optional[float]) -> Optional[float]:

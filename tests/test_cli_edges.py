@@ -280,3 +280,17 @@ def test_plan_refuses_an_out_of_other_settings_as_the_run_does(tmp_path, cfg, wr
     assert r.exit_code == 2 and "different settings (sampling.max_tokens: 256 -> 100)" in r.output, r.output
     r = CliRunner().invoke(cli, [*base, "--max-tokens", "256"])
     assert r.exit_code == 0 and "3 already done" in r.output, r.output
+
+
+def test_the_deadline_counts_down_between_forecasts_and_a_finished_job_has_no_eta():
+    from overnight.pipeline.progress import Progress
+
+    now = [0.0]
+    p = Progress(10, 0, log_every=30.0, is_tty=False, clock=lambda: now[0])
+    p.set_forecast(40.0, 100.0, False)
+    now[0] = 30.0                                    # no forecast since: the deadline came 30 s nearer all the same
+    assert p.deadline_left == 70.0 and "deadline in 1m10s" in p.line()
+    now[0] = 500.0
+    assert p.deadline_left == 0.0
+    p.update(10, 100)                                # every row done: the last forecast's 40 s are past
+    assert p.eta_seconds() == 0.0 and p.counters()["eta_s"] == 0.0

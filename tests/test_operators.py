@@ -81,6 +81,13 @@ def test_metrics_file_in_prometheus_text_format(tmp_path, tiny_model):
     assert samples[("overnight_engine_restarts", None)] == 0
     assert 0 < samples[("overnight_deadline_slack_seconds", None)] <= 3600
     assert samples[("overnight_output_tokens_per_second", None)] > 0
+    # a rerun with nothing to do writes the file too (an earlier attempt's stayed as it was)
+    metrics.write_text("stale\n")
+    overnight("run", str(inp), "--out", str(tmp_path / "out"), "--engine", "echo", "--model", tiny_model,
+              "--metrics-file", str(metrics))
+    samples = {(s.name, s.labels.get("state")): s.value
+               for fam in text_string_to_metric_families(metrics.read_text()) for s in fam.samples}
+    assert samples[("overnight_rows", "done")] == 180 and samples[("overnight_state", "completed")] == 1
 
 
 def test_report_of_a_sharded_job_with_every_plot(tmp_path, tiny_model):

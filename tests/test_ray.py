@@ -156,6 +156,7 @@ def test_two_workers_share_the_units_and_answer_each_id_once(tmp_path, cfg, loca
     assert len(per_worker) == 2 and min(n for (n,) in per_worker) > 100   # both took units, not a static half
     status = json.loads((out / "status.json").read_text())
     assert status["state"] == "completed" and status["rows"]["done"] == 800 and status["units_pending"] == 0
+    assert status["output_tokens_per_s"] > 0   # the rate measured, kept at the end (it said 0)
     # a rerun finds everything done
     again = run_on_ray(c, False, 2, is_tty=False)
     assert again.exit_code == 0 and again.num_resumed == 800 and len(ids_in(out)) == 800
