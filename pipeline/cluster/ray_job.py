@@ -306,8 +306,8 @@ class Driver:
                 "workers": self.num_workers, "units_pending": pending,
                 "rows": {"total": self.num_rows, "done": done, "remaining": max(0, self.total - done),
                          "duplicates": self.num_rows - self.total},
-                "output_tokens_per_s": round(sum(s.get("output_tokens_per_s") or 0 for s in statuses.values()  # at
-                                                 if s.get("state") == "running" or state != "running"), 2),  # the end, each's
+                "output_tokens_per_s": round(sum(s.get("output_tokens_per_s") or 0 for s in statuses.values()  # (at
+                                                 if s.get("state") == "running" or state != "running"), 2),  # end: all)
                 "eta_s": eta_for(state, None if eta is None else round(eta, 1)),
                 "eta_range_s": None if f is None or f.eta_low_s is None else [round(f.eta_low_s, 1),
                                                                               round(f.eta_high_s, 1)],
