@@ -145,10 +145,20 @@ def test_two_workers_share_the_units_and_answer_each_id_once(tmp_path, cfg, loca
     inp = write_input(tmp_path / "in", 2, 400, 50)
     out = tmp_path / "out"
     # about 12 s of engine time for one worker, so that both are up long before the units run out
+    metrics = tmp_path / "job.prom"
     c = cfg(inp, out, engine={"kind": "echo", "echo_step_ms": 20, "max_num_seqs": 8},
-            sampling={"max_tokens": 6})
+            sampling={"max_tokens": 6}, output={"metrics_file": str(metrics)})
     s = run_on_ray(c, False, 2, is_tty=False)
     assert (s.state, s.exit_code, s.num_done, s.num_rows) == ("completed", 0, 800, 800)
+    # --metrics-file is the job's, which the driver writes (each worker wrote its own rows over the other's)
+    from prometheus_client.parser import text_string_to_metric_families
+    samples = {(sm.name, tuple(sorted(sm.labels.items()))): sm.value
+               for fam in text_string_to_metric_families(metrics.read_text()) for sm in fam.samples}
+    job = str(out)
+    assert samples[("overnight_rows", (("job", job), ("state", "total")))] == 800
+    assert samples[("overnight_rows", (("job", job), ("state", "done")))] == 800
+    assert samples[("overnight_state", (("job", job), ("state", "completed")))] == 1.0
+    assert samples[("overnight_output_tokens", (("job", job),))] == s.num_output_tokens > 0
     ids = ids_in(out)
     assert len(ids) == len(set(ids)) == 800
     per_worker = duckdb.sql(f"select count(*) from read_parquet('{out}/workers/*/parts/*.parquet', filename=true) "

@@ -33,9 +33,12 @@ def test_an_empty_input_on_ray_has_nothing_to_do(tmp_path, cfg, local_ray):
     pq.write_table(pa.table({"id": pa.array([], pa.string()), "prompt": pa.array([], pa.string())}),
                    inp / "empty.parquet")
     out = tmp_path / "out"
-    s = run_on_ray(cfg(inp, out, engine={"kind": "echo"}), False, 2, is_tty=False)
+    metrics = tmp_path / "job.prom"
+    s = run_on_ray(cfg(inp, out, engine={"kind": "echo"}, output={"metrics_file": str(metrics)}), False, 2,
+                   is_tty=False)
     assert (s.state, s.exit_code, s.num_rows) == ("completed", 0, 0)
     assert s.message == f"nothing to do: {inp} has no rows"
+    assert 'state="completed"} 1.0' in metrics.read_text()   # its --metrics-file says so (none was written)
     st = job_status(str(out))
     assert (st["state"], st["exit_code"], st["rows_done"], st["rows_left"]) == ("completed", 0, 0, 0)
     assert status_lines(st)[1].startswith("rows: 0 done of 0, 0 left")

@@ -135,3 +135,20 @@ def test_a_worker_unavailable_now_and_then_over_a_long_job_is_not_given_up_on():
     assert restarts == ray_job.MAX_ACTOR_RESTARTS + 2   # more blips than tries, never that many in a row
     assert not retired and not killed_in_the_loop
     assert results[0]["state"] == "completed" and next(passes, None) is None
+
+
+def test_the_job_metrics_slack_comes_from_a_ray_status_deadline(tmp_path):
+    """A Ray job's status gives the deadline, not a forecast's time left: the slack is counted from it."""
+    import time
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from overnight.pipeline.output.metrics import Metrics
+    from overnight.pipeline.report import iso
+
+    path = tmp_path / "job.prom"
+    Metrics(str(path), None, "out").update({"state": "running", "rows": {"total": 10, "done": 2}, "eta_s": 100.0,
+                                            "deadline": iso(time.time() + 400)})
+    slack = [s.value for fam in text_string_to_metric_families(path.read_text()) for s in fam.samples
+             if s.name == "overnight_deadline_slack_seconds"]
+    assert slack and 295 <= slack[0] <= 300

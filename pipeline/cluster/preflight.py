@@ -3,6 +3,7 @@ and reach (or start) the Ray cluster. ``ray_job.run_on_ray`` calls both while it
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Optional
 
@@ -69,6 +70,7 @@ def nothing_to_do(cfg, root, source, model, workers: int):
 
     from overnight.pipeline.output import manifest as mf
     from overnight.pipeline.output.layout import worker_out
+    from overnight.pipeline.output.metrics import Published
     from overnight.pipeline.report import Summary, iso
 
     why = "--limit 0 takes no rows" if cfg.input.limit == 0 else f"{source.url} has no rows"
@@ -83,9 +85,10 @@ def nothing_to_do(cfg, root, source, model, workers: int):
         m["counts"] = {"num_rows": 0, "num_ok": 0, "num_error": 0, "num_done": 0, "num_output_tokens": 0,
                        "num_parts": 0}
         folder.write_manifest(mf.end_attempt(m, mf.RunState.COMPLETED, message))
-    root.write_status({"state": "completed", "exit_code": 0, "message": message, "out": root.shown(),
-                       "workers": workers, "rows": {"total": 0, "done": 0, "remaining": 0}, "eta_s": 0.0,
-                       "per_worker": {}, "updated_at": iso(time.time())})
+    status = {"state": "completed", "exit_code": 0, "message": message, "out": root.shown(), "workers": workers,
+              "rows": {"total": 0, "done": 0, "remaining": 0}, "eta_s": 0.0, "per_worker": {},
+              "updated_at": iso(time.time())}
+    Published(root, dataclasses.replace(cfg.output, metrics_port=None))(status)  # its --metrics-file says so too
     return Summary(run_id=f"ray-{workers}-workers", out=root.shown(), state="completed", exit_code=0, num_rows=0,
                    num_done=0, num_ok=0, num_error=0, num_resumed=0, num_duplicates=0, num_output_tokens=0,
                    elapsed_s=0.0, output_tokens_per_s=0.0, message=message, extra={})

@@ -31,6 +31,7 @@ from overnight.pipeline.config import ConfigError, JobConfig
 from overnight.pipeline.output.checkpoint import OutputDir
 from overnight.pipeline.output.layout import check_layout, job_dirs, worker_out
 from overnight.pipeline.output.lock import RunLock
+from overnight.pipeline.output.metrics import Published
 from overnight.pipeline.progress import Progress, fmt_duration
 from overnight.pipeline.report import EXIT_ENGINE, EXIT_FAILED, EXIT_PARTIAL, Summary, eta_for, iso
 from overnight.pipeline.signals import SAME_STOP_S
@@ -83,7 +84,9 @@ def run_on_ray(cfg: JobConfig, fresh: bool, workers: int, address: Optional[str]
         # A worker holds no more rows than its engine runs plus one refill: what it does not hold stays in the
         # queue for whichever worker frees up first.
         sc = dataclasses.replace(sc, lookahead_rows=min(sc.lookahead_rows, 2 * cfg.engine.max_num_seqs))
-        wcfg = dataclasses.replace(cfg, scheduler=sc, output=dataclasses.replace(cfg.output, log_every_seconds=1e9))
+        # the driver logs the job's progress and writes its metrics; a worker does neither
+        wcfg = dataclasses.replace(cfg, scheduler=sc, output=dataclasses.replace(
+            cfg.output, log_every_seconds=1e9, metrics_file=None, metrics_port=None))
         if cfg.sampling.json_schema is not None and not legacy:
             # the schema itself: a worker on another node may not see the file (a folder fingerprinted by the
             # file's path before keeps getting the path, which its fingerprint matches)
@@ -93,7 +96,8 @@ def run_on_ray(cfg: JobConfig, fresh: bool, workers: int, address: Optional[str]
         connect(ray, address, workers)
         driver = Driver(ray, wcfg, units, total, workers, root, lock, deadline_at, started, is_tty,
                         cfg.output.log_every_seconds, source.files, margin if deadline_at else 0.0, early=signals,
-                        done_at_start=ids.done_in_input, num_removed=ids.gone, num_duplicates=ids.num_duplicates)
+                        done_at_start=ids.done_in_input, num_removed=ids.gone, num_duplicates=ids.num_duplicates,
+                        publish=Published(root, cfg.output))
         return driver.run(on_started)
     finally:
         lock.release()
@@ -102,8 +106,10 @@ def run_on_ray(cfg: JobConfig, fresh: bool, workers: int, address: Optional[str]
 class Driver:
     def __init__(self, ray, cfg, units, total, workers, root, lock, deadline_at, started, is_tty, log_every, files,
                  margin: float = 0.0, early=None, done_at_start: Optional[int] = None, num_removed: int = 0,
-                 num_duplicates: int = 0):
+                 num_duplicates: int = 0, publish=None):
         import uuid
+
+        self.publish = publish or root.write_status  # status.json (and the metrics asked for)
 
         self.early = early  # a signal that came while the job opened, replayed when the driver's handlers start
         self.margin = margin  # the workers stop admitting this long before the deadline
@@ -283,7 +289,7 @@ class Driver:
                 self.told_lost = True
                 self.ray.get(self.coordinator.lose.remote(self.lock.taken_by()))
             return
-        self.root.write_status(self._status("running", None, statuses, pending, eta, forecast=f))
+        self.publish(self._status("running", None, statuses, pending, eta, forecast=f))
         if log.isEnabledFor(logging.DEBUG):
             for i, st in sorted(statuses.items()):
                 log.debug(f"w{i}: {st.get('state')} {st.get('rows', {}).get('done')} rows done, "
@@ -306,6 +312,8 @@ class Driver:
                 "workers": self.num_workers, "units_pending": pending,
                 "rows": {"total": self.num_rows, "done": done, "remaining": max(0, self.total - done),
                          "duplicates": self.num_rows - self.total},
+                "output_tokens": sum(s.get("output_tokens") or 0 for s in statuses.values()),
+                "engine_restarts": sum(s.get("engine_restarts") or 0 for s in statuses.values()),
                 "output_tokens_per_s": round(sum(s.get("output_tokens_per_s") or 0 for s in statuses.values()  # (at
                                                  if s.get("state") == "running" or state != "running"), 2),  # end: all)
                 "eta_s": eta_for(state, None if eta is None else round(eta, 1)),
@@ -351,7 +359,7 @@ class Driver:
                        f"run its own --out")
             log.error(message)
         else:
-            self.root.write_status(self._status(state, code, statuses, pending, 0.0 if complete else None,
+            self.publish(self._status(state, code, statuses, pending, 0.0 if complete else None,
                                                 message))
         # the other folders' counts as they stand now: a worker that failed (its rows saved) or was lost this run,
         # or a folder no worker ran this time

@@ -62,6 +62,9 @@ class Metrics:
         eta = status.get("eta_s")
         self.eta.labels(job).set(nan if eta is None else eta)
         left = (status.get("forecast") or {}).get("time_left_s")
+        if left is None and status.get("deadline"):  # a Ray job's status gives the deadline itself
+            import datetime as dt
+            left = max(0.0, dt.datetime.fromisoformat(status["deadline"]).timestamp() - time.time())
         self.slack.labels(job).set(nan if left is None or eta is None else left - eta)
         self.restarts.labels(job).set(status.get("engine_restarts") or 0)
         for s in STATES:
@@ -76,3 +79,18 @@ class Metrics:
                 write_to_textfile(self.path, self.registry)
             except OSError as e:  # monitoring must not fail the job
                 log.warning("could not write the metrics file %s: %s", self.path, e)
+
+
+class Published:
+    """A job's status.json and, from the same snapshot, its metrics: a Ray job's driver writes the job's (its
+    workers write none, so that each does not rewrite the one file, nor find the port taken)."""
+
+    def __init__(self, out, output_cfg):
+        self.out = out
+        self.metrics = (Metrics(output_cfg.metrics_file, output_cfg.metrics_port, out.shown())
+                        if output_cfg.metrics_file or output_cfg.metrics_port else None)
+
+    def __call__(self, status: dict) -> None:
+        self.out.write_status(status)
+        if self.metrics is not None:
+            self.metrics.update(status)
