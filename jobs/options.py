@@ -300,6 +300,9 @@ input_options = _stack(config_option, *(o.decorator() for o in INPUT))
 sampling_options = _stack(*(o.decorator() for o in SAMPLING))
 engine_options = _stack(*(o.decorator() for o in ENGINE))
 schedule_options = _stack(*(o.decorator() for o in SCHEDULE))
+# what a dry run does not do: stop at the deadline, drain after a signal, hold rows for ordering, age them
+NOT_PLANNED = ("--on-deadline", "--grace", "--lookahead", "--max-wait")
+plan_schedule_options = _stack(*(o.decorator() for o in SCHEDULE if o.flags not in NOT_PLANNED))
 output_options = _stack(*(o.decorator() for o in OUTPUT))
 cluster_options = _stack(*(o.decorator() for o in CLUSTER))
 

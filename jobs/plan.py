@@ -7,7 +7,8 @@ from dataclasses import asdict
 
 import click
 
-from overnight.jobs.options import build_config, given, input_options, sampling_options, schedule_options, user_errors
+from overnight.jobs.options import (build_config, given, input_options, plan_schedule_options, sampling_options,
+                                    user_errors)
 from overnight.pipeline.config import Policy
 from overnight.pipeline.progress import fmt_duration
 
@@ -18,7 +19,7 @@ from overnight.pipeline.progress import fmt_duration
                             "measured throughput is used.")
 @input_options
 @sampling_options
-@schedule_options
+@plan_schedule_options
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON.")
 @user_errors
 def plan(input_path, out, config_file, as_json, **options):
@@ -50,7 +51,10 @@ def plan(input_path, out, config_file, as_json, **options):
         click.echo(f"{b.label:>26s} {b.num_rows:>8d} {b.prompt_tokens:>14d} {b.predicted_tokens:>17d}")
     click.echo(f"predicted output tokens: {p.predicted_tokens}")
     if p.tokens_per_s:
-        click.echo(f"ETA: {fmt_duration(p.eta_s)} at {p.tokens_per_s:.0f} output tok/s ({p.throughput_source})")
+        start = (f"{fmt_duration(p.startup_s)} of it the engine's start-up, as the last run measured it"
+                 if p.startup_s is not None else "not counting the engine's start-up, which no run in --out measured")
+        click.echo(f"ETA: {fmt_duration(p.eta_s)} at {p.tokens_per_s:.0f} output tok/s ({p.throughput_source}); "
+                   f"{start}")
     else:
         click.echo("ETA: unknown: pass --throughput, set scheduler.tokens_per_second (see `overnight tune`), "
                    "or --out a folder a run has measured")

@@ -227,7 +227,9 @@ def test_option_groups_per_command():
         return {o for p in cmd.params for o in p.opts}
     assert {"--engine", "--echo-step-ms", "--passthrough", "--flush-rows", "--log-every"} <= flags(run)
     assert "--engine" not in flags(plan) and "--engine" not in flags(tune)
-    assert {"--policy", "--throughput"} <= flags(plan)
+    assert {"--policy", "--throughput", "--deadline", "--safety-margin"} <= flags(plan)
+    # a dry run does not stop, drain, hold or age rows: it does not take what would do nothing there
+    assert not {"--on-deadline", "--grace", "--lookahead", "--max-wait"} & flags(plan)
 
 
 @pytest.mark.parametrize("command", ["run", "plan", "tune"])

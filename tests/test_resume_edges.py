@@ -144,3 +144,25 @@ def test_a_rerun_with_nothing_to_do_keeps_the_measured_rate(tmp_path, cfg, write
     assert s.num_resumed == 20 and measured_throughput(str(out)) == rate
     st = job_status(str(out))
     assert (st["state"], st["rows_done"], st["eta_s"]) == ("completed", 20, 0.0)
+
+
+def test_plan_counts_the_start_up_the_last_run_measured(tmp_path, cfg, write_parquet):
+    """`plan --out`'s ETA and deadline count the engine's start-up as the last run there measured it (they left
+    it out, where a --time-budget includes it)."""
+    from overnight.pipeline.scheduling.plan import make_plan
+
+    out = tmp_path / "out"
+    inp = write_parquet({"id": list(range(40)), "prompt": ["hi there"] * 40})
+    assert make_plan(cfg(inp, out), out=str(out), throughput=100.0).startup_s is None   # no run there yet
+    run_job(cfg(inp, out, input={"limit": 10}), engine_factory=given(FakeEngine()), is_tty=False)
+    st = json.loads((out / "status.json").read_text())
+    st["startup"]["first_row_s"] = 40.0   # (the test's process was born long before its run)
+    (out / "status.json").write_text(json.dumps(st))
+    p = make_plan(cfg(inp, out), out=str(out), throughput=100.0)
+    assert p.num_todo == 30 and p.startup_s == 40.0
+    assert p.eta_s == pytest.approx(p.predicted_tokens / 100.0 + 40.0)
+    # a budget the rows' tokens alone would fit with 20 s to spare, but not after the start-up
+    budget = p.predicted_tokens / 10.0 + 20
+    tight = make_plan(cfg(inp, out, scheduler={"time_budget": f"{budget:.0f}s", "safety_margin_s": 0}),
+                      out=str(out), throughput=10.0)
+    assert p.predicted_tokens > 300 and tight.is_feasible is False and tight.rows_left > 0

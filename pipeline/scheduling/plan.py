@@ -50,6 +50,9 @@ class Plan:
     errors: list = field(default_factory=list)
     # Rows skipped because an earlier row had the same id (as `overnight run` skips them).
     num_duplicates: int = 0
+    # Seconds from the command's start to its first row in the engine, as the last run in --out measured them
+    # (in eta_s, and taken from the deadline's work time); None: not known, and not counted.
+    startup_s: Optional[float] = None
 
 
 def measured_throughput(out_url: str, kind: str = "vllm") -> Optional[float]:
@@ -58,6 +61,13 @@ def measured_throughput(out_url: str, kind: str = "vllm") -> Optional[float]:
     rates = [float((d.out.read_status() or {}).get("output_tokens_per_s") or 0) for d in job_dirs(out_url)
              if mf.engine_kind(d.out.read_manifest()) == kind]
     return sum(rates) or None
+
+
+def measured_startup(out_url: str) -> Optional[float]:
+    """Seconds the last run in OUT took from its start to its first row in the engine (a sharded job's slowest
+    shard); None where no run there started an engine."""
+    times = [((d.out.read_status() or {}).get("startup") or {}).get("first_row_s") for d in job_dirs(out_url)]
+    return max((float(t) for t in times if t is not None), default=None)
 
 
 def run_order(policy, work: np.ndarray, priorities: list) -> np.ndarray:
@@ -122,17 +132,20 @@ def make_plan(cfg: JobConfig, out: Optional[str] = None, throughput: Optional[fl
     elif out and measured_throughput(out, cfg.engine.kind):
         tps, source_name = measured_throughput(out, cfg.engine.kind), f"measured by the last run in {out}"
     total = float(work.sum())
+    startup = measured_startup(out) if out and len(pred) else None
     plan = Plan(num_rows=source.num_rows, num_done=num_done, num_errors=num_errors, num_todo=len(pred),
                 predictor=annotator.predictor.name, buckets=lines, predicted_tokens=int(total),
-                tokens_per_s=tps, throughput_source=source_name, eta_s=total / tps if tps else None, errors=errors,
-                num_duplicates=num_duplicates)
+                tokens_per_s=tps, throughput_source=source_name,
+                eta_s=total / tps + (startup or 0.0) if tps else None, errors=errors, num_duplicates=num_duplicates,
+                startup_s=startup)
     if deadline_at is not None:
         plan.deadline_at = deadline_at
         plan.time_left_s = max(0.0, deadline_at - margin - now)
         if tps:
             plan.is_feasible = plan.eta_s <= plan.time_left_s
             cum = np.cumsum(work[run_order(cfg.scheduler.policy, work, priorities)])
-            fits = int(np.searchsorted(cum, tps * plan.time_left_s, side="right"))
+            work_s = max(0.0, plan.time_left_s - (startup or 0.0))  # the engine's start-up comes first
+            fits = int(np.searchsorted(cum, tps * work_s, side="right"))
             plan.rows_left = len(pred) - fits
             plan.tokens_left = int(total - (cum[fits - 1] if fits else 0.0))
     return plan
