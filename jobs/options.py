@@ -340,7 +340,23 @@ def build_config(input_path: Optional[str], out: Optional[str], config_file: Opt
             raise ConfigError(f"INPUT {input_path} is a config file, and --config {config_file} is another: give "
                               f"one config, and the input as INPUT or its input.path.")
         config_file, input_path = input_path, None
-    return resolve(config_layer(input_path, out, **options), config_file)
+    try:
+        return resolve(config_layer(input_path, out, **options), config_file)
+    except ConfigError as e:
+        raise ConfigError(named_flags(str(e), options)) from None
+
+
+def named_flags(message: str, options: dict) -> str:
+    """A bad value's message names its config key; one given on the command line is named by its flag too
+    ("--max-wait (scheduler.max_wait_s) is -5.0; ...")."""
+    import re
+
+    for opt in OPTIONS:
+        if given(options, opt.path) is not None:
+            flag = opt.flags.split("/")[0]
+            message = re.sub(rf"(?<![\w.(]){re.escape(opt.path)}(?![\w.])", f"{flag} ({opt.path})", message,
+                             count=1)
+    return message
 
 
 class ConfigUsageError(click.ClickException):

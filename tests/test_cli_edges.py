@@ -259,6 +259,9 @@ def test_two_config_files_and_a_config_files_bad_value_are_named(tmp_path, write
     inp = write_parquet({"prompt": ["hi"]})
     r = CliRunner().invoke(cli, ["run", inp, "--out", str(tmp_path / "o"), "--config", str(a), "--model", tiny_model])
     assert r.exit_code == 2 and f"configuration ({a} and the command line): sampling.temperature is 9.0" in r.output
+    # a value the command line gave is named by its flag too (plan's --throughput named only the config key)
+    r = CliRunner().invoke(cli, ["plan", inp, "--model", tiny_model, "--throughput", "-5"])
+    assert r.exit_code == 2 and "--throughput (scheduler.tokens_per_second) is -5.0" in r.output, r.output
     r = CliRunner().invoke(cli, ["run", inp, "--out", str(tmp_path / "o"), "--config", str(b), "--model", tiny_model,
                                  "--engine", "echo"])
     assert r.exit_code == 2 and "--deadline (scheduler.deadline) 2020-01-01T00:00 is in the past" in r.output, r.output

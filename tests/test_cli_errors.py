@@ -40,5 +40,5 @@ def test_a_job_that_fails_before_its_summary_still_prints_one_json_document(tmp_
     assert doc["state"] == "failed" and doc["exit_code"] == 1 and doc["message"].startswith("Input ")
     bad = run_cli("run", write_parquet({"prompt": ["hi"]}), "--out", tmp_path / "o", "--temperature", "3", "--json")
     assert bad.returncode == 2 and json.loads(bad.stdout)["message"] == (   # an option's bad value: bad usage
-        "configuration: sampling.temperature is 3.0; it must be 0 (greedy) to 2.")
+        "configuration: --temperature (sampling.temperature) is 3.0; it must be 0 (greedy) to 2.")
     assert json.loads(bad.stdout)["exit_code"] == 2

@@ -50,7 +50,7 @@ def test_log_format_json_puts_one_object_on_each_stderr_line(tmp_path, tiny_mode
                        "--temperature", "9", "--model", tiny_model, check=False)   # its error line too
     assert failed.returncode == 2   # a bad option's value: bad usage
     assert [json.loads(ln)["message"] for ln in failed.stderr.splitlines() if ln.strip()] == [
-        "Error: configuration: sampling.temperature is 9.0; it must be 0 (greedy) to 2."]
+        "Error: configuration: --temperature (sampling.temperature) is 9.0; it must be 0 (greedy) to 2."]
     for args, code, message in [(("status", str(tmp_path / "nope")), 1, "Error: Output folder "),
                                 (("bogus",), 2, "Error: No such command 'bogus'.")]:  # other commands' errors too
         other = overnight("--log-format", "json", *args, check=False)
