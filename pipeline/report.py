@@ -205,7 +205,9 @@ class Reporter:
         # Earlier attempts' samples (a resumed job's story goes on), the last 2,000 of them.
         attempt = len(job.manifest["attempts"])
         self.earlier = [s for s in job.out.read_timeline() if s.get("attempt", 0) < attempt][-2000:]
-        self.earlier_rate = (job.out.read_status() or {}).get("output_tokens_per_s")
+        earlier = job.out.read_status() or {}
+        self.earlier_rate = earlier.get("output_tokens_per_s")
+        self.earlier_startup = earlier.get("startup")  # the last attempt's: how long the engine took to start
         out = job.cfg.output
         self.metrics = None
         if out.metrics_file or out.metrics_port:

@@ -36,6 +36,7 @@ from overnight.pipeline.records import ENGINE_INTERNAL_ERROR, Result, Row
 from overnight.pipeline.report import Reporter, Summary
 from overnight.pipeline.scheduling.deadline import DeadlineTracker
 from overnight.pipeline.scheduling.scheduler import Scheduler
+from overnight.pipeline.scheduling.when import no_row_started, short_budget_warning
 from overnight.pipeline.signals import StopRequests
 from overnight.pipeline.tally import Tally
 
@@ -117,7 +118,7 @@ class Runner(Clockwork):
             else:
                 state = RunState.INTERRUPTED if self.signals.first else RunState.PARTIAL
                 message = f"{self.stopping or 'stopped'}: {self.tally.num_left} rows not done; rerun the same " \
-                          f"command to continue"
+                          f"command to continue" + no_row_started(self.tally.startup(), self.stopping)
         except BaseException as e:
             message = f"{type(e).__name__}: {e}"
             self.engine_failed = isinstance(e, EngineError)
@@ -147,6 +148,9 @@ class Runner(Clockwork):
             self._collect()
 
     def _start_engine(self):
+        warning = short_budget_warning(self.reporter.earlier_startup, self.tracker.time_left())
+        if warning:
+            log.warning(warning)
         self.engine = self.supervisor.start()
         self.scheduler.resize(self.engine.max_num_seqs)
         self.tracker.engine_started(self.engine.max_num_seqs)

@@ -240,6 +240,37 @@ def test_time_budget_stops_early_exit_75_and_rerun_completes(write_parquet, tmp_
     assert f["last"]["remaining_rows"] > 0    # the last forecast, before the last rows finished
 
 
+def test_a_budget_the_engines_start_up_takes_whole_says_so_and_the_rerun_is_warned(write_parquet, tmp_path, cfg,
+                                                                                   caplog):
+    """A --time-budget shorter than the engine's start-up exits 75 with no row done, and every rerun would do the
+    same: the message says why, and a rerun with less time left than the last start-up is warned before it starts."""
+    import json
+
+    inp = write_parquet({"id": list(range(6)), "prompt": ["hi there"] * 6})
+    out = tmp_path / "out"
+
+    clock = FakeClock()
+
+    def slow_start(job):
+        clock.t += 120.0   # the budget's stop comes while the engine starts
+        return FakeEngine()
+
+    s = run_job(cfg(inp, out, scheduler={"time_budget": "60s"}), engine_factory=slow_start, is_tty=False,
+                clock=clock)
+    assert (s.state, s.exit_code, s.num_done) == ("partial", 75, 0)
+    assert s.message.startswith("deadline reached: 6 rows not done; rerun the same command to continue (the engine "
+                                "took ") and "no row started before the stop" in s.message, s.message
+    st = json.loads((out / "status.json").read_text())
+    assert st["startup"]["engine_ready_s"] is not None and st["startup"]["first_row_s"] is None
+    st["startup"]["engine_ready_s"] = 60.0   # (the test's process was born before its run: set it plainly)
+    (out / "status.json").write_text(json.dumps(st))
+    with caplog.at_level("WARNING", logger="overnight"):
+        again = run_job(cfg(inp, out, scheduler={"time_budget": "30s"}), engine_factory=given(FakeEngine()),
+                        is_tty=False)
+    assert "are left before the stop, and the engine took 1m00s to start in the last attempt" in caplog.text
+    assert again.state == "completed" and "no row started" not in (again.message or "")
+
+
 def test_auto_completes_more_rows_than_fifo_by_the_deadline(write_parquet, tmp_path, cfg):
     inp = deadline_data(write_parquet)
     fifo, _ = budget_run(cfg, inp, tmp_path / "fifo", "fifo")

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import datetime as dt
 import re
+from typing import Optional
 
 from overnight.pipeline.config import ConfigError
+from overnight.pipeline.progress import fmt_duration
 
 
 def parse_budget(text: str, what: str = "--time-budget") -> float:
@@ -34,3 +36,25 @@ def parse_deadline(text: str, now: float) -> float:
         raise ConfigError(f"--deadline (scheduler.deadline) {text} is in the past (it is now {shown}). Give a "
                           f"later time, or a --time-budget such as 90m.")
     return at
+
+
+def short_budget_warning(last_startup: Optional[dict], time_left: float) -> Optional[str]:
+    """Before the engine starts: the time left is shorter than the engine took to start last time (the start-up
+    a --time-budget includes), so this attempt will likely end before its first row, as the last one may have."""
+    took = (last_startup or {}).get("engine_ready_s")
+    if took is None or time_left == float("inf") or time_left >= took:
+        return None
+    return (f"{fmt_duration(time_left)} are left before the stop, and the engine took {fmt_duration(took)} to start in the last "
+            f"attempt: this one will likely stop before its first row. Give a --time-budget (or --deadline) longer "
+            f"than the engine's start-up")
+
+
+def no_row_started(startup: dict, stopping: Optional[str]) -> str:
+    """What a stop at the deadline before any row went to the engine adds to its message."""
+    if not (stopping or "").startswith("deadline") or startup.get("first_row_s") is not None:
+        return ""
+    took = startup.get("engine_ready_s")
+    if took is None:  # the job's opening (its input, tokenizer, OUT's scan or lock) took the time
+        return " (the time went before the engine could start: give a longer --time-budget or a later --deadline)"
+    return (f" (the engine took {fmt_duration(took)} to start, and no row started before the stop: a rerun with the "
+            f"same budget will do the same; give a --time-budget (or --deadline) longer than the engine's start-up)")
