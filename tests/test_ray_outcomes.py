@@ -132,6 +132,12 @@ def test_rows_no_longer_in_the_input_do_not_count_as_done_on_a_resume(tmp_path, 
     assert s.message.endswith("300 rows not done; rerun the same command to continue")
     assert "300 rows in " in caplog.text and "are no longer in the input (e.g. ids 'B" in caplog.text
     assert json.loads((out / "status.json").read_text())["rows"]["remaining"] == 300
+    # inspect says so too (the workers do not count it; the driver does), with the rows not done
+    from overnight.pipeline.tools.inspection import open_results, summary_lines
+    con, m = open_results(str(out))
+    lines = summary_lines(con, m, None, job_status(str(out))["state"])   # as `overnight inspect` calls it
+    assert "rows: 600 (600 ok, 0 error, 300 not done; 300 no longer in the input, not counted as done)" in lines, \
+        lines
 
 
 def test_an_id_in_two_workers_units_is_answered_once(tmp_path, cfg, local_ray):

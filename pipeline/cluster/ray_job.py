@@ -311,7 +311,7 @@ class Driver:
         return {"state": state, "exit_code": exit_code, "message": message, "out": self.root.shown(),
                 "workers": self.num_workers, "units_pending": pending,
                 "rows": {"total": self.num_rows, "done": done, "remaining": max(0, self.total - done),
-                         "duplicates": self.num_rows - self.total},
+                         "duplicates": self.num_rows - self.total, "removed": self.num_removed},
                 "output_tokens": sum(s.get("output_tokens") or 0 for s in statuses.values()),
                 "engine_restarts": sum(s.get("engine_restarts") or 0 for s in statuses.values()),
                 "output_tokens_per_s": round(sum(s.get("output_tokens_per_s") or 0 for s in statuses.values()  # (at

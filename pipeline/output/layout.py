@@ -145,9 +145,11 @@ def job_manifest(url: str) -> Optional[dict]:
         counts["num_rows"] = None
         merged["shards_not_started"] = missing
     if any(d.worker is not None for d, _ in found):  # Ray: a worker counts the units it took; the driver the job
-        total = ((OutputDir(url).read_status() or {}).get("rows") or {}).get("total")
-        if isinstance(total, int):
-            counts["num_rows"] = total
+        rows = (OutputDir(url).read_status() or {}).get("rows") or {}
+        if isinstance(rows.get("total"), int):
+            counts["num_rows"] = rows["total"]
+        if isinstance(rows.get("removed"), int):  # the folders' rows no longer in the input: the driver's pass
+            counts["num_removed"] = rows["removed"]
     merged["counts"] = counts
     merged["attempts"] = [a for _, m in found for a in m.get("attempts", [])]
     merged["state"] = combined_state([m.get("state") for _, m in found], expected=_expected(found))

@@ -131,7 +131,7 @@ def summary_lines(con, manifest: Optional[dict], price_per_hour: Optional[float]
     # input (known once a run has read it all) are not its rows done.
     here = n - (counts.get("num_removed") or 0)
     not_done = total - here - (counts.get("num_duplicates") or 0) if isinstance(total, int) else 0
-    left = f", {not_done} not done" if not_done > 0 and (manifest or {}).get("state") != "completed" else ""
+    left = f", {not_done} not done" if not_done > 0 and state != "completed" else ""  # (the job's, as status says)
     if (manifest or {}).get("shards_not_started"):
         k = manifest["shards_not_started"]
         left += f", and the rows of {k} shard{'s' if k > 1 else ''} not started"
