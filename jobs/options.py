@@ -342,8 +342,8 @@ def build_config(input_path: Optional[str], out: Optional[str], config_file: Opt
         config_file, input_path = input_path, None
     try:
         return resolve(config_layer(input_path, out, **options), config_file)
-    except ConfigError as e:
-        raise ConfigError(named_flags(str(e), options)) from None
+    except ConfigError as e:  # (a config file's own bad value, "FILE: key ...", is the file's)
+        raise ConfigError(named_flags(str(e), options) if str(e).startswith("configuration") else str(e)) from None
 
 
 def named_flags(message: str, options: dict) -> str:

@@ -51,15 +51,22 @@ def plan(input_path, out, config_file, as_json, **options):
         click.echo(f"{b.label:>26s} {b.num_rows:>8d} {b.prompt_tokens:>14d} {b.predicted_tokens:>17d}")
     click.echo(f"predicted output tokens: {p.predicted_tokens}")
     if p.tokens_per_s:
-        start = (f"{fmt_duration(p.startup_s)} of it the engine's start-up, as the last run measured it"
-                 if p.startup_s is not None else "not counting the engine's start-up, which no run in --out measured")
-        click.echo(f"ETA: {fmt_duration(p.eta_s)} at {p.tokens_per_s:.0f} output tok/s ({p.throughput_source}); "
+        if p.startup_s is not None:
+            start = f"; {fmt_duration(p.startup_s)} of it the start-up to the first row, as the last run measured it"
+        elif p.num_todo:
+            start = ("; not counting the start-up, which no run in --out measured" if out or cfg.output.path
+                     else "; not counting the start-up (--out of an earlier run of the job counts it)")
+        else:
+            start = ""
+        click.echo(f"ETA: {fmt_duration(p.eta_s)} at {p.tokens_per_s:.0f} output tok/s ({p.throughput_source})"
                    f"{start}")
     else:
         click.echo("ETA: unknown: pass --throughput, set scheduler.tokens_per_second (see `overnight tune`), "
                    "or --out a folder a run has measured")
     if p.deadline_at is not None:
-        when = f"deadline {iso(p.deadline_at)}: {fmt_duration(p.time_left_s)} of work time"
+        after = (f", {fmt_duration(max(0.0, p.time_left_s - p.startup_s))} after the start-up"
+                 if p.startup_s is not None else "")
+        when = f"deadline {iso(p.deadline_at)}: {fmt_duration(p.time_left_s)} to work in{after}"
         if p.is_feasible is None:
             click.echo(f"{when}; feasibility unknown without a throughput")
         elif p.is_feasible:

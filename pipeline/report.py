@@ -275,6 +275,11 @@ class Reporter:
             "updated_at": mf.now_iso(),
         }
 
+    def close(self) -> None:
+        """The job has ended: --metrics-port stops serving (its last figures are in status.json)."""
+        if self.metrics is not None:
+            self.metrics.close()
+
     def finish(self, state: mf.RunState, message: Optional[str], engine_failed: bool) -> Summary:
         """Close the attempt in the manifest, write the last status, and return the summary."""
         exit_code = exit_code_for(state, engine_failed)

@@ -82,6 +82,7 @@ class Runner(Clockwork):
         self.hard_stop_at: Optional[float] = None  # when rows still in flight are aborted
         self.engine_failed = False
         self.engine_dead = False  # it died after a signal: not stepped again
+        self.ready_after_stop = False  # the engine was ready only once the deadline's stop had come
         # The input could not be read on (a damaged file): the rows read before it are finished, then it is raised
         self.input_error: Optional[BaseException] = None
         self._last_tick = self._last_forecast = -1e18
@@ -118,7 +119,7 @@ class Runner(Clockwork):
             else:
                 state = RunState.INTERRUPTED if self.signals.first else RunState.PARTIAL
                 message = f"{self.stopping or 'stopped'}: {self.tally.num_left} rows not done; rerun the same " \
-                          f"command to continue" + no_row_started(self.tally.startup(), self.stopping)
+                          f"command to continue" + no_row_started(self.tally, self.stopping, self.ready_after_stop)
         except BaseException as e:
             message = f"{type(e).__name__}: {e}"
             self.engine_failed = isinstance(e, EngineError)
@@ -151,7 +152,10 @@ class Runner(Clockwork):
         warning = short_budget_warning(self.reporter.earlier_startup, self.tracker.time_left())
         if warning:
             log.warning(warning)
+        began = time.time()
         self.engine = self.supervisor.start()
+        self.tally.engine_start_s = time.time() - began
+        self.ready_after_stop = self.tracker.should_stop()  # the start-up took what the budget had left
         self.scheduler.resize(self.engine.max_num_seqs)
         self.tracker.engine_started(self.engine.max_num_seqs)
         self.tally.started = time.monotonic()  # the attempt's elapsed time and tok/s count from a running engine
@@ -369,4 +373,7 @@ class Runner(Clockwork):
         if lock is not None and not lock.confirm() and state != RunState.FAILED:
             state, message = RunState.FAILED, self._lost_message()  # found out now: nothing more is written
         self.tally.unsaved(self.writer.buffer + self.writer.unsaved)
-        return self.reporter.finish(state, message, self.engine_failed)
+        try:
+            return self.reporter.finish(state, message, self.engine_failed)
+        finally:
+            self.reporter.close()

@@ -29,6 +29,7 @@ class Tally:
     # When the engine was ready and the first row went to it (seconds since the epoch), for the start-up's story.
     engine_ready_at: Optional[float] = None
     first_admitted_at: Optional[float] = None
+    engine_start_s: Optional[float] = None  # the engine's own start: from the factory's call to a ready engine
 
     @property
     def num_done(self) -> int:
@@ -89,12 +90,14 @@ class Tally:
                 "in_flight": in_flight}
 
     def startup(self) -> dict:
-        """Seconds from the process's start to a ready engine and to the first row in it."""
+        """Seconds from the process's start to a ready engine and to the first row in it, and the engine's own
+        start (in engine_ready_s, after the job's opening)."""
         import psutil
 
         born = psutil.Process().create_time()
         return {"engine_ready_s": None if self.engine_ready_at is None else round(self.engine_ready_at - born, 2),
-                "first_row_s": None if self.first_admitted_at is None else round(self.first_admitted_at - born, 2)}
+                "first_row_s": None if self.first_admitted_at is None else round(self.first_admitted_at - born, 2),
+                "engine_start_s": None if self.engine_start_s is None else round(self.engine_start_s, 2)}
 
     def tokens_per_s(self) -> float:
         e = self.elapsed()

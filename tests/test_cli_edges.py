@@ -139,6 +139,23 @@ def test_a_busy_metrics_port_is_warned_about_and_the_job_goes_on(tmp_path, cfg, 
     assert s.exit_code == 0 and any(f"--metrics-port {port}: cannot serve metrics" in m for m in caplog.messages)
 
 
+def test_the_metrics_port_is_free_again_when_the_job_ends(tmp_path, cfg, write_parquet, caplog):
+    """Two jobs in one process (a notebook, an Airflow worker) on one --metrics-port: the second serves too (the
+    first held the port to the process's end)."""
+    s = socket.socket()
+    s.bind(("", 0))
+    port = s.getsockname()[1]
+    s.close()
+    inp = write_parquet({"id": [1], "prompt": ["a"]})
+    with caplog.at_level(logging.WARNING, logger="overnight"):
+        for out in ("a", "b"):
+            assert run_job(cfg(inp, tmp_path / out, output={"metrics_port": port}),
+                           engine_factory=given(FakeEngine()), is_tty=False).exit_code == 0
+    assert not any("cannot serve metrics" in m for m in caplog.messages), caplog.messages
+    with socket.socket() as again:   # nothing serves on it now
+        assert again.connect_ex(("127.0.0.1", port)) != 0
+
+
 def test_report_and_export_name_the_path_or_option(tmp_path, cfg, write_parquet):
     from overnight.pipeline.tools.export import export
     from overnight.pipeline.tools.report import build, write
@@ -259,7 +276,11 @@ def test_two_config_files_and_a_config_files_bad_value_are_named(tmp_path, write
     inp = write_parquet({"prompt": ["hi"]})
     r = CliRunner().invoke(cli, ["run", inp, "--out", str(tmp_path / "o"), "--config", str(a), "--model", tiny_model])
     assert r.exit_code == 2 and f"configuration ({a} and the command line): sampling.temperature is 9.0" in r.output
-    # a value the command line gave is named by its flag too (plan's --throughput named only the config key)
+    # a value the command line gave is named by its flag too (plan's --throughput named only the config key), a
+    # config file's wrong type is the file's, whatever the command line gave
+    a.write_text("sampling:\n  temperature: abc\n")
+    r = CliRunner().invoke(cli, ["run", inp, "--out", str(tmp_path / "o"), "--config", str(a), "--temperature", "0.5"])
+    assert r.exit_code == 2 and f"{a}: sampling.temperature must be a number, got 'abc'" in r.output, r.output
     r = CliRunner().invoke(cli, ["plan", inp, "--model", tiny_model, "--throughput", "-5"])
     assert r.exit_code == 2 and "--throughput (scheduler.tokens_per_second) is -5.0" in r.output, r.output
     r = CliRunner().invoke(cli, ["run", inp, "--out", str(tmp_path / "o"), "--config", str(b), "--model", tiny_model,

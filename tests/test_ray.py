@@ -240,6 +240,8 @@ def test_the_deadline_stops_every_worker_then_a_rerun_completes(tmp_path, cfg, l
     st = job_status(str(out))
     assert (st["rows_done"], st["rows_left"]) == (1200, 0) and sum(w["rows_done"] for w in st["per_shard"]) == 1200
     assert json.loads((out / "status.json").read_text())["rows"]["done"] == 1200
+    # and its output tokens too (they were the running folder's alone)
+    assert json.loads((out / "status.json").read_text())["output_tokens"] == s2.num_output_tokens > 0
 
 
 def test_sigterm_to_the_driver_drains_every_worker_and_exits_75(tmp_path, tiny_model):

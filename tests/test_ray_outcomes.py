@@ -159,7 +159,7 @@ def test_an_id_in_two_workers_units_is_answered_once(tmp_path, cfg, local_ray):
         f"select prompt from read_parquet('{out}/workers/*/parts/*.parquet')").fetchall()}
     assert prompts == {f"q 0 {i}" for i in range(200)}          # the first of each id, in input order
     st = json.loads((out / "status.json").read_text())   # the input's rows, as one engine counts them
-    assert st["rows"] == {"total": 400, "done": 200, "remaining": 0, "duplicates": 200}
+    assert st["rows"] == {"total": 400, "done": 200, "remaining": 0, "duplicates": 200, "removed": 0}
     # request lines: a worker numbers a JSONL file's rows by line (blank lines too), and so does the driver's pass
     from openai_lines import completion
 

@@ -106,10 +106,10 @@ def run_on_ray(cfg: JobConfig, fresh: bool, workers: int, address: Optional[str]
 class Driver:
     def __init__(self, ray, cfg, units, total, workers, root, lock, deadline_at, started, is_tty, log_every, files,
                  margin: float = 0.0, early=None, done_at_start: Optional[int] = None, num_removed: int = 0,
-                 num_duplicates: int = 0, publish=None):
+                 num_duplicates: int = 0, publish: Optional[Published] = None):
         import uuid
 
-        self.publish = publish or root.write_status  # status.json (and the metrics asked for)
+        self.publish = publish or Published(root, None)  # status.json (and the metrics asked for)
 
         self.early = early  # a signal that came while the job opened, replayed when the driver's handlers start
         self.margin = margin  # the workers stop admitting this long before the deadline
@@ -208,6 +208,7 @@ class Driver:
         finally:
             for a in actors + [self.coordinator]:  # their names are free for the next run on this cluster
                 ray.kill(a)
+            self.publish.close()
 
     def _restarted(self, actor) -> bool:
         """Whether Ray brought a lost worker back (it answers), rather than giving it up."""
@@ -312,7 +313,9 @@ class Driver:
                 "workers": self.num_workers, "units_pending": pending,
                 "rows": {"total": self.num_rows, "done": done, "remaining": max(0, self.total - done),
                          "duplicates": self.num_rows - self.total, "removed": self.num_removed},
-                "output_tokens": sum(s.get("output_tokens") or 0 for s in statuses.values()),
+                # each running folder's total, and the totals of those no worker runs this time
+                "output_tokens": sum(s.get("output_tokens") or 0 for s in statuses.values()) + sum(
+                    c.get("num_output_tokens") or 0 for i, c in self.counts_before.items() if i not in statuses),
                 "engine_restarts": sum(s.get("engine_restarts") or 0 for s in statuses.values()),
                 "output_tokens_per_s": round(sum(s.get("output_tokens_per_s") or 0 for s in statuses.values()  # (at
                                                  if s.get("state") == "running" or state != "running"), 2),  # end: all)
@@ -321,6 +324,8 @@ class Driver:
                                                                               round(f.eta_high_s, 1)],
                 "rows_expected_left": None if f is None else f.rows_expected_left,
                 "deadline": iso(self.deadline_at) if self.deadline_at else None,
+                "time_left_s": (round(max(0.0, self.deadline_at - self.margin - time.time()), 1)  # to the stop
+                                if self.deadline_at and state == "running" else None),
                 "per_worker": {f"w{i}": {"state": s.get("state"), "rows_done": s.get("rows", {}).get("done"),
                                          "exit_code": s.get("exit_code")} for i, s in sorted(statuses.items())},
                 "updated_at": iso(time.time())}

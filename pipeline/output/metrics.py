@@ -23,6 +23,7 @@ class Metrics:
         from prometheus_client import CollectorRegistry, Gauge
 
         self.path, self.job = path, job
+        self.server = None  # --metrics-port's, until the job ends
         self.registry = r = CollectorRegistry()
         labels = ["job"]
         self.rows = Gauge("overnight_rows", "Input rows of the job by state", labels + ["state"], registry=r)
@@ -44,11 +45,18 @@ class Metrics:
             from prometheus_client import start_http_server
 
             try:
-                start_http_server(port, registry=r)
+                self.server = start_http_server(port, registry=r)[0]
                 log.info("serving Prometheus metrics on :%d/metrics", port)
             except OSError as e:  # a busy port: the job goes on without, as with a --metrics-file it cannot write
                 log.warning(f"--metrics-port {port}: cannot serve metrics ({e.strerror or e}); the job goes on "
                             f"without them. Choose a free port.")
+
+    def close(self) -> None:
+        """Stop serving --metrics-port: the job has ended (its port is free for the next job in this process)."""
+        if self.server is not None:
+            self.server.shutdown()
+            self.server.server_close()
+            self.server = None
 
     def update(self, status: dict) -> None:
         nan = float("nan")
@@ -61,10 +69,9 @@ class Metrics:
         self.output_tokens.labels(job).set(status.get("output_tokens") or 0)
         eta = status.get("eta_s")
         self.eta.labels(job).set(nan if eta is None else eta)
-        left = (status.get("forecast") or {}).get("time_left_s")
-        if left is None and status.get("deadline"):  # a Ray job's status gives the deadline itself
-            import datetime as dt
-            left = max(0.0, dt.datetime.fromisoformat(status["deadline"]).timestamp() - time.time())
+        # to the stop (the deadline less its safety margin), where the forecast's risk is judged; a Ray job's
+        # status gives it beside the forecast it makes of its workers'
+        left = (status.get("forecast") or {}).get("time_left_s", status.get("time_left_s"))
         self.slack.labels(job).set(nan if left is None or eta is None else left - eta)
         self.restarts.labels(job).set(status.get("engine_restarts") or 0)
         for s in STATES:
@@ -88,9 +95,13 @@ class Published:
     def __init__(self, out, output_cfg):
         self.out = out
         self.metrics = (Metrics(output_cfg.metrics_file, output_cfg.metrics_port, out.shown())
-                        if output_cfg.metrics_file or output_cfg.metrics_port else None)
+                        if output_cfg and (output_cfg.metrics_file or output_cfg.metrics_port) else None)
 
     def __call__(self, status: dict) -> None:
         self.out.write_status(status)
         if self.metrics is not None:
             self.metrics.update(status)
+
+    def close(self) -> None:
+        if self.metrics is not None:
+            self.metrics.close()

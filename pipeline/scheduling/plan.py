@@ -65,8 +65,10 @@ def measured_throughput(out_url: str, kind: str = "vllm") -> Optional[float]:
 
 def measured_startup(out_url: str) -> Optional[float]:
     """Seconds the last run in OUT took from its start to its first row in the engine (a sharded job's slowest
-    shard); None where no run there started an engine."""
-    times = [((d.out.read_status() or {}).get("startup") or {}).get("first_row_s") for d in job_dirs(out_url)]
+    shard); None where no run there started an engine, and on Ray (a worker's process is not the job's, whose
+    driver reads the input's ids and places the workers first)."""
+    times = [((d.out.read_status() or {}).get("startup") or {}).get("first_row_s") for d in job_dirs(out_url)
+             if d.worker is None]
     return max((float(t) for t in times if t is not None), default=None)
 
 

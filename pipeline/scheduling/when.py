@@ -39,22 +39,25 @@ def parse_deadline(text: str, now: float) -> float:
 
 
 def short_budget_warning(last_startup: Optional[dict], time_left: float) -> Optional[str]:
-    """Before the engine starts: the time left is shorter than the engine took to start last time (the start-up
-    a --time-budget includes), so this attempt will likely end before its first row, as the last one may have."""
-    took = (last_startup or {}).get("engine_ready_s")
+    """Before the engine starts: less time is left than the engine took to start in the last attempt, so this one
+    will likely stop before its first row, as the last one may have."""
+    took = (last_startup or {}).get("engine_start_s")  # (an attempt before stop 46 did not record it)
     if took is None or time_left == float("inf") or time_left >= took:
         return None
-    return (f"{fmt_duration(time_left)} are left before the stop, and the engine took {fmt_duration(took)} to start in the last "
-            f"attempt: this one will likely stop before its first row. Give a --time-budget (or --deadline) longer "
-            f"than the engine's start-up")
+    return (f"{fmt_duration(time_left)} are left before the stop, and the engine took {fmt_duration(took)} to start "
+            f"in the last attempt: this one will likely stop before its first row. Give a --time-budget (or "
+            f"--deadline) longer than the job's opening and the engine's start-up")
 
 
-def no_row_started(startup: dict, stopping: Optional[str]) -> str:
-    """What a stop at the deadline before any row went to the engine adds to its message."""
-    if not (stopping or "").startswith("deadline") or startup.get("first_row_s") is not None:
+def no_row_started(tally, stopping: Optional[str], ready_after_stop: bool) -> str:
+    """What a stop at the deadline before any row went to the engine adds to its message: what took the time."""
+    if not (stopping or "").startswith("deadline") or tally.first_admitted_at is not None:
         return ""
-    took = startup.get("engine_ready_s")
-    if took is None:  # the job's opening (its input, tokenizer, OUT's scan or lock) took the time
-        return " (the time went before the engine could start: give a longer --time-budget or a later --deadline)"
-    return (f" (the engine took {fmt_duration(took)} to start, and no row started before the stop: a rerun with the "
-            f"same budget will do the same; give a --time-budget (or --deadline) longer than the engine's start-up)")
+    longer = "give a longer --time-budget or a later --deadline"
+    if tally.engine_ready_at is None:  # the job's opening (its input, tokenizer, OUT's scan or lock) took the time
+        return f" (the time went before the engine could start: {longer})"
+    if ready_after_stop:
+        return (f" (the engine took {fmt_duration(tally.engine_start_s or 0.0)} to start, and the stop came before "
+                f"it was ready: a rerun with the same budget will do the same; {longer}, past the job's opening "
+                f"and the engine's start-up)")
+    return f" (the engine was ready, but no row reached it before the stop: {longer})"
