@@ -44,11 +44,13 @@ demo: setup
 	$(BIN)/overnight run examples/prompts.parquet --out results/demo
 	$(BIN)/overnight inspect results/demo
 
+# Two pytest-xdist workers, a test file each at a time, then the tests marked serial alone (tests/conftest.py).
 test: setup airflow
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n 2 --dist loadfile -m "not serial"
+	$(BIN)/python -m pytest -m serial
 
 check: setup
-	$(BIN)/python -m pytest -m "not engine and not slow"
+	$(BIN)/python -m pytest -n 2 --dist loadfile -m "not engine and not slow"
 
 clean:
 	rm -rf $(VENV) $(AIRFLOW_VENV) results

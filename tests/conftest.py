@@ -145,3 +145,18 @@ def s3(tmp_path_factory):
 def s3_env(endpoint: str) -> dict:
     return {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1",
             "FSSPEC_S3_ENDPOINT_URL": endpoint}
+
+
+# `make test` runs the suite in two passes (see the Makefile): every test not marked `serial` on two pytest-xdist
+# workers, a whole file to a worker (`--dist loadfile`, so that a module's engine starts once), then the `serial`
+# ones alone. Those are the Ray clusters' runs, whose deadlines and sharing of units are timed against a machine
+# that a second engine would slow. Files go to the workers in this order: the real engine's first, then the other
+# slow ones, then the rest, so that the short files fill the end rather than a long one starting last.
+def pytest_collection_modifyitems(config, items):
+    def rank(item):
+        return 0 if item.get_closest_marker("engine") else 1 if item.get_closest_marker("slow") else 2
+
+    first = {}
+    for item in items:
+        first.setdefault(item.path, (rank(item), len(first)))
+    items.sort(key=lambda item: first[item.path])

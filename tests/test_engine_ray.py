@@ -13,7 +13,7 @@ import pytest
 from conftest import overnight_cmd, real_prompts
 
 pytest.importorskip("ray")
-pytestmark = pytest.mark.engine
+pytestmark = [pytest.mark.engine, pytest.mark.serial]  # after the others, alone: see conftest.py
 
 
 def test_two_ray_workers_with_the_real_engine(tmp_path, model_path):

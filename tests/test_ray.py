@@ -18,7 +18,7 @@ import pytest
 
 from conftest import overnight_cmd
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.serial]  # after the others, alone: see conftest.py
 
 ray = pytest.importorskip("ray")
 

@@ -9,7 +9,7 @@ import pytest
 
 from test_ray import write_input
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.serial]  # after the others, alone: see conftest.py
 
 ray = pytest.importorskip("ray")
 

@@ -15,7 +15,7 @@ import pytest
 
 from test_ray import ids_in, local_ray, write_input  # noqa: F401 (local_ray: the module's cluster)
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.serial]  # after the others, alone: see conftest.py
 
 ray = pytest.importorskip("ray")
 

@@ -411,5 +411,7 @@ def test_the_deadline_shown_is_the_deadline_not_the_stop_for_new_rows(write_parq
     assert s.exit_code == 75
     left = [x["deadline_left_s"] for x in json.loads((out / "timeline.json").read_text())
             if x.get("deadline_left_s") is not None]
-    assert left[0] > 50 and left == sorted(left, reverse=True), left    # 40 s and less before
+    # (it counts down by the real clock between the fake clock's forecasts: microseconds that a busy machine
+    # makes milliseconds, against the fake clock's one-second steps)
+    assert left[0] > 50 and all(b <= a + 0.5 for a, b in zip(left, left[1:])), left    # 40 s and less before
     assert min(left) < 20                                                 # shown while the rows in flight drain
