@@ -150,11 +150,20 @@ def s3_env(endpoint: str) -> dict:
 # `make test` runs the suite in two passes (see the Makefile): every test not marked `serial` on two pytest-xdist
 # workers, a whole file to a worker (`--dist loadfile`, so that a module's engine starts once), then the `serial`
 # ones alone. Those are the Ray clusters' runs, whose deadlines and sharing of units are timed against a machine
-# that a second engine would slow. Files go to the workers in this order: the real engine's first, then the other
-# slow ones, then the rest, so that the short files fill the end rather than a long one starting last.
+# that a second engine would slow. Files go to the workers longest first (the slowest as measured by
+# `pytest --durations=0` at stop 46, then the real engine's, then the other slow ones, then the rest), so that the
+# short files fill the end rather than a long one starting last.
+LONGEST_FIRST = ("test_engine_scheduling.py", "test_engine_subprocess.py", "test_forecast.py",
+                 "test_reliability_kills.py", "test_cluster_recipes.py", "test_engine_samples.py", "test_engine_cli.py",
+                 "test_engine_streams.py", "test_operators.py", "test_airflow.py", "test_retry_errors.py")
+
+
 def pytest_collection_modifyitems(config, items):
     def rank(item):
-        return 0 if item.get_closest_marker("engine") else 1 if item.get_closest_marker("slow") else 2
+        if item.path.name in LONGEST_FIRST:
+            return LONGEST_FIRST.index(item.path.name)
+        return len(LONGEST_FIRST) + (0 if item.get_closest_marker("engine") else 1 if item.get_closest_marker("slow")
+                                     else 2)
 
     first = {}
     for item in items:
