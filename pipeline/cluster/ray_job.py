@@ -364,8 +364,7 @@ class Driver:
                        f"run its own --out")
             log.error(message)
         else:
-            self.publish(self._status(state, code, statuses, pending, 0.0 if complete else None,
-                                                message))
+            self.publish(self._status(state, code, statuses, pending, 0.0 if complete else None, message))
         # the other folders' counts as they stand now: a worker that failed (its rows saved) or was lost this run,
         # or a folder no worker ran this time
         idle = [(d.out.read_manifest() or {}).get("counts", {}) for d in job_dirs(self.cfg.output.path)
