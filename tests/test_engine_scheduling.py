@@ -89,6 +89,16 @@ def test_plan_uses_measured_throughput_and_judges_the_deadline(warm):
     assert abs(tight["eta_s"] - tight["predicted_tokens"] / measured) < 1e-6
     text = invoke("plan", inp, "--throughput", "1e9", "--time-budget", "1h").output
     assert ": feasible" in text
+    # with rows left to run, the ETA counts the start-up to the first row the real run in --out measured
+    grown = first.parent / "grown.parquet"
+    table = pq.read_table(inp)
+    more = pa.table({"id": [f"more-{i}" for i in range(10)], "prompt": table.column("prompt").slice(0, 10),
+                     "max_tokens": pa.array([8] * 10, pa.int64())})
+    pq.write_table(pa.concat_tables([table, more.cast(table.schema)]), grown)
+    started = json.loads((first / "status.json").read_text())["startup"]["first_row_s"]
+    p = json.loads(invoke("plan", grown, "--out", first, "--json").output)
+    assert (p["num_todo"], p["num_done"], p["startup_s"]) == (10, 40, started) and started > 0
+    assert abs(p["eta_s"] - (p["predicted_tokens"] / measured + started)) < 1e-6
 
 
 def test_predictor_train_eval_and_run_with_it(warm, tmp_path):
