@@ -4,7 +4,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from fakes import TINY_TEMPLATE_TOKENS, FakeClock, FakeEngine, given
+from fakes import TINY_TEMPLATE_TOKENS, FakeEngine, given
 from overnight.pipeline.api import run_job
 from overnight.pipeline.output.checkpoint import OutputError
 from overnight.pipeline.engine import EngineError
@@ -201,108 +201,11 @@ def test_null_id_error_rows_are_written_once_across_resumes(write_parquet, tmp_p
     assert output(out).num_rows == 4 and again.num_done == 4 and s.num_done == 4
 
 
-def deadline_data(write_parquet, n=40):
-    # A bimodal mix like the real one (short math answers, long essays): every third prompt is long, and the
-    # fake engine answers long prompts at length; the heuristic's estimate grows with prompt length too.
-    prompts = [" ".join(["tell me about the weather"] * (12 if i % 3 == 0 else 1)) for i in range(n)]
-    return write_parquet({"id": [f"r{i:02d}" for i in range(n)], "prompt": prompts})
-
-
-def budget_run(cfg, inp, out, policy, budget="60s", **kw):
-    clock = FakeClock()
-    eng = FakeEngine(max_num_seqs=2, clock=clock, step_seconds=1.0, length_of=lambda ids: max(2, (len(ids) - 30) // 2))
-    return run_job(cfg(inp, out, scheduler={"time_budget": budget, "policy": policy, **kw}), engine_factory=given(eng),
-                   is_tty=False, clock=clock), eng
-
-
-def test_time_budget_stops_early_exit_75_and_rerun_completes(write_parquet, tmp_path, cfg, caplog):
-    inp = deadline_data(write_parquet)
-    out = tmp_path / "out"
-    with caplog.at_level("INFO", logger="overnight"):
-        s, eng = budget_run(cfg, inp, out, "fifo")
-    assert (s.state, s.exit_code) == ("partial", 75)
-    assert 0 < s.num_done < 40
-    assert s.message == f"deadline reached: {40 - s.num_done} rows not done; rerun the same command to continue"
-    assert "deadline at risk: the remaining ~" in caplog.text and "remaining rows to be left undone" in caplog.text
-    assert "deadline reached: stopped admitting rows;" in caplog.text and "(a signal ends the drain within --grace, a second" in caplog.text
-    st = __import__("json").loads((out / "status.json").read_text())
-    assert st["state"] == "partial" and st["exit_code"] == 75 and st["rows"]["remaining"] == 40 - s.num_done
-    # the last status.json gives the outcome where the forecast stood, and the last forecast beside it
-    f = st["forecast"]
-    assert f["will_miss"] is True and f["deadline"] and f["eta_s"] is None and f["eta_range_s"] is None
-    assert f["remaining_rows"] == f["rows_expected_left"] == 40 - s.num_done and f["time_left_s"] == 0.0
-    assert f["last"]["will_miss"] is True and f["last"]["rows_expected_left"] is not None
-    again = run_job(cfg(inp, out), engine_factory=given(FakeEngine()), is_tty=False)
-    ids = output(out).column("id").to_pylist()
-    assert again.state == "completed" and sorted(ids) == [f"r{i:02d}" for i in range(40)] and len(set(ids)) == 40
-    f = __import__("json").loads((out / "status.json").read_text())["forecast"]
-    assert (f["eta_s"], f["remaining_rows"], f["remaining_tokens_predicted"], f["will_miss"]) == (0.0, 0, 0, False)
-    assert f["last"]["remaining_rows"] > 0    # the last forecast, before the last rows finished
-
-
-def test_a_budget_the_engines_start_up_takes_whole_says_so_and_the_rerun_is_warned(write_parquet, tmp_path, cfg,
-                                                                                   caplog):
-    """A --time-budget shorter than the engine's start-up exits 75 with no row done, and every rerun would do the
-    same: the message says why, and a rerun with less time left than the last start-up is warned before it starts."""
-    import json
-
-    inp = write_parquet({"id": list(range(6)), "prompt": ["hi there"] * 6})
-    out = tmp_path / "out"
-
-    clock = FakeClock()
-
-    def slow_start(job):
-        clock.t += 120.0   # the budget's stop comes while the engine starts
-        return FakeEngine()
-
-    s = run_job(cfg(inp, out, scheduler={"time_budget": "60s"}), engine_factory=slow_start, is_tty=False,
-                clock=clock)
-    assert (s.state, s.exit_code, s.num_done) == ("partial", 75, 0)
-    assert s.message.startswith("deadline reached: 6 rows not done; rerun the same command to continue (the engine "
-                                "took ") and "and the stop came before it was ready" in s.message, s.message
-    st = json.loads((out / "status.json").read_text())
-    assert st["startup"]["engine_start_s"] is not None and st["startup"]["first_row_s"] is None
-    st["startup"]["engine_start_s"] = 60.0   # (the fake engine started at once: the clock moved, not time)
-    (out / "status.json").write_text(json.dumps(st))
-    with caplog.at_level("WARNING", logger="overnight"):
-        again = run_job(cfg(inp, out, scheduler={"time_budget": "30s"}), engine_factory=given(FakeEngine()),
-                        is_tty=False)
-    assert "are left before the stop, and the engine took 1m00s to start in the last attempt" in caplog.text
-    assert again.state == "completed" and "no row started" not in (again.message or "")
-
-
-def test_auto_completes_more_rows_than_fifo_by_the_deadline(write_parquet, tmp_path, cfg):
-    inp = deadline_data(write_parquet)
-    fifo, _ = budget_run(cfg, inp, tmp_path / "fifo", "fifo")
-    auto, eng = budget_run(cfg, inp, tmp_path / "auto", "auto")
-    assert auto.num_done >= 2 * fifo.num_done, (auto.num_done, fifo.num_done)
-    assert auto.extra["forecast"]["mode"] == "deadline"
-    assert len(set(eng.priorities.values())) > 1  # vLLM's own priority queue orders what waits in the engine
-
-
-def test_abort_on_deadline_leaves_in_flight_rows_not_done(write_parquet, tmp_path, cfg):
-    inp = deadline_data(write_parquet)
-    s, eng = budget_run(cfg, inp, tmp_path / "out", "fifo", on_deadline="abort")
-    assert s.state == "partial" and len(eng.aborted) > 0
-    done = set(output(tmp_path / "out").column("id").to_pylist())
-    assert len(done) == s.num_done
-
-
 def test_predictions_are_stored_next_to_actual_lengths(data, tmp_path, cfg):
     out = tmp_path / "out"
     run_job(cfg(data, out), engine_factory=given(FakeEngine()), is_tty=False)
     rows = output(out).to_pylist()
     assert all(r["predicted_tokens"] >= 1 and r["bucket"] is not None for r in rows)
-
-
-def test_per_row_deadline_that_passed_becomes_an_error_row(write_parquet, tmp_path, cfg):
-    import datetime as dt
-    past = dt.datetime(2020, 1, 1)
-    inp = write_parquet({"id": ["a", "b"], "prompt": ["x", "y"], "deadline": pa.array([past, None], pa.timestamp("s"))})
-    run_job(cfg(inp, tmp_path / "out"), engine_factory=given(FakeEngine()), is_tty=False)
-    rows = {r["id"]: r for r in output(tmp_path / "out").to_pylist()}
-    assert rows["b"]["status"] == "ok"
-    assert rows["a"]["error"] == "in.parquet#0: its deadline 2020-01-01T00:00:00+00:00 passed before the row could start"
 
 
 def test_each_row_gets_its_share_of_engine_time_and_the_job_its_cost(tmp_path, cfg, write_parquet):
@@ -365,53 +268,3 @@ def test_a_completed_job_whose_part_was_deleted_answers_its_rows_again(tmp_path,
     assert "unchanged" not in (s.message or "")
     assert (s.num_done, s.num_resumed) == (12, 12 - lost)
     assert sorted(pq.read_table(str(out / "parts")).column("id").to_pylist()) == list(range(12))
-
-
-def test_a_forecast_kept_waiting_does_not_put_the_next_ones_off(write_parquet, tmp_path, cfg, monkeypatch):
-    """The loop forecasts every 2 s, or less often where a forecast's own cost would take over 0.2% of its time.
-    A forecast held up 60 ms by a busy machine (here a sleep: no CPU time of its own) is not a costly one: at
-    500 x its wall time the next would come 30 s later."""
-    import time
-
-    from overnight.pipeline.scheduling.deadline import DeadlineTracker
-
-    calls = []
-    forecast_job = DeadlineTracker.forecast_job
-
-    def kept_waiting(self, *a, **k):
-        calls.append(self.clock())
-        time.sleep(0.06)
-        return forecast_job(self, *a, **k)
-
-    monkeypatch.setattr(DeadlineTracker, "forecast_job", kept_waiting)
-    s, _ = budget_run(cfg, deadline_data(write_parquet), tmp_path / "out", "fifo", budget="10m")
-    assert s.state == "completed"
-    gaps = [b - a for a, b in zip(calls, calls[1:])]
-    assert len(calls) >= 10 and sorted(gaps)[len(gaps) // 2] < 15.0, gaps  # its own CPU time: 2-6 s apart here
-
-
-def test_a_finished_run_gives_no_stale_eta(write_parquet, tmp_path, cfg):
-    # the last forecast is not a time to anything once the run ended: 0 once completed, none once stopped
-    inp = deadline_data(write_parquet)
-    s, _ = budget_run(cfg, inp, tmp_path / "done", "fifo", budget="1h")
-    st = __import__("json").loads((tmp_path / "done" / "status.json").read_text())
-    assert s.state == "completed" and st["eta_s"] == 0.0
-    s, _ = budget_run(cfg, inp, tmp_path / "stopped", "fifo")
-    st = __import__("json").loads((tmp_path / "stopped" / "status.json").read_text())
-    assert s.state == "partial" and st["eta_s"] is None
-
-
-def test_the_deadline_shown_is_the_deadline_not_the_stop_for_new_rows(write_parquet, tmp_path, cfg):
-    """The progress line's "deadline in", status.json's and the report's deadline: the one given (new rows stop a
-    safety margin, here 20 s of the 60 s budget, before it; it showed that stop)."""
-    import json
-
-    out = tmp_path / "out"
-    s, _ = budget_run(cfg, deadline_data(write_parquet), out, "fifo", safety_margin_s=20.0)
-    assert s.exit_code == 75
-    left = [x["deadline_left_s"] for x in json.loads((out / "timeline.json").read_text())
-            if x.get("deadline_left_s") is not None]
-    # (it counts down by the real clock between the fake clock's forecasts: microseconds that a busy machine
-    # makes milliseconds, against the fake clock's one-second steps)
-    assert left[0] > 50 and all(b <= a + 0.5 for a, b in zip(left, left[1:])), left    # 40 s and less before
-    assert min(left) < 20                                                 # shown while the rows in flight drain
