@@ -36,7 +36,7 @@ from overnight.pipeline.records import ENGINE_INTERNAL_ERROR, Result, Row
 from overnight.pipeline.report import Reporter, Summary
 from overnight.pipeline.scheduling.deadline import DeadlineTracker
 from overnight.pipeline.scheduling.scheduler import Scheduler
-from overnight.pipeline.scheduling.when import no_row_started, short_budget_warning
+from overnight.pipeline.scheduling.when import no_row_started, not_done_message, short_budget_warning
 from overnight.pipeline.signals import StopRequests
 from overnight.pipeline.tally import Tally
 
@@ -118,8 +118,8 @@ class Runner(Clockwork):
                 state = RunState.COMPLETED
             else:
                 state = RunState.INTERRUPTED if self.signals.first else RunState.PARTIAL
-                message = f"{self.stopping or 'stopped'}: {self.tally.num_left} rows not done; rerun the same " \
-                          f"command to continue" + no_row_started(self.tally, self.stopping, self.ready_after_stop)
+                message = not_done_message(self.stopping or "stopped", self.tally.num_left,
+                                           no_row_started(self.tally, self.stopping, self.ready_after_stop))
         except BaseException as e:
             message = f"{type(e).__name__}: {e}"
             self.engine_failed = isinstance(e, EngineError)

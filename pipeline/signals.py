@@ -17,18 +17,19 @@ from __future__ import annotations
 import signal
 import threading
 import time
-from typing import Optional
+from typing import Callable, Optional
 
 SAME_STOP_S = 0.5
 
 
 class StopRequests:
-    def __init__(self, clock=time.monotonic):
+    def __init__(self, clock=time.monotonic, on_request: Optional[Callable[[str], None]] = None):
         self.first: Optional[str] = None   # name of the first signal received
         self.count = 0
         self._previous: dict = {}
         self._clock = clock
         self._first_at: Optional[float] = None
+        self._on_request = on_request  # called with the signal's name for each request counted
 
     @property
     def is_urgent(self) -> bool:
@@ -43,6 +44,12 @@ class StopRequests:
         elif self.count == 1 and name == self.first and now - self._first_at < SAME_STOP_S:
             return  # the same stop, delivered twice (to the process group, and passed on by a wrapper)
         self.count += 1
+        if self._on_request is not None:
+            self._on_request(name)
+
+    def replay(self, name: str) -> None:
+        """A request that came before these handlers were installed (to another StopRequests)."""
+        self._handle(signal.Signals[name].value, None)
 
     def install(self) -> "StopRequests":
         """Record SIGTERM and SIGINT from now on (once: installed again, it keeps the handlers it replaced)."""

@@ -154,3 +154,19 @@ def test_the_job_metrics_slack_counts_to_a_ray_jobs_stop(tmp_path):
     slack = [s.value for fam in text_string_to_metric_families(path.read_text()) for s in fam.samples
              if s.name == "overnight_deadline_slack_seconds"]
     assert slack == [-20.0]
+
+
+def test_a_ray_job_stopped_by_its_deadline_keeps_what_its_workers_said_took_the_time():
+    from overnight.pipeline.scheduling.when import workers_stop_message
+
+    took = ("deadline reached: 40 rows not done; rerun the same command to continue (the engine took 53s to start, "
+            "and the stop came before it was ready: a rerun with the same budget will do the same; give a longer "
+            "--time-budget or a later --deadline, past the job's opening and the engine's start-up)")
+    m = workers_stop_message("deadline reached", [None, took], 80)
+    assert m.startswith("deadline reached: 80 rows not done; rerun the same command to continue (the engine took "
+                        "53s to start") and m.endswith("start-up)")
+    # a worker's own reason when the driver has none; a signal's stop carries no deadline explanation
+    assert workers_stop_message(None, [took], 80).startswith("deadline reached: 80 rows")
+    assert workers_stop_message("interrupted by SIGTERM", [took], 80) == (
+        "interrupted by SIGTERM: 80 rows not done; rerun the same command to continue")
+    assert workers_stop_message(None, [None], 3) == "stopped: 3 rows not done; rerun the same command to continue"

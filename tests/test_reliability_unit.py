@@ -180,14 +180,17 @@ def test_one_stop_delivered_twice_at_once_drains(data, tmp_path, cfg):
 def test_stop_requests_count_a_repeat_of_the_same_signal_at_once_as_one():
     from overnight.pipeline.signals import SAME_STOP_S, StopRequests
 
-    t = [0.0]
-    r = StopRequests(clock=lambda: t[0])
+    t, told = [0.0], []
+    r = StopRequests(clock=lambda: t[0], on_request=told.append)  # (the Ray driver tells its workers there)
     r._handle(signal.SIGTERM, None)
     t[0] += SAME_STOP_S / 2
     r._handle(signal.SIGTERM, None)          # the process group's copy
     assert (r.first, r.count, r.is_urgent) == ("SIGTERM", 1, False)
     r._handle(signal.SIGINT, None)           # another signal: the second stop
-    assert r.is_urgent
+    assert r.is_urgent and told == ["SIGTERM", "SIGINT"]
+    early = StopRequests(on_request=told.append)
+    early.replay("SIGTERM")                  # one that came before these handlers (the job's opening)
+    assert (early.first, early.count, told[-1]) == ("SIGTERM", 1, "SIGTERM")
     r = StopRequests(clock=lambda: t[0])
     r._handle(signal.SIGINT, None)
     t[0] += SAME_STOP_S * 2

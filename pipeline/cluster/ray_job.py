@@ -17,8 +17,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import signal
-import threading
 import time
 from typing import Optional
 
@@ -34,7 +32,8 @@ from overnight.pipeline.output.lock import RunLock
 from overnight.pipeline.output.metrics import Published
 from overnight.pipeline.progress import Progress, fmt_duration
 from overnight.pipeline.report import EXIT_ENGINE, EXIT_FAILED, EXIT_PARTIAL, Summary, eta_for, iso
-from overnight.pipeline.signals import SAME_STOP_S
+from overnight.pipeline.scheduling.when import workers_stop_message
+from overnight.pipeline.signals import StopRequests
 
 log = logging.getLogger("overnight")
 
@@ -346,9 +345,7 @@ class Driver:
             state, code, message = "completed", 0, None
         elif stop or self.signals or "partial" in states or "interrupted" in states:
             state, code = ("interrupted" if self.signals else "partial"), EXIT_PARTIAL
-            reason = stop or next((r["message"].split(":")[0] for r in results.values() if r.get("message")),
-                                  "stopped")
-            message = f"{reason}: {left} rows not done; rerun the same command to continue"
+            message = workers_stop_message(stop, [r.get("message") for _, r in sorted(results.items())], left)
         elif failures:
             engine = all(kind == "EngineError" for kind, _ in failures.values())
             state, code = "failed", (EXIT_ENGINE if engine else EXIT_FAILED)
@@ -387,26 +384,16 @@ class Driver:
                                                "failures": {f"w{i}": m for i, (_, m) in failures.items()}})
 
     # -- signals ---------------------------------------------------------------------------------
-    def _install_signals(self) -> dict:
-        if threading.current_thread() is not threading.main_thread():
-            return {}
-
-        first_at = []
-
-        def handle(signum, frame):
-            name = signal.Signals(signum).name
-            now = time.monotonic()
-            if len(self.signals) == 1 and name == self.signals[0] and now - first_at[0] < SAME_STOP_S:
-                return  # the same stop, delivered twice (signals.py)
-            first_at.append(now)
-            self.signals.append(name)
-            self.coordinator.stop.remote(name)  # each worker's runner says "interrupted by SIGTERM", as one engine
-            log.warning(f"{name}: every worker stops admitting rows and drains (a second signal aborts at once)")
-        previous = {s: signal.signal(s, handle) for s in (signal.SIGTERM, signal.SIGINT)}
+    def _install_signals(self) -> StopRequests:
+        stops = StopRequests(on_request=self._on_signal).install()
         if self.early is not None and self.early.first:  # it came while the job opened
-            handle(signal.Signals[self.early.first].value, None)
-        return previous
+            stops.replay(self.early.first)
+        return stops
 
-    def _restore_signals(self, previous: dict) -> None:
-        for s, h in previous.items():
-            signal.signal(s, h)
+    def _on_signal(self, name: str) -> None:
+        self.signals.append(name)
+        self.coordinator.stop.remote(name)  # each worker's runner says "interrupted by SIGTERM", as one engine
+        log.warning(f"{name}: every worker stops admitting rows and drains (a second signal aborts at once)")
+
+    def _restore_signals(self, stops: StopRequests) -> None:
+        stops.restore()

@@ -61,3 +61,20 @@ def no_row_started(tally, stopping: Optional[str], ready_after_stop: bool) -> st
                 f"it was ready: a rerun with the same budget will do the same; {longer}, past the job's opening "
                 f"and the engine's start-up)")
     return f" (the engine was ready, but no row reached it before the stop: {longer})"
+
+
+RERUN = "rerun the same command to continue"
+
+
+def not_done_message(reason: str, left: int, why: str = "") -> str:
+    """The message of a job that stopped short (exit 75)."""
+    return f"{reason}: {left} rows not done; {RERUN}{why}"
+
+
+def workers_stop_message(stop: Optional[str], said: list, left: int) -> str:
+    """A Ray job stopped short: the driver's reason, else the first worker's (said: each worker's message or None);
+    and, at a deadline, what a worker said took the time when none of its rows reached the engine."""
+    said = [m for m in said if m]
+    reason = stop or next((m.split(":")[0] for m in said), "stopped")
+    why = next((m.partition(RERUN)[2] for m in said if m.partition(RERUN)[2]), "") if "deadline" in reason else ""
+    return not_done_message(reason, left, why)
