@@ -59,6 +59,12 @@ class OpenJob:
     def id_name(self) -> str:
         return self.schema.id_name
 
+    @property
+    def row_model(self) -> str:
+        """The model column of this job's rows: --model as OUT's settings name it (a folder by its absolute path; as
+        typed in an OUT begun before stop 47), so that the rows of every attempt name it alike."""
+        return (self.manifest.get("fingerprint_fields") or {}).get("model") or self.model.requested
+
 
 def open_job(cfg: JobConfig, fresh: bool = False, now: Optional[float] = None, retry_errors: bool = False) -> OpenJob:
     if not cfg.output.path:

@@ -66,7 +66,7 @@ class Runner(Clockwork):
                                  cfg.output.log_every_seconds, is_tty=is_tty)
         self.reporter = Reporter(job, self.tally, self.scheduler, self.annotator, self.tracker, self.progress,
                                  supervisor)
-        self.writer = CheckpointWriter(job.out, job.schema, job.run_id, job.model.requested, scan.next_index,
+        self.writer = CheckpointWriter(job.out, job.schema, job.run_id, job.row_model, scan.next_index,
                                        cfg.output.flush_rows, cfg.output.flush_seconds,
                                        on_flush=self.reporter.on_flush,
                                        may_write=job.lock.confirm if job.lock is not None else None)

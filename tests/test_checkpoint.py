@@ -138,3 +138,54 @@ def test_manifest_attempts(tmp_path):
     assert [a["attempt"] for a in m["attempts"]] == [1, 2]
     assert m["attempts"][0]["state"] == "completed" and m["state"] == "running"
     json.dumps(m)
+
+
+def models_of(out) -> list:
+    import duckdb
+
+    return [m for m, in duckdb.sql(f"select model from read_parquet('{out}/parts/part-*.parquet') order by id").fetchall()]
+
+
+def test_a_model_folder_is_one_setting_however_its_path_is_spelled(write_parquet, tmp_path, cfg, tiny_model,
+                                                                     monkeypatch):
+    import shutil
+
+    from overnight.pipeline.api import run_job
+
+    shutil.copytree(tiny_model, tmp_path / "a" / "m")
+    shutil.copytree(tiny_model, tmp_path / "b" / "m")
+    inp, out = write_parquet({"id": [f"r{i}" for i in range(6)], "prompt": [f"q{i}" for i in range(6)]}), tmp_path / "o"
+    echo = {"kind": "echo", "model": "m"}
+    monkeypatch.chdir(tmp_path / "a")
+    assert run_job(cfg(inp, out, engine=echo, input={"limit": 3}), is_tty=False).exit_code == 0
+    # the same folder by its absolute path: the same settings, so the run resumes, and its rows name it alike
+    s = run_job(cfg(inp, out, engine={**echo, "model": str(tmp_path / "a" / "m")}), is_tty=False)
+    assert (s.exit_code, s.num_resumed, s.num_ok) == (0, 3, 6)
+    assert models_of(out) == [str(tmp_path / "a" / "m")] * 6
+    # the same words from another folder: another model
+    monkeypatch.chdir(tmp_path / "b")
+    with pytest.raises(OutputError, match=f"different settings .*model: '{tmp_path}/a/m' -> '{tmp_path}/b/m'"):
+        run_job(cfg(inp, out, engine=echo), is_tty=False)
+
+
+def test_an_out_that_fingerprinted_the_model_as_typed_resumes_and_its_rows_keep_that_name(write_parquet, tmp_path,
+                                                                                          cfg, tiny_model, monkeypatch):
+    import shutil
+
+    from overnight.pipeline.api import run_job
+
+    shutil.copytree(tiny_model, tmp_path / "m")
+    monkeypatch.chdir(tmp_path)
+    inp, out = write_parquet({"id": [f"r{i}" for i in range(6)], "prompt": [f"q{i}" for i in range(6)]}), tmp_path / "o"
+    job = cfg(inp, out, engine={"kind": "echo", "model": "m"}, input={"limit": 3})
+    assert run_job(job, is_tty=False).exit_code == 0
+    # as before stop 47: the manifest's settings name the folder as typed
+    o = OutputDir(str(out))
+    manifest = o.read_manifest()
+    assert manifest["fingerprint_fields"]["model"] == str(tmp_path / "m")
+    old = {**manifest["fingerprint_fields"], "model": "m"}
+    o.write_manifest({**manifest, "fingerprint": mf.fingerprint(old), "fingerprint_fields": old})
+    s = run_job(cfg(inp, out, engine={"kind": "echo", "model": str(tmp_path / "m")}), is_tty=False)
+    assert (s.exit_code, s.num_resumed, s.num_ok) == (0, 3, 6)
+    assert o.read_manifest()["fingerprint_fields"]["model"] == "m"
+    assert models_of(out)[3:] == ["m"] * 3

@@ -28,8 +28,7 @@ def check_worker_folders(cfg, fresh: bool, model, retry_errors: bool) -> bool:
         previous = d.out.read_manifest()
         if previous is not None:
             mf.check_resume(previous, fields, d.out.url, also=given)
-            # fingerprinted --json-schema by its path: it matches neither these settings nor the adapters by path
-            legacy = legacy or not mf.same_settings(previous, fields, also=given[1:])
+            legacy = legacy or mf.schema_by_path(previous, cfg, model.requested, model.chat)
     if retry_errors:  # every folder checked first; the workers start after
         from overnight.pipeline.job import retry_dropped
         for d in job_dirs(cfg.output.path):

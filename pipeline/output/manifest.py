@@ -44,8 +44,12 @@ def fingerprint_fields(cfg, model: str, chat: bool, as_given: bool = False, lora
     """as_given: --json-schema as the user gave it, a file's path, as fingerprints did before stop 37 (an OUT
     written then resumes); otherwise the schema itself, so that an edited schema file is a change of settings
     and the same schema given inline or from another path is not. Likewise the --lora adapters: by their content
-    (``adapter_digest``), or, as_given or lora_as_given, by their folders as given, as before stop 45."""
-    fields = _fields(cfg, model, chat)
+    (``adapter_digest``), or, as_given or lora_as_given, by their folders as given, as before stop 45. --model: a
+    folder by its absolute path (``model_key``: a relative and an absolute path to one folder are one setting, the
+    same relative words from another folder are not; before stop 47, as typed: see ``same_settings``)."""
+    from overnight.pipeline.tools.models import model_key
+
+    fields = _fields(cfg, model_key(model), chat)
     for k, default in LATER_SAMPLING.items():
         value = getattr(cfg.sampling, k)
         if value != default:
@@ -72,10 +76,23 @@ def engine_kind(manifest: Optional[dict]) -> str:
 def older_fields(cfg, model: str, chat: bool) -> list:
     """These settings as earlier versions fingerprinted them, for ``same_settings``'s ``also``: an OUT they wrote
     resumes."""
-    if cfg.sampling.json_schema is None and not cfg.engine.lora:
-        return []
-    return [fingerprint_fields(cfg, model, chat, as_given=True),
-            fingerprint_fields(cfg, model, chat, lora_as_given=True)]
+    return ([fingerprint_fields(cfg, model, chat, as_given=True)] if cfg.sampling.json_schema is not None else []) + (
+        [fingerprint_fields(cfg, model, chat, lora_as_given=True)] if cfg.engine.lora else [])
+
+
+def schema_by_path(previous: dict, cfg, model: str, chat: bool) -> bool:
+    """Whether an OUT's settings fingerprinted --json-schema as given, a file's path (before stop 37)."""
+    return cfg.sampling.json_schema is not None and same_settings(
+        previous, fingerprint_fields(cfg, model, chat, as_given=True))
+
+
+def _model_typed(previous: dict) -> tuple:
+    """The model an OUT's settings name, and that name as a model key: before stop 47 a folder was named as typed,
+    which is keyed from the folder the run began in (its manifest's input.cwd)."""
+    from overnight.pipeline.tools.models import model_key
+
+    typed = (previous.get("fingerprint_fields") or {}).get("model")
+    return typed, (None if typed is None else model_key(typed, (previous.get("input") or {}).get("cwd")))
 
 
 def _fields(cfg, model: str, chat: bool) -> dict:
@@ -113,7 +130,10 @@ def _flatten(d: dict, prefix: str = "") -> dict:
 
 
 def differences(previous: dict, fields: dict) -> str:
+    typed, key = _model_typed(previous)
     old, new = _flatten(previous.get("fingerprint_fields", {})), _flatten(fields)
+    if key is not None:
+        old["model"] = key  # (the folder it names, not its spelling)
     keys = set(old) | set(new) | {"engine"}  # fingerprinted only when not vllm (and only since stop 45)
     old = {k: old.get(k, engine_kind(previous) if k == "engine" else None) for k in keys}
     new = {k: new.get(k, "vllm" if k == "engine" else None) for k in keys}
@@ -125,6 +145,9 @@ def same_settings(previous: dict, fields: dict, also: Optional[list] = None) -> 
     """Whether a manifest was written with these settings. also: the same settings as older versions
     fingerprinted them (``older_fields``)."""
     candidates = [fields, *(also or [])]
+    typed, key = _model_typed(previous)
+    candidates += [{**c, "model": typed} for c in candidates if c.get("model") not in (typed, None) and
+                   c.get("model") == key]  # (an OUT that named the folder as typed)
     if "engine" not in previous.get("fingerprint_fields", {}):  # before stop 45, the engine was its config's only
         if engine_kind(previous) != fields.get("engine", "vllm"):
             return False
