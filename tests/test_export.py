@@ -39,12 +39,21 @@ def test_csv_writes_nested_values_as_json(tmp_path, cfg, write_parquet):
     import csv
 
     meta = [{"src": "a", "tags": ["x", "y"]}, {"src": "b", "tags": []}]
-    inp = write_parquet({"id": ["a", "b"], "prompt": ["p", "q"], "meta": meta, "stop": [["\n\n"], None]})
+    scores = [[0.5, float("nan"), float("-inf")], None]           # a -inf logprob, a NaN: JSON has neither
+    blobs = [[b"\x89PNG\xff"], []]
+    inp = write_parquet({"id": ["a", "b"], "prompt": ["p", "q"], "meta": meta, "stop": [["\n\n"], None],
+                         "scores": scores, "blobs": blobs})
     out = tmp_path / "out"
-    run_job(cfg(inp, out, input={"passthrough": ["meta"]}), engine_factory=given(FakeEngine()), is_tty=False)
+    run_job(cfg(inp, out, input={"passthrough": ["meta", "scores", "blobs"]}), engine_factory=given(FakeEngine()),
+            is_tty=False)
     export(str(out), "csv", str(tmp_path / "o.csv"))
+    export(str(out), "jsonl", str(tmp_path / "o.jsonl"))
     rows = list(csv.DictReader(open(tmp_path / "o.csv", newline="")))
+    lines = [json.loads(line) for line in open(tmp_path / "o.jsonl")]
     assert [json.loads(r["meta"]) for r in rows] == meta            # DuckDB's own literal ({'src': a, ...}) before
+    # as jsonl writes them: NaN and infinity as null, bytes as base64 (DuckDB's to_json wrote NaN, -Infinity, raw)
+    assert json.loads(rows[0]["scores"]) == [0.5, None, None] == lines[0]["scores"] and rows[1]["scores"] == ""
+    assert json.loads(rows[0]["blobs"]) == ["iVBOR/8="] == lines[0]["blobs"] and json.loads(rows[1]["blobs"]) == []
     assert rows[0]["text"] and not rows[0]["text"].startswith('"')   # text stays text
 
 

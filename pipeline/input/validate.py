@@ -223,8 +223,8 @@ def _carried(batch: pa.RecordBatch, name: str) -> list:
     as the bytes they are (an image, a hash: written back to a binary column, not read as text)."""
     col = batch.column(name)
     t = col.type
-    if _is_bytes(t):
-        return col.to_pylist()
+    if _is_bytes(t) or ((pa.types.is_list(t) or pa.types.is_large_list(t)) and _is_bytes(t.value_type)):
+        return col.to_pylist()  # (a list of them too: _column reads one as text, as a stop list may be stored)
     if ((pa.types.is_timestamp(t) or pa.types.is_duration(t) or pa.types.is_time64(t)) and t.unit == "ns"):
         try:
             return col.to_pylist()

@@ -54,11 +54,7 @@ def export(url: str, fmt: str, output: str, errors: Optional[str] = None) -> dic
                               f"{url}`), or export the rows done so far with --format jsonl or parquet.")
     query, in_order = _ordered(con, manifest or {}, url)
     if fmt == "csv":  # a nested value (logprobs, a list of stops, a struct passed through) as JSON text in its cell
-        nested = [name for name, kind, *_ in con.execute(f"describe ({query})").fetchall()
-                  if kind.endswith("]") or kind.startswith(("STRUCT", "MAP", "UNION"))]
-        if nested:
-            query = f"select * replace ({', '.join(f'to_json({_ident(c)}) as {_ident(c)}' for c in nested)}) " \
-                    f"from ({query})"
+        query = _nested_as_json(con, query)
     if fmt in ("parquet", "csv"):
         opts = "(format parquet, compression zstd)" if fmt == "parquet" else "(header, format csv)"
         try:
@@ -79,6 +75,22 @@ def export(url: str, fmt: str, output: str, errors: Optional[str] = None) -> dic
                     n += 1
         return {"rows": n, "in_input_order": in_order, "output": output}
     return _openai(con, manifest or {}, in_order, output, errors, url)
+
+
+def _nested_as_json(con, query: str) -> str:
+    """Each nested column's value as JSON text, as jsonl writes it: DuckDB's to_json, or, where it holds floats or
+    bytes, json's own encoder (to_json writes NaN and Infinity, which JSON has not, and bytes as raw text)."""
+    cells = []
+    for name, kind, *_ in con.execute(f"describe ({query})").fetchall():
+        if not (kind.endswith("]") or kind.startswith(("STRUCT", "MAP", "UNION"))):
+            continue
+        if any(t in kind for t in ("FLOAT", "DOUBLE", "BLOB")):  # (a -inf logprob, a NaN score, image bytes)
+            udf = f"overnight_json_{len(cells)}"
+            con.create_function(udf, _json, [con.sqltype(kind)], "VARCHAR", side_effects=False)
+            cells.append(f"{udf}({_ident(name)}) as {_ident(name)}")
+        else:
+            cells.append(f"to_json({_ident(name)}) as {_ident(name)}")
+    return f"select * replace ({', '.join(cells)}) from ({query})" if cells else query
 
 
 def _first_line(e: Exception) -> str:
