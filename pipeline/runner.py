@@ -276,7 +276,8 @@ class Runner(Clockwork):
         cycle = None if self._last_step_end is None else end - self._last_step_end
         self._last_step_end = end
         self.tracker.after_step(cycle, [f.request_id for f in finished])
-        self.share += step_s / max(1, admitted)  # per sequence, so the rows' engine_seconds add up to the steps'
+        self.share += step_s / max(1, admitted)  # per sequence: the rows' engine_seconds add up to the steps'
+        # (but for the rows aborted at a stop, not saved); the attempt's cost counts every step the engine ran
         self.tally.engine_seconds += step_s
         # vLLM reports a row's tokens only when it finishes, so the first minutes of a job, before any long
         # row is done, would measure almost nothing. A step gives each running sequence one token: counting

@@ -24,7 +24,7 @@ class Tally:
     num_aborted: int = 0          # rows stopped in flight (deadline, signal, engine death): not done
     num_predicted: int = 0        # rows read by this attempt that got a predicted length ...
     predicted_tokens: int = 0     # ... and the sum of those predictions (their mean stands in for unread rows)
-    engine_seconds: float = 0.0   # time in engine steps in this attempt (the rows' engine_seconds add up to it)
+    engine_seconds: float = 0.0   # time in engine steps in this attempt (aborted rows' steps included)
     started: float = field(default_factory=time.monotonic)
     # When the engine was ready and the first row went to it (seconds since the epoch), for the start-up's story.
     engine_ready_at: Optional[float] = None
