@@ -257,7 +257,8 @@ class Reporter:
             # an attempt that never started the engine (every row was done) keeps the rate the last one measured
             "output_tokens_per_s": (self.tally.tokens_per_s() if self.supervisor.engine is not None
                                     else self.earlier_rate),
-            "cost": cost_dict(self.tally.engine_seconds, self.tally.num_done, self.job.cfg.output.price_per_hour),
+            "cost": cost_dict(self.tally.engine_seconds, self.tally.num_done - self.tally.done_before,
+                              self.job.cfg.output.price_per_hour),
             "eta_s": eta_for(state.value, self.progress.eta_seconds()),
             "engine_started": self.supervisor.engine is not None,  # false: a resume found nothing left to do
             "startup": self.tally.startup(),

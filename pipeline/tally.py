@@ -30,6 +30,10 @@ class Tally:
     engine_ready_at: Optional[float] = None
     first_admitted_at: Optional[float] = None
     engine_start_s: Optional[float] = None  # the engine's own start: from the factory's call to a ready engine
+    done_before: int = field(init=False)  # rows in the output when this attempt began
+
+    def __post_init__(self):
+        self.done_before = self.num_ok + self.num_error
 
     @property
     def num_done(self) -> int:

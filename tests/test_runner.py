@@ -213,13 +213,18 @@ def test_each_row_gets_its_share_of_engine_time_and_the_job_its_cost(tmp_path, c
 
     inp = write_parquet({"id": list(range(30)), "prompt": [f"question {i} " + "word " * (i % 7) for i in range(30)]})
     out = tmp_path / "out"
+    run_job(cfg(inp, out, input={"limit": 20}), engine_factory=given(FakeEngine(step_sleep=0.002)), is_tty=False)
     s = run_job(cfg(inp, out, output={"price_per_hour": 3.6}), engine_factory=given(FakeEngine(step_sleep=0.002)),
                 is_tty=False)
     cost = s.extra["cost"]
     assert cost["engine_seconds"] > 0 and cost["cost"] == pytest.approx(cost["engine_seconds"] / 1000, rel=1e-3)
+    # the attempt's cost over the attempt's rows (the 10 left), not over the 30 in OUT
+    assert cost["cost_per_1000_rows"] == pytest.approx(cost["engine_seconds"] / 10, rel=0.03)  # (rounded)
     shares = [r[0] for r in duckdb.sql(f"select engine_seconds from read_parquet('{out}/parts/*.parquet')").fetchall()]
     assert len(shares) == 30 and all(x > 0 for x in shares)
-    # every step's time is split among the rows in it: the rows' shares add up to the engine's time
+    shares = [r[0] for r in duckdb.sql(f"select engine_seconds from read_parquet('{out}/parts/*.parquet') "
+                                       f"order by finished_at desc limit 10").fetchall()]
+    # every step's time is split among the rows in it: this attempt's rows' shares add up to its engine time
     assert sum(shares) == pytest.approx(cost["engine_seconds"], rel=0.02)
     assert "cost 0.0" in s.line() and "engine-hours" in s.line()
 
