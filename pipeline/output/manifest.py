@@ -130,7 +130,7 @@ def _flatten(d: dict, prefix: str = "") -> dict:
 
 
 def differences(previous: dict, fields: dict) -> str:
-    typed, key = _model_typed(previous)
+    _, key = _model_typed(previous)
     old, new = _flatten(previous.get("fingerprint_fields", {})), _flatten(fields)
     if key is not None:
         old["model"] = key  # (the folder it names, not its spelling)
