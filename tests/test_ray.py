@@ -198,6 +198,8 @@ def test_a_killed_worker_loses_nothing(tmp_path, cfg, local_ray):
     assert killed, "the worker was never killed"
     assert (s.state, s.exit_code) == ("completed", 0), s.message
     assert s.extra["worker_restarts"] >= 1
+    status = json.loads((out / "status.json").read_text())
+    assert status["worker_restarts"] == s.extra["worker_restarts"] <= status["engine_restarts"]
     ids = ids_in(out)
     assert len(ids) == len(set(ids)) == 1000
 

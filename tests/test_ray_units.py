@@ -124,7 +124,7 @@ def test_a_worker_unavailable_now_and_then_over_a_long_job_is_not_given_up_on():
     fake = SimpleNamespace(wait=lambda refs, num_returns, timeout: (refs[:1], refs[1:]), get=get,
                            kill=killed.append, exceptions=ray.exceptions)
     d = ray_job.Driver.__new__(ray_job.Driver)
-    d.ray, d.coordinator, d.signals = fake, Handle(coordinator), []
+    d.ray, d.coordinator, d.signals, d.worker_restarts = fake, Handle(coordinator), [], 0
     d.cfg = SimpleNamespace(output=SimpleNamespace(path="/tmp/never-written"))
     d.lock, d.progress = SimpleNamespace(lost=False), SimpleNamespace(close=lambda: None)
     d.publish = SimpleNamespace(close=lambda: None)

@@ -134,6 +134,7 @@ class Driver:
         self.num_rows = total + num_duplicates   # the input's rows, as one engine counts them (duplicates too)
         self.progress = Progress(total, min(self.done_before, total), log_every, is_tty=is_tty)
         self.signals: list[str] = []
+        self.worker_restarts = 0  # a worker found lost or unavailable, asked again (its engine starts again)
         self.warned = self.warned_unplaced = self.told_lost = False
         log.info(f"{len(units)} units of the input ({total} rows, {self.done_before} already done) over {workers} "
                  f"Ray workers; one engine each")
@@ -155,7 +156,6 @@ class Driver:
             on_started(actors)
         results: dict[int, dict] = {}
         failures: dict[int, str] = {}
-        restarts = 0
         unavailable: dict[int, int] = {}  # times in a row each worker was found unavailable
         previous = self._install_signals()
         try:
@@ -170,7 +170,7 @@ class Driver:
                     except ray.exceptions.ActorUnavailableError as e:
                         # Restarting, or unreachable for now and maybe still working: ask again. A restarted
                         # worker's new incarnation gives back what the dead one held (Coordinator.hello).
-                        restarts += 1
+                        self.worker_restarts += 1
                         unavailable[i] = unavailable.get(i, 0) + 1
                         log.warning(f"worker w{i} is unavailable ({type(e).__name__}); asking it again")
                         if unavailable[i] <= MAX_ACTOR_RESTARTS and not self.lock.lost:
@@ -181,7 +181,7 @@ class Driver:
                             log.warning(f"worker w{i} stayed unavailable after {unavailable[i]} tries; it is stopped, "
                                         f"its {n} units go back to the queue and what it wrote is kept")
                     except ray.exceptions.RayActorError as e:
-                        restarts += 1
+                        self.worker_restarts += 1
                         # its new incarnation gave back what it held (Coordinator.hello)
                         if not self.lock.lost and self._restarted(actors[i]):
                             log.warning(f"worker w{i} was lost ({type(e).__name__}) and restarted; its units go "
@@ -203,7 +203,7 @@ class Driver:
             self._restore_signals(previous)
             self.progress.close()
         try:
-            return self._finish(results, failures, restarts)
+            return self._finish(results, failures, self.worker_restarts)
         finally:
             for a in actors + [self.coordinator]:  # their names are free for the next run on this cluster
                 ray.kill(a)
@@ -315,7 +315,8 @@ class Driver:
                 # each running folder's total, and the totals of those no worker runs this time
                 "output_tokens": sum(s.get("output_tokens") or 0 for s in statuses.values()) + sum(
                     c.get("num_output_tokens") or 0 for i, c in self.counts_before.items() if i not in statuses),
-                "engine_restarts": sum(s.get("engine_restarts") or 0 for s in statuses.values()),
+                "engine_restarts": sum(s.get("engine_restarts") or 0 for s in statuses.values()) + self.worker_restarts,
+                "worker_restarts": self.worker_restarts,
                 "output_tokens_per_s": round(sum(s.get("output_tokens_per_s") or 0 for s in statuses.values()  # (at
                                                  if s.get("state") == "running" or state != "running"), 2),  # end: all)
                 "eta_s": eta_for(state, None if eta is None else round(eta, 1)),
