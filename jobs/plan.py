@@ -58,6 +58,9 @@ def plan(input_path, out, config_file, as_json, **options):
                      else "; not counting the start-up (--out of an earlier run of the job counts it)")
         else:
             start = ""
+        if p.calibration is not None:
+            start += (f"; the predictions times {p.calibration:.2f}, the actual over predicted output tokens of the "
+                      f"{p.calibration_rows} rows done in --out")
         click.echo(f"ETA: {fmt_duration(p.eta_s)} at {p.tokens_per_s:.0f} output tok/s ({p.throughput_source})"
                    f"{start}")
     else:
@@ -75,7 +78,7 @@ def plan(input_path, out, config_file, as_json, **options):
             how = {"auto": "running the shortest first once at risk", "shortest-first": "running the shortest "
                    "first", "longest-first": "running the longest first", "priority": "running the lowest "
                    "priority value first", "fifo": "running in input order"}[Policy(cfg.scheduler.policy).value]
-            click.echo(f"{when}: NOT feasible; about {p.rows_left} rows ({p.tokens_left} predicted tokens) would be "
+            click.echo(f"{when}: NOT feasible; about {p.rows_left} rows ({p.tokens_left} predicted output tokens) would be "
                        f"left, {how}")
     for e in p.errors:
         click.echo(f"error row: {e}")

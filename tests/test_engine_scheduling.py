@@ -98,7 +98,9 @@ def test_plan_uses_measured_throughput_and_judges_the_deadline(warm):
     started = json.loads((first / "status.json").read_text())["startup"]["first_row_s"]
     p = json.loads(invoke("plan", grown, "--out", first, "--json").output)
     assert (p["num_todo"], p["num_done"], p["startup_s"]) == (10, 40, started) and started > 0
-    assert abs(p["eta_s"] - (p["predicted_tokens"] / measured + started)) < 1e-6
+    # and the predictions scaled by the actual over predicted output tokens of the 40 rows done there
+    assert p["calibration_rows"] == 40 and p["calibration"] > 0
+    assert abs(p["eta_s"] - (p["predicted_tokens"] * p["calibration"] / measured + started)) < 1e-6
 
 
 def test_predictor_train_eval_and_run_with_it(warm, tmp_path):

@@ -160,9 +160,33 @@ def test_plan_counts_the_start_up_the_last_run_measured(tmp_path, cfg, write_par
     (out / "status.json").write_text(json.dumps(st))
     p = make_plan(cfg(inp, out), out=str(out), throughput=100.0)
     assert p.num_todo == 30 and p.startup_s == 40.0
-    assert p.eta_s == pytest.approx(p.predicted_tokens / 100.0 + 40.0)
+    # (the predictions scaled by the 10 rows done there: the echo's answers are far shorter than predicted)
+    assert p.calibration_rows == 10 and 0 < p.calibration < 0.5
+    assert p.eta_s == pytest.approx(p.predicted_tokens * p.calibration / 100.0 + 40.0)
     # a budget the rows' tokens alone would fit with 20 s to spare, but not after the start-up
-    budget = p.predicted_tokens / 10.0 + 20
+    budget = p.predicted_tokens * p.calibration / 10.0 + 20
     tight = make_plan(cfg(inp, out, scheduler={"time_budget": f"{budget:.0f}s", "safety_margin_s": 0}),
                       out=str(out), throughput=10.0)
-    assert p.predicted_tokens > 300 and tight.is_feasible is False and tight.rows_left > 0
+    assert p.predicted_tokens * p.calibration > 30 and tight.is_feasible is False and tight.rows_left > 0
+
+
+def test_plan_scales_the_predictions_by_the_rows_done_in_out(tmp_path, cfg, write_parquet):
+    """A run's forecast scales the predictions by the rows it finished; plan --out does the same with the rows
+    done there (its ETA was 33% short on the demo's second half: predicted 17,422 output tokens, 28,339 came)."""
+    import duckdb
+
+    from overnight.pipeline.scheduling.plan import CALIBRATION_ROWS, make_plan
+
+    out = tmp_path / "out"
+    inp = write_parquet({"id": list(range(60)), "prompt": [f"question {i} " + "word " * (i % 9) for i in range(60)]})
+    run_job(cfg(inp, out, input={"limit": CALIBRATION_ROWS - 1}), engine_factory=given(FakeEngine()), is_tty=False)
+    few = make_plan(cfg(inp, out), out=str(out), throughput=100.0)
+    assert (few.calibration, few.calibration_rows) == (None, CALIBRATION_ROWS - 1)   # too few rows to go by
+    assert few.eta_s == pytest.approx(few.predicted_tokens / 100.0 + few.startup_s)
+    run_job(cfg(inp, out, input={"limit": 30}), engine_factory=given(FakeEngine()), is_tty=False)
+    (actual, predicted), = duckdb.sql(f"select sum(output_tokens), sum(predicted_tokens) from "
+                                      f"read_parquet('{out}/parts/*.parquet')").fetchall()
+    p = make_plan(cfg(inp, out, scheduler={"time_budget": "1h"}), out=str(out), throughput=100.0)
+    assert p.num_todo == 30 and p.calibration_rows == 30 and p.calibration == pytest.approx(actual / predicted)
+    assert p.eta_s == pytest.approx(p.predicted_tokens * p.calibration / 100.0 + p.startup_s)
+    assert p.is_feasible and p.rows_left == 0 and p.tokens_left == 0

@@ -53,7 +53,14 @@ class Plan:
     # Seconds from the command's start to its first row in the engine, as the last run in --out measured them
     # (in eta_s, and taken from the deadline's work time); None: not known, and not counted.
     startup_s: Optional[float] = None
+    # Actual over predicted output tokens of the rows done in --out (and how many), by which the ETA and the rows
+    # a deadline leaves scale the predictions, as a run's forecast scales them by the rows it finished; None: fewer
+    # than CALIBRATION_ROWS rows there.
+    calibration: Optional[float] = None
+    calibration_rows: int = 0
 
+
+CALIBRATION_ROWS = 10
 
 def measured_throughput(out_url: str, kind: str = "vllm") -> Optional[float]:
     """Output tokens/s a previous run of this job measured (its status.json; a sharded job's shards together), on
@@ -70,6 +77,22 @@ def measured_startup(out_url: str) -> Optional[float]:
     times = [((d.out.read_status() or {}).get("startup") or {}).get("first_row_s") for d in job_dirs(out_url)
              if d.worker is None]
     return max((float(t) for t in times if t is not None), default=None)
+
+
+def measured_calibration(out_url: str) -> tuple[Optional[float], int]:
+    """Actual over predicted output tokens of the ok rows done in OUT (every shard's or worker's), and how many
+    rows: the run's predictions were 32-41% short on new work (docs/BENCHMARKS.md), and so were the plan's."""
+    from overnight.pipeline.tools.inspection import open_results
+
+    con, _ = open_results(out_url)
+    cols = {r[0] for r in con.execute("describe results").fetchall()}
+    if not {"status", "output_tokens", "predicted_tokens"} <= cols:
+        return None, 0
+    n, actual, predicted = con.execute("select count(*), sum(output_tokens), sum(predicted_tokens) from results "
+                                       "where status = 'ok' and predicted_tokens > 0").fetchone()
+    if n < CALIBRATION_ROWS or not predicted:
+        return None, n
+    return float(actual) / float(predicted), n
 
 
 def run_order(policy, work: np.ndarray, priorities: list) -> np.ndarray:
@@ -135,11 +158,13 @@ def make_plan(cfg: JobConfig, out: Optional[str] = None, throughput: Optional[fl
         tps, source_name = measured_throughput(out, cfg.engine.kind), f"measured by the last run in {out}"
     total = float(work.sum())
     startup = measured_startup(out) if out and len(pred) else None
+    factor, factor_rows = measured_calibration(out) if out and done.num_parts and len(pred) else (None, 0)
     plan = Plan(num_rows=source.num_rows, num_done=num_done, num_errors=num_errors, num_todo=len(pred),
                 predictor=annotator.predictor.name, buckets=lines, predicted_tokens=int(total),
                 tokens_per_s=tps, throughput_source=source_name,
-                eta_s=total / tps + (startup or 0.0) if tps else None, errors=errors, num_duplicates=num_duplicates,
-                startup_s=startup)
+                eta_s=total * (factor or 1.0) / tps + (startup or 0.0) if tps else None, errors=errors,
+                num_duplicates=num_duplicates, startup_s=startup, calibration=factor, calibration_rows=factor_rows)
+    work = work * (factor or 1.0)
     if deadline_at is not None:
         plan.deadline_at = deadline_at
         plan.time_left_s = max(0.0, deadline_at - margin - now)
@@ -149,5 +174,5 @@ def make_plan(cfg: JobConfig, out: Optional[str] = None, throughput: Optional[fl
             work_s = max(0.0, plan.time_left_s - (startup or 0.0))  # the engine's start-up comes first
             fits = int(np.searchsorted(cum, tps * work_s, side="right"))
             plan.rows_left = len(pred) - fits
-            plan.tokens_left = int(total - (cum[fits - 1] if fits else 0.0))
+            plan.tokens_left = int((cum[-1] if len(cum) else 0.0) - (cum[fits - 1] if fits else 0.0))
     return plan
