@@ -189,3 +189,54 @@ def test_an_out_that_fingerprinted_the_model_as_typed_resumes_and_its_rows_keep_
     assert (s.exit_code, s.num_resumed, s.num_ok) == (0, 3, 6)
     assert o.read_manifest()["fingerprint_fields"]["model"] == "m"
     assert models_of(out)[3:] == ["m"] * 3
+
+
+def _an_out_from_before(tmp_path, cfg, inp, out) -> None:
+    """An OUT begun in the current folder with --model m, as written before stop 47: the model as typed, and no
+    began_in (its input.cwd is the folder its last attempt ran in)."""
+    from overnight.pipeline.api import run_job
+
+    assert run_job(cfg(inp, out, engine={"kind": "echo", "model": "m"}, input={"limit": 3}), is_tty=False).exit_code == 0
+    o = OutputDir(str(out))
+    m = o.read_manifest()
+    old = {**m["fingerprint_fields"], "model": "m"}
+    del m["began_in"]
+    o.write_manifest({**m, "fingerprint": mf.fingerprint(old), "fingerprint_fields": old})
+
+
+def test_an_out_from_before_keeps_the_folder_it_began_in_whatever_folder_resumes_it(write_parquet, tmp_path, cfg,
+                                                                                   tiny_model, monkeypatch):
+    import shutil
+
+    from overnight.pipeline.api import run_job
+
+    shutil.copytree(tiny_model, tmp_path / "a" / "m")
+    shutil.copytree(tiny_model, tmp_path / "b" / "m")
+    inp, out = write_parquet({"id": [f"r{i}" for i in range(9)], "prompt": [f"q{i}" for i in range(9)]}), tmp_path / "o"
+    monkeypatch.chdir(tmp_path / "a")
+    _an_out_from_before(tmp_path, cfg, inp, out)
+    monkeypatch.chdir(tmp_path / "b")   # its model by its absolute path, from another folder: twice
+    a = str(tmp_path / "a" / "m")
+    assert run_job(cfg(inp, out, engine={"kind": "echo", "model": a}, input={"limit": 6}), is_tty=False).num_resumed == 3
+    assert OutputDir(str(out)).read_manifest()["began_in"] == str(tmp_path / "a")
+    # b/m, typed as the OUT typed its own: another model, though this attempt's folder is b
+    with pytest.raises(OutputError, match=f"model: '{tmp_path}/a/m' -> '{tmp_path}/b/m'"):
+        run_job(cfg(inp, out, engine={"kind": "echo", "model": "m"}), is_tty=False)
+    s = run_job(cfg(inp, out, engine={"kind": "echo", "model": a}), is_tty=False)
+    assert (s.exit_code, s.num_resumed, s.num_ok) == (0, 6, 9)
+
+
+def test_an_out_from_before_moved_with_its_model_resumes_with_the_same_command(write_parquet, tmp_path, cfg,
+                                                                                tiny_model, monkeypatch):
+    import shutil
+
+    from overnight.pipeline.api import run_job
+
+    shutil.copytree(tiny_model, tmp_path / "p" / "m")
+    inp = write_parquet({"id": [f"r{i}" for i in range(9)], "prompt": [f"q{i}" for i in range(9)]})
+    monkeypatch.chdir(tmp_path / "p")
+    _an_out_from_before(tmp_path, cfg, inp, "o")
+    (tmp_path / "p").rename(tmp_path / "q")   # the project folder renamed, OUT and the model in it
+    monkeypatch.chdir(tmp_path / "q")
+    s = run_job(cfg(inp, "o", engine={"kind": "echo", "model": "m"}), is_tty=False)
+    assert (s.exit_code, s.num_resumed) == (0, 3)

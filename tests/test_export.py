@@ -7,6 +7,7 @@ import decimal
 import json
 
 import duckdb
+import pyarrow as pa
 import pytest
 
 from fakes import FakeEngine, given
@@ -41,11 +42,12 @@ def test_csv_writes_nested_values_as_json(tmp_path, cfg, write_parquet):
     meta = [{"src": "a", "tags": ["x", "y"]}, {"src": "b", "tags": []}]
     scores = [[0.5, float("nan"), float("-inf")], None]           # a -inf logprob, a NaN: JSON has neither
     blobs = [[b"\x89PNG\xff"], []]
+    keyed = pa.array([[(b"\x89k", 1.5)], []], pa.map_(pa.binary(), pa.float64()))   # a map keyed by bytes
     inp = write_parquet({"id": ["a", "b"], "prompt": ["p", "q"], "meta": meta, "stop": [["\n\n"], None],
-                         "scores": scores, "blobs": blobs})
+                         "scores": scores, "blobs": blobs, "keyed": keyed})
     out = tmp_path / "out"
-    run_job(cfg(inp, out, input={"passthrough": ["meta", "scores", "blobs"]}), engine_factory=given(FakeEngine()),
-            is_tty=False)
+    run_job(cfg(inp, out, input={"passthrough": ["meta", "scores", "blobs", "keyed"]}),
+            engine_factory=given(FakeEngine()), is_tty=False)
     export(str(out), "csv", str(tmp_path / "o.csv"))
     export(str(out), "jsonl", str(tmp_path / "o.jsonl"))
     rows = list(csv.DictReader(open(tmp_path / "o.csv", newline="")))
@@ -54,6 +56,7 @@ def test_csv_writes_nested_values_as_json(tmp_path, cfg, write_parquet):
     # as jsonl writes them: NaN and infinity as null, bytes as base64 (DuckDB's to_json wrote NaN, -Infinity, raw)
     assert json.loads(rows[0]["scores"]) == [0.5, None, None] == lines[0]["scores"] and rows[1]["scores"] == ""
     assert json.loads(rows[0]["blobs"]) == ["iVBOR/8="] == lines[0]["blobs"] and json.loads(rows[1]["blobs"]) == []
+    assert json.loads(rows[0]["keyed"]) == lines[0]["keyed"] and rows[0]["status"] == "ok"
     assert rows[0]["text"] and not rows[0]["text"].startswith('"')   # text stays text
 
 
@@ -299,7 +302,6 @@ def test_each_shard_keeps_its_own_limit(tmp_path, cfg, write_parquet):
 def test_an_id_in_two_shards_files_keeps_each_rows_samples_together(tmp_path, cfg):
     """One id in two shards' files is answered by each; with n > 1 each answer is one well-formed openai line
     (choices 0..n-1), and the other formats keep each row's samples together rather than interleave them."""
-    import pyarrow as pa
     import pyarrow.parquet as pq
 
     inp = tmp_path / "in"
@@ -327,7 +329,6 @@ def test_binary_and_decimal_passthrough_columns_keep_their_values_and_json_types
     UTF-8 are no error. jsonl gives bytes as base64, and a DECIMAL as a number on every line (before: a string,
     except on a line that also held a NaN)."""
     import base64
-    import pyarrow as pa
     import pyarrow.parquet as pq
 
     png = b"\x89PNG\r\n\x1a\n"

@@ -199,7 +199,7 @@ def test_a_killed_worker_loses_nothing(tmp_path, cfg, local_ray):
     assert (s.state, s.exit_code) == ("completed", 0), s.message
     assert s.extra["worker_restarts"] >= 1
     status = json.loads((out / "status.json").read_text())
-    assert status["worker_restarts"] == s.extra["worker_restarts"] <= status["engine_restarts"]
+    assert status["worker_restarts"] == s.extra["worker_restarts"]
     ids = ids_in(out)
     assert len(ids) == len(set(ids)) == 1000
 

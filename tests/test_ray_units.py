@@ -162,7 +162,7 @@ def test_a_ray_job_stopped_by_its_deadline_keeps_what_its_workers_said_took_the_
     took = ("deadline reached: 40 rows not done; rerun the same command to continue (the engine took 53s to start, "
             "and the stop came before it was ready: a rerun with the same budget will do the same; give a longer "
             "--time-budget or a later --deadline, past the job's opening and the engine's start-up)")
-    m = workers_stop_message("deadline reached", [None, took], 80)
+    m = workers_stop_message("deadline reached", [took, took.replace("53s", "49s")], 80)
     assert m.startswith("deadline reached: 80 rows not done; rerun the same command to continue (the engine took "
                         "53s to start") and m.endswith("start-up)")
     # a worker's own reason when the driver has none; a signal's stop carries no deadline explanation
@@ -170,3 +170,23 @@ def test_a_ray_job_stopped_by_its_deadline_keeps_what_its_workers_said_took_the_
     assert workers_stop_message("interrupted by SIGTERM", [took], 80) == (
         "interrupted by SIGTERM: 80 rows not done; rerun the same command to continue")
     assert workers_stop_message(None, [None], 3) == "stopped: 3 rows not done; rerun the same command to continue"
+    # a worker that did rows: the budget was not the start-up's alone, and a rerun will not do the same
+    did = "deadline reached: 10 rows not done; rerun the same command to continue"
+    for said in ([took, did], [took, None]):   # (None: a worker that completed its units)
+        assert workers_stop_message("deadline reached", said, 50) == (
+            "deadline reached: 50 rows not done; rerun the same command to continue")
+
+
+def test_workers_get_a_model_folder_by_its_absolute_path(tmp_path, cfg, write_parquet, tiny_model, monkeypatch):
+    """A worker's process may run in another folder than the driver's: a relative --model goes to it as the folder
+    the driver read (and fingerprinted), not as typed."""
+    import shutil
+
+    from overnight.pipeline.cluster.preflight import worker_config
+
+    shutil.copytree(tiny_model, tmp_path / "m")
+    monkeypatch.chdir(tmp_path)
+    c = cfg(write_parquet({"prompt": ["x?"]}), tmp_path / "out", engine={"model": "m"})
+    w = worker_config(c, None, 0.0, False)
+    assert (c.engine.model, w.engine.model) == ("m", str(tmp_path / "m"))
+    assert w.output.metrics_file is None and w.scheduler.lookahead_rows <= 2 * c.engine.max_num_seqs

@@ -190,3 +190,20 @@ def test_plan_scales_the_predictions_by_the_rows_done_in_out(tmp_path, cfg, writ
     assert p.num_todo == 30 and p.calibration_rows == 30 and p.calibration == pytest.approx(actual / predicted)
     assert p.eta_s == pytest.approx(p.predicted_tokens * p.calibration / 100.0 + p.startup_s)
     assert p.is_feasible and p.rows_left == 0 and p.tokens_left == 0
+    # another predictor than the runs there used: their error is not this one's
+    other = make_plan(cfg(inp, out, buckets={"predictor": "heuristic"}), out=str(out), throughput=100.0)
+    assert (other.calibration, other.calibration_rows) == (None, 0)
+    assert other.eta_s == pytest.approx(other.predicted_tokens / 100.0 + other.startup_s)
+
+
+def test_plans_scaled_rows_never_run_past_their_max_tokens(tmp_path, cfg, write_parquet, monkeypatch):
+    from overnight.pipeline.scheduling import plan as planmod
+
+    out = tmp_path / "out"
+    inp = write_parquet({"id": list(range(20)), "prompt": [f"question {i}" for i in range(20)],
+                         "max_tokens": [5, None] * 10})
+    run_job(cfg(inp, out, input={"limit": 10}, sampling={"max_tokens": 64}), engine_factory=given(FakeEngine()),
+            is_tty=False)
+    monkeypatch.setattr(planmod, "measured_calibration", lambda url, predictor: (1000.0, 10))
+    p = planmod.make_plan(cfg(inp, out, sampling={"max_tokens": 64}), out=str(out), throughput=10.0)
+    assert p.num_todo == 10 and p.eta_s == pytest.approx((5 * 5 + 5 * 64) / 10.0 + p.startup_s)

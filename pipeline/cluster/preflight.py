@@ -1,5 +1,6 @@
-"""What the Ray driver does before any worker starts: check the worker folders against this run's settings,
-and reach (or start) the Ray cluster. ``ray_job.run_on_ray`` calls both while it holds OUT's lock."""
+"""What the Ray driver does before any worker starts: check the worker folders against this run's settings, reach
+(or start) the Ray cluster, and give the workers their config. ``ray_job.run_on_ray`` calls them while it holds
+OUT's lock."""
 
 from __future__ import annotations
 
@@ -58,6 +59,33 @@ def connect(ray, address: Optional[str], workers: int) -> None:
         raise EngineError(f"Cannot reach the Ray cluster at {address} ({why}). Start it (`ray start --head` on its "
                           f"head node), give its address with --ray-address or RAY_ADDRESS, or leave both out to "
                           f"start a local cluster on this machine; nothing was run.") from None
+
+
+def worker_config(cfg, deadline_at: Optional[float], margin: float, legacy: bool):
+    """The job's config as each worker runs it. legacy: a worker folder fingerprinted --json-schema by its path."""
+    import json
+
+    from overnight.pipeline.report import iso
+    from overnight.pipeline.tools.models import model_key
+
+    # Every worker gets the same absolute deadline and margin.
+    sc = dataclasses.replace(cfg.scheduler, deadline=iso(deadline_at) if deadline_at else None, time_budget=None,
+                             safety_margin_s=margin if deadline_at else cfg.scheduler.safety_margin_s)
+    # A worker holds no more rows than its engine runs plus one refill: what it does not hold stays in the
+    # queue for whichever worker frees up first.
+    sc = dataclasses.replace(sc, lookahead_rows=min(sc.lookahead_rows, 2 * cfg.engine.max_num_seqs))
+    # the driver logs the job's progress and writes its metrics, a worker neither; a model folder goes by its
+    # absolute path, as the driver read it (a worker's process may run in another folder)
+    wcfg = dataclasses.replace(cfg, scheduler=sc, engine=dataclasses.replace(cfg.engine, model=model_key(
+        cfg.engine.model)), output=dataclasses.replace(cfg.output, log_every_seconds=1e9, metrics_file=None,
+                                                       metrics_port=None))
+    if cfg.sampling.json_schema is not None and not legacy:
+        # the schema itself: a worker on another node may not see the file (a folder fingerprinted by the
+        # file's path before keeps getting the path, which its fingerprint matches)
+        from overnight.pipeline.input.checks import job_structured
+        wcfg = dataclasses.replace(wcfg, sampling=dataclasses.replace(
+            cfg.sampling, json_schema=json.dumps(job_structured(cfg.sampling)["json"])))
+    return wcfg
 
 
 def nothing_to_do(cfg, root, source, model, workers: int):

@@ -15,7 +15,6 @@ Rerunning the same command continues: every worker resumes against the ids in al
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import time
 from typing import Optional
@@ -23,7 +22,7 @@ from typing import Optional
 from overnight.pipeline.cluster.actors import NAMESPACE, Coordinator, Worker, _ray
 from overnight.pipeline.cluster.eta import job_forecast, worker_forecast
 from overnight.pipeline.cluster.idscan import scan_input_ids
-from overnight.pipeline.cluster.preflight import check_worker_folders, connect, nothing_to_do
+from overnight.pipeline.cluster.preflight import check_worker_folders, connect, nothing_to_do, worker_config
 from overnight.pipeline.cluster.units import plan_units
 from overnight.pipeline.config import ConfigError, JobConfig
 from overnight.pipeline.output.checkpoint import OutputDir
@@ -77,21 +76,7 @@ def run_on_ray(cfg: JobConfig, fresh: bool, workers: int, address: Optional[str]
         total = sum(u.num_rows for u in units) - ids.num_duplicates   # to answer: a duplicate is neither done nor left
         if total == 0:
             return nothing_to_do(cfg, root, source, model, workers)
-        # Every worker gets the same absolute deadline and margin.
-        sc = dataclasses.replace(cfg.scheduler, deadline=iso(deadline_at) if deadline_at else None, time_budget=None,
-                                 safety_margin_s=margin if deadline_at else cfg.scheduler.safety_margin_s)
-        # A worker holds no more rows than its engine runs plus one refill: what it does not hold stays in the
-        # queue for whichever worker frees up first.
-        sc = dataclasses.replace(sc, lookahead_rows=min(sc.lookahead_rows, 2 * cfg.engine.max_num_seqs))
-        # the driver logs the job's progress and writes its metrics; a worker does neither
-        wcfg = dataclasses.replace(cfg, scheduler=sc, output=dataclasses.replace(
-            cfg.output, log_every_seconds=1e9, metrics_file=None, metrics_port=None))
-        if cfg.sampling.json_schema is not None and not legacy:
-            # the schema itself: a worker on another node may not see the file (a folder fingerprinted by the
-            # file's path before keeps getting the path, which its fingerprint matches)
-            from overnight.pipeline.input.checks import job_structured
-            wcfg = dataclasses.replace(wcfg, sampling=dataclasses.replace(
-                cfg.sampling, json_schema=json.dumps(job_structured(cfg.sampling)["json"])))
+        wcfg = worker_config(cfg, deadline_at, margin, legacy)
         connect(ray, address, workers)
         driver = Driver(ray, wcfg, units, total, workers, root, lock, deadline_at, started, is_tty,
                         cfg.output.log_every_seconds, source.files, margin if deadline_at else 0.0, early=signals,
@@ -134,7 +119,7 @@ class Driver:
         self.num_rows = total + num_duplicates   # the input's rows, as one engine counts them (duplicates too)
         self.progress = Progress(total, min(self.done_before, total), log_every, is_tty=is_tty)
         self.signals: list[str] = []
-        self.worker_restarts = 0  # a worker found lost or unavailable, asked again (its engine starts again)
+        self.worker_restarts = 0
         self.warned = self.warned_unplaced = self.told_lost = False
         log.info(f"{len(units)} units of the input ({total} rows, {self.done_before} already done) over {workers} "
                  f"Ray workers; one engine each")
@@ -315,8 +300,8 @@ class Driver:
                 # each running folder's total, and the totals of those no worker runs this time
                 "output_tokens": sum(s.get("output_tokens") or 0 for s in statuses.values()) + sum(
                     c.get("num_output_tokens") or 0 for i, c in self.counts_before.items() if i not in statuses),
-                "engine_restarts": sum(s.get("engine_restarts") or 0 for s in statuses.values()) + self.worker_restarts,
-                "worker_restarts": self.worker_restarts,
+                "engine_restarts": sum(s.get("engine_restarts") or 0 for s in statuses.values()),
+                "worker_restarts": self.worker_restarts,  # found lost or unavailable, and asked again
                 "output_tokens_per_s": round(sum(s.get("output_tokens_per_s") or 0 for s in statuses.values()  # (at
                                                  if s.get("state") == "running" or state != "running"), 2),  # end: all)
                 "eta_s": eta_for(state, None if eta is None else round(eta, 1)),

@@ -86,13 +86,18 @@ def schema_by_path(previous: dict, cfg, model: str, chat: bool) -> bool:
         previous, fingerprint_fields(cfg, model, chat, as_given=True))
 
 
-def _model_typed(previous: dict) -> tuple:
-    """The model an OUT's settings name, and that name as a model key: before stop 47 a folder was named as typed,
-    which is keyed from the folder the run began in (its manifest's input.cwd)."""
+def _model_keys(previous: dict) -> tuple:
+    """The model an OUT's settings name, and the model keys that name stands for. Before stop 47 a folder was named
+    as typed: it is keyed from the folder the OUT began in (``began_in``; for an OUT begun before, the folder its
+    last attempt ran in), or, where no such folder is here (OUT and the model moved, another machine), from this
+    one, as the typed name was read before."""
     from overnight.pipeline.tools.models import model_key
 
     typed = (previous.get("fingerprint_fields") or {}).get("model")
-    return typed, (None if typed is None else model_key(typed, (previous.get("input") or {}).get("cwd")))
+    if typed is None:
+        return None, set()
+    key = model_key(typed, previous.get("began_in") or (previous.get("input") or {}).get("cwd"))
+    return typed, list(dict.fromkeys([key, model_key(typed)])) if key == typed else [key]
 
 
 def _fields(cfg, model: str, chat: bool) -> dict:
@@ -130,10 +135,10 @@ def _flatten(d: dict, prefix: str = "") -> dict:
 
 
 def differences(previous: dict, fields: dict) -> str:
-    _, key = _model_typed(previous)
+    typed, keys = _model_keys(previous)
     old, new = _flatten(previous.get("fingerprint_fields", {})), _flatten(fields)
-    if key is not None:
-        old["model"] = key  # (the folder it names, not its spelling)
+    if typed is not None:  # the folder it names, not its spelling
+        old["model"] = new.get("model") if new.get("model") in keys else keys[0]
     keys = set(old) | set(new) | {"engine"}  # fingerprinted only when not vllm (and only since stop 45)
     old = {k: old.get(k, engine_kind(previous) if k == "engine" else None) for k in keys}
     new = {k: new.get(k, "vllm" if k == "engine" else None) for k in keys}
@@ -145,9 +150,9 @@ def same_settings(previous: dict, fields: dict, also: Optional[list] = None) -> 
     """Whether a manifest was written with these settings. also: the same settings as older versions
     fingerprinted them (``older_fields``)."""
     candidates = [fields, *(also or [])]
-    typed, key = _model_typed(previous)
+    typed, keys = _model_keys(previous)
     candidates += [{**c, "model": typed} for c in candidates if c.get("model") not in (typed, None) and
-                   c.get("model") == key]  # (an OUT that named the folder as typed)
+                   c.get("model") in keys]  # (an OUT that named the folder as typed)
     if "engine" not in previous.get("fingerprint_fields", {}):  # before stop 45, the engine was its config's only
         if engine_kind(previous) != fields.get("engine", "vllm"):
             return False
@@ -177,12 +182,15 @@ def new_manifest(cfg_dict: dict, fields: dict, input_info: dict) -> dict:
         "fingerprint_fields": fields,
         "config": cfg_dict,
         "input": input_info,
+        "began_in": input_info.get("cwd"),  # the folder the first attempt ran in, kept (input.cwd is the last's)
         "counts": {},
         "attempts": [],
     }
 
 
 def start_attempt(manifest: dict, cfg_dict: dict, input_info: dict) -> dict:
+    # an OUT begun before stop 47 keeps the folder its last attempt ran in, which its typed --model was read from
+    manifest.setdefault("began_in", (manifest.get("input") or {}).get("cwd"))
     manifest["config"] = cfg_dict
     manifest["input"] = input_info
     manifest["state"] = RunState.RUNNING.value

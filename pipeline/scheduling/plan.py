@@ -79,17 +79,24 @@ def measured_startup(out_url: str) -> Optional[float]:
     return max((float(t) for t in times if t is not None), default=None)
 
 
-def measured_calibration(out_url: str) -> tuple[Optional[float], int]:
+def measured_calibration(out_url: str, predictor: str) -> tuple[Optional[float], int]:
     """Actual over predicted output tokens of the ok rows done in OUT (every shard's or worker's), and how many
-    rows: the run's predictions were 32-41% short on new work (docs/BENCHMARKS.md), and so were the plan's."""
+    rows: the run's predictions were 32-41% short on new work (docs/BENCHMARKS.md), and so were the plan's. Only
+    where every run there predicted with this predictor (it is not among the settings a resume checks)."""
     from overnight.pipeline.tools.inspection import open_results
 
-    con, _ = open_results(out_url)
-    cols = {r[0] for r in con.execute("describe results").fetchall()}
-    if not {"status", "output_tokens", "predicted_tokens"} <= cols:
+    if any((((d.out.read_manifest() or {}).get("config") or {}).get("buckets") or {}).get("predictor") != predictor
+           for d in job_dirs(out_url)):
         return None, 0
-    n, actual, predicted = con.execute("select count(*), sum(output_tokens), sum(predicted_tokens) from results "
-                                       "where status = 'ok' and predicted_tokens > 0").fetchone()
+    con, _ = open_results(out_url)
+    try:
+        cols = {r[0] for r in con.execute("describe results").fetchall()}
+        if not {"status", "output_tokens", "predicted_tokens"} <= cols:
+            return None, 0
+        n, actual, predicted = con.execute("select count(*), sum(output_tokens), sum(predicted_tokens) from "
+                                           "results where status = 'ok' and predicted_tokens > 0").fetchone()
+    finally:
+        con.close()
     if n < CALIBRATION_ROWS or not predicted:
         return None, n
     return float(actual) / float(predicted), n
@@ -126,7 +133,7 @@ def make_plan(cfg: JobConfig, out: Optional[str] = None, throughput: Optional[fl
             d.out.scan(cfg.input.id_column, into=done)
     tally = Tally(source.num_rows)
     resume = ResumeFilter(done, tally, out or "")
-    predicted, prompt_tokens, samples, priorities = [], [], [], []
+    predicted, prompt_tokens, samples, priorities, caps = [], [], [], [], []
     num_errors = 0
     errors = []
     for batch in prepare(cfg, source, model, annotator, resume):
@@ -134,6 +141,7 @@ def make_plan(cfg: JobConfig, out: Optional[str] = None, throughput: Optional[fl
         errors.extend(e.error for e in batch.errors[:5 - len(errors)])
         predicted.extend(r.predicted_tokens for r in batch.rows)
         samples.extend(r.sampling.get("n", 1) for r in batch.rows)
+        caps.extend(r.sampling.get("max_tokens") or cfg.sampling.max_tokens for r in batch.rows)
         prompt_tokens.extend(r.num_prompt_tokens for r in batch.rows)
         priorities.extend(r.priority for r in batch.rows)
     num_done = tally.num_resumed
@@ -158,13 +166,15 @@ def make_plan(cfg: JobConfig, out: Optional[str] = None, throughput: Optional[fl
         tps, source_name = measured_throughput(out, cfg.engine.kind), f"measured by the last run in {out}"
     total = float(work.sum())
     startup = measured_startup(out) if out and len(pred) else None
-    factor, factor_rows = measured_calibration(out) if out and done.num_parts and len(pred) else (None, 0)
+    factor, factor_rows = (measured_calibration(out, cfg.buckets.predictor) if out and done.num_parts and len(pred)
+                           else (None, 0))
+    if factor is not None:  # a row's scaled work is never more than its max_tokens allows
+        work = np.minimum(work * factor, np.asarray(caps, dtype=np.float64) * np.asarray(samples, dtype=np.float64))
     plan = Plan(num_rows=source.num_rows, num_done=num_done, num_errors=num_errors, num_todo=len(pred),
                 predictor=annotator.predictor.name, buckets=lines, predicted_tokens=int(total),
                 tokens_per_s=tps, throughput_source=source_name,
-                eta_s=total * (factor or 1.0) / tps + (startup or 0.0) if tps else None, errors=errors,
+                eta_s=float(work.sum()) / tps + (startup or 0.0) if tps else None, errors=errors,
                 num_duplicates=num_duplicates, startup_s=startup, calibration=factor, calibration_rows=factor_rows)
-    work = work * (factor or 1.0)
     if deadline_at is not None:
         plan.deadline_at = deadline_at
         plan.time_left_s = max(0.0, deadline_at - margin - now)

@@ -72,9 +72,9 @@ def not_done_message(reason: str, left: int, why: str = "") -> str:
 
 
 def workers_stop_message(stop: Optional[str], said: list, left: int) -> str:
-    """A Ray job stopped short: the driver's reason, else the first worker's (said: each worker's message or None);
-    and, at a deadline, what a worker said took the time when none of its rows reached the engine."""
-    said = [m for m in said if m]
-    reason = stop or next((m.split(":")[0] for m in said), "stopped")
-    why = next((m.partition(RERUN)[2] for m in said if m.partition(RERUN)[2]), "") if "deadline" in reason else ""
-    return not_done_message(reason, left, why)
+    """A Ray job stopped short: the driver's reason, else the first worker's (said: each worker's message, None for
+    one that completed); and, at a deadline, what the first said took the time, where no worker's rows reached
+    the engine."""
+    reason = stop or next((m.split(":")[0] for m in said if m), "stopped")
+    whys = [(m or "").partition(RERUN)[2] for m in said]  # (a worker that completed has no message)
+    return not_done_message(reason, left, whys[0] if "deadline" in reason and whys and all(whys) else "")

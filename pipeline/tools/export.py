@@ -111,7 +111,7 @@ def _json(value) -> str:
     with DECIMAL and bytes through its ``default`` hook; the walk of _finite only for a line with a NaN."""
     try:
         return json.dumps(value, default=_default, allow_nan=False)
-    except ValueError:
+    except (ValueError, TypeError):  # (TypeError: a map's key that is not text, as bytes)
         return json.dumps(_finite(value), default=str, allow_nan=False)
 
 
@@ -137,7 +137,9 @@ def _finite(value):
     if isinstance(value, float):
         return value if math.isfinite(value) else None
     if isinstance(value, dict):
-        return {k: _finite(v) for k, v in value.items()}
+        return {k if isinstance(k, (str, int, float, bool)) or k is None else
+                _finite(k) if isinstance(k, (bytes, bytearray, memoryview, decimal.Decimal)) else str(k): _finite(v)
+                for k, v in value.items()}
     if isinstance(value, (list, tuple)):
         return [_finite(v) for v in value]
     return value
