@@ -184,6 +184,7 @@ def test_an_out_that_fingerprinted_the_model_as_typed_resumes_and_its_rows_keep_
     manifest = o.read_manifest()
     assert manifest["fingerprint_fields"]["model"] == str(tmp_path / "m")
     old = {**manifest["fingerprint_fields"], "model": "m"}
+    del manifest["model_keyed"]
     o.write_manifest({**manifest, "fingerprint": mf.fingerprint(old), "fingerprint_fields": old})
     s = run_job(cfg(inp, out, engine={"kind": "echo", "model": str(tmp_path / "m")}), is_tty=False)
     assert (s.exit_code, s.num_resumed, s.num_ok) == (0, 3, 6)
@@ -200,7 +201,7 @@ def _an_out_from_before(tmp_path, cfg, inp, out) -> None:
     o = OutputDir(str(out))
     m = o.read_manifest()
     old = {**m["fingerprint_fields"], "model": "m"}
-    del m["began_in"]
+    del m["began_in"], m["model_keyed"]
     o.write_manifest({**m, "fingerprint": mf.fingerprint(old), "fingerprint_fields": old})
 
 
@@ -240,3 +241,32 @@ def test_an_out_from_before_moved_with_its_model_resumes_with_the_same_command(w
     monkeypatch.chdir(tmp_path / "q")
     s = run_job(cfg(inp, "o", engine={"kind": "echo", "model": "m"}), is_tty=False)
     assert (s.exit_code, s.num_resumed) == (0, 3)
+
+
+def test_a_new_out_of_a_hub_model_never_takes_a_folder_of_that_name(tmp_path, tiny_model, monkeypatch):
+    """The fallback for an OUT begun before stop 47 (a typed name whose folder is gone is read from the folder that
+    resumes it) is not for an OUT begun since, which holds the key itself: a hub id stays a hub id."""
+    import shutil
+
+    (tmp_path / "b").mkdir()
+    shutil.copytree(tiny_model, tmp_path / "c" / "org" / "name")
+    monkeypatch.chdir(tmp_path / "b")
+    job = JobConfig()
+    fields = mf.fingerprint_fields(job, "org/name", True)
+    previous = mf.new_manifest({}, fields, {"cwd": str(tmp_path / "b")})
+    assert fields["model"] == "org/name" and mf.same_settings(previous, mf.fingerprint_fields(job, "org/name", True))
+    monkeypatch.chdir(tmp_path / "c")   # where org/name is a local folder: another model
+    assert not mf.same_settings(previous, mf.fingerprint_fields(job, "org/name", True))
+    del previous["model_keyed"]         # as an OUT begun before: read from this folder, as the typed name was
+    assert mf.same_settings(previous, mf.fingerprint_fields(job, "org/name", True))
+
+
+def test_a_folder_reached_through_a_symlink_is_one_model(tmp_path, tiny_model, monkeypatch):
+    import shutil
+
+    from overnight.pipeline.tools.models import model_key
+
+    shutil.copytree(tiny_model, tmp_path / "real" / "m")
+    (tmp_path / "home").symlink_to(tmp_path / "real")   # a home reached through a link, as on many clusters
+    monkeypatch.chdir(tmp_path / "home")                  # (the process's folder is the link's target)
+    assert model_key("./m") == model_key(str(tmp_path / "home" / "m")) == str(tmp_path / "real" / "m")

@@ -57,6 +57,8 @@ def test_csv_writes_nested_values_as_json(tmp_path, cfg, write_parquet):
     assert json.loads(rows[0]["scores"]) == [0.5, None, None] == lines[0]["scores"] and rows[1]["scores"] == ""
     assert json.loads(rows[0]["blobs"]) == ["iVBOR/8="] == lines[0]["blobs"] and json.loads(rows[1]["blobs"]) == []
     assert json.loads(rows[0]["keyed"]) == lines[0]["keyed"] and rows[0]["status"] == "ok"
+    from overnight.pipeline.tools.export import _json
+    assert json.loads(_json({float("nan"): 1.0, b"k": float("inf"), 2.5: 1})) == {"nan": 1.0, "aw==": None, "2.5": 1}
     assert rows[0]["text"] and not rows[0]["text"].startswith('"')   # text stays text
 
 

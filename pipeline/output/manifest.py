@@ -94,8 +94,8 @@ def _model_keys(previous: dict) -> tuple:
     from overnight.pipeline.tools.models import model_key
 
     typed = (previous.get("fingerprint_fields") or {}).get("model")
-    if typed is None:
-        return None, set()
+    if typed is None or previous.get("model_keyed"):  # (an OUT begun since stop 47 holds the key itself)
+        return None, []
     key = model_key(typed, previous.get("began_in") or (previous.get("input") or {}).get("cwd"))
     return typed, list(dict.fromkeys([key, model_key(typed)])) if key == typed else [key]
 
@@ -183,6 +183,7 @@ def new_manifest(cfg_dict: dict, fields: dict, input_info: dict) -> dict:
         "config": cfg_dict,
         "input": input_info,
         "began_in": input_info.get("cwd"),  # the folder the first attempt ran in, kept (input.cwd is the last's)
+        "model_keyed": True,  # its settings name a model folder by its absolute path (model_key), since stop 47
         "counts": {},
         "attempts": [],
     }

@@ -82,7 +82,8 @@ def measured_startup(out_url: str) -> Optional[float]:
 def measured_calibration(out_url: str, predictor: str) -> tuple[Optional[float], int]:
     """Actual over predicted output tokens of the ok rows done in OUT (every shard's or worker's), and how many
     rows: the run's predictions were 32-41% short on new work (docs/BENCHMARKS.md), and so were the plan's. Only
-    where every run there predicted with this predictor (it is not among the settings a resume checks)."""
+    where the last run in every folder predicted with this predictor (it is not among the settings a resume
+    checks; a manifest keeps its last attempt's config)."""
     from overnight.pipeline.tools.inspection import open_results
 
     if any((((d.out.read_manifest() or {}).get("config") or {}).get("buckets") or {}).get("predictor") != predictor

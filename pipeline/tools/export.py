@@ -137,9 +137,9 @@ def _finite(value):
     if isinstance(value, float):
         return value if math.isfinite(value) else None
     if isinstance(value, dict):
-        return {k if isinstance(k, (str, int, float, bool)) or k is None else
+        return {k if isinstance(k, (str, int, bool)) or k is None or isinstance(k, float) and math.isfinite(k) else
                 _finite(k) if isinstance(k, (bytes, bytearray, memoryview, decimal.Decimal)) else str(k): _finite(v)
-                for k, v in value.items()}
+                for k, v in value.items()}  # (a key JSON cannot hold: bytes as base64, NaN as "nan")
     if isinstance(value, (list, tuple)):
         return [_finite(v) for v in value]
     return value

@@ -162,7 +162,7 @@ def model_key(model: str, cwd: Optional[str] = None) -> str:
         return model
     path = os.path.expanduser(model)
     path = path if os.path.isabs(path) else os.path.join(cwd or os.getcwd(), path)
-    return os.path.normpath(path) if os.path.isdir(path) else model
+    return os.path.realpath(path) if os.path.isdir(path) else model  # (a symlinked home: one folder, one key)
 
 
 def resolve(model: str, auto_prepare: bool = True) -> ResolvedModel:
