@@ -78,7 +78,7 @@ def plan(input_path, out, config_file, as_json, **options):
             how = {"auto": "running the shortest first once at risk", "shortest-first": "running the shortest "
                    "first", "longest-first": "running the longest first", "priority": "running the lowest "
                    "priority value first", "fifo": "running in input order"}[Policy(cfg.scheduler.policy).value]
-            click.echo(f"{when}: NOT feasible; about {p.rows_left} rows ({p.tokens_left} predicted output tokens) would be "
-                       f"left, {how}")
+            click.echo(f"{when}: NOT feasible; about {p.rows_left} rows ({p.tokens_left} predicted output tokens) "
+                       f"would be left, {how}")
     for e in p.errors:
         click.echo(f"error row: {e}")

@@ -143,7 +143,8 @@ def test_manifest_attempts(tmp_path):
 def models_of(out) -> list:
     import duckdb
 
-    return [m for m, in duckdb.sql(f"select model from read_parquet('{out}/parts/part-*.parquet') order by id").fetchall()]
+    query = f"select model from read_parquet('{out}/parts/part-*.parquet') order by id"
+    return [m for m, in duckdb.sql(query).fetchall()]
 
 
 def test_a_model_folder_is_one_setting_however_its_path_is_spelled(write_parquet, tmp_path, cfg, tiny_model,
@@ -197,7 +198,8 @@ def _an_out_from_before(tmp_path, cfg, inp, out) -> None:
     began_in (its input.cwd is the folder its last attempt ran in)."""
     from overnight.pipeline.api import run_job
 
-    assert run_job(cfg(inp, out, engine={"kind": "echo", "model": "m"}, input={"limit": 3}), is_tty=False).exit_code == 0
+    s = run_job(cfg(inp, out, engine={"kind": "echo", "model": "m"}, input={"limit": 3}), is_tty=False)
+    assert s.exit_code == 0
     o = OutputDir(str(out))
     m = o.read_manifest()
     old = {**m["fingerprint_fields"], "model": "m"}
@@ -218,7 +220,8 @@ def test_an_out_from_before_keeps_the_folder_it_began_in_whatever_folder_resumes
     _an_out_from_before(tmp_path, cfg, inp, out)
     monkeypatch.chdir(tmp_path / "b")   # its model by its absolute path, from another folder: twice
     a = str(tmp_path / "a" / "m")
-    assert run_job(cfg(inp, out, engine={"kind": "echo", "model": a}, input={"limit": 6}), is_tty=False).num_resumed == 3
+    s = run_job(cfg(inp, out, engine={"kind": "echo", "model": a}, input={"limit": 6}), is_tty=False)
+    assert s.num_resumed == 3
     assert OutputDir(str(out)).read_manifest()["began_in"] == str(tmp_path / "a")
     # b/m, typed as the OUT typed its own: another model, though this attempt's folder is b
     with pytest.raises(OutputError, match=f"model: '{tmp_path}/a/m' -> '{tmp_path}/b/m'"):

@@ -135,10 +135,10 @@ def _flatten(d: dict, prefix: str = "") -> dict:
 
 
 def differences(previous: dict, fields: dict) -> str:
-    typed, keys = _model_keys(previous)
+    typed, model_keys = _model_keys(previous)
     old, new = _flatten(previous.get("fingerprint_fields", {})), _flatten(fields)
     if typed is not None:  # the folder it names, not its spelling
-        old["model"] = new.get("model") if new.get("model") in keys else keys[0]
+        old["model"] = new.get("model") if new.get("model") in model_keys else model_keys[0]
     keys = set(old) | set(new) | {"engine"}  # fingerprinted only when not vllm (and only since stop 45)
     old = {k: old.get(k, engine_kind(previous) if k == "engine" else None) for k in keys}
     new = {k: new.get(k, "vllm" if k == "engine" else None) for k in keys}
