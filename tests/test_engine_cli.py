@@ -137,20 +137,25 @@ def test_bad_rows_become_error_rows_and_the_job_goes_on(tmp_path, model_path):
     assert [rows[i]["status"] for i in (2, 3, 4)] == ["error"] * 3
 
 
-def test_resume_and_fingerprint_refusal(tmp_path, model_path):
+def test_resume_and_fingerprint_refusal(tmp_path, model_path, monkeypatch):
+    import os
+
     inp = tmp_path / "in.parquet"
     pq.write_table(real_prompts(12), inp)
     out = tmp_path / "out"
-    invoke("run", inp, "--out", out, *FAST, "--limit", "5")
+    folder = os.path.realpath(model_path)   # the embedded model's folder, by its absolute path
+    invoke("run", inp, "--out", out, *FAST, "--limit", "5", "--model", folder)
     assert parts(out).num_rows == 5
-    refused = invoke("run", inp, "--out", out, *FAST, "--temperature", "0.9", ok=False)
+    refused = invoke("run", inp, "--out", out, *FAST, "--temperature", "0.9", "--model", folder, ok=False)
     assert refused.exit_code == 2   # bad usage: a rerun fails the same way
     assert refused.output.startswith(f"Error: {out} holds results of a run with different settings "
-                                     f"(sampling.temperature: 0.2 -> 0.9). Resuming would mix outputs.")
-    result = invoke("run", inp, "--out", out, *FAST)
+                                     f"(sampling.temperature: 1.0 -> 0.9). Resuming would mix outputs.")
+    # (a folder has no sampling preset; the alias's temperature is 0.2.) The same folder by a relative path, from its parent: the same model, so the run resumes
+    monkeypatch.chdir(os.path.dirname(folder))
+    result = invoke("run", inp, "--out", out, *FAST, "--model", os.path.basename(folder))
     assert "12/12 rows (12 ok, 0 error, 5 already done)" in result.output
     ids = parts(out).column("id").to_pylist()
-    assert len(ids) == 12 == len(set(ids))
+    assert len(ids) == 12 == len(set(ids)) and set(parts(out).column("model").to_pylist()) == {folder}
     fresh = invoke("run", inp, "--out", out, *FAST, "--temperature", "0.9", "--fresh", "--limit", "3")
     assert "3/3 rows (3 ok" in fresh.output and parts(out).num_rows == 3
 

@@ -110,6 +110,13 @@ def test_logprobs_of_the_chosen_tokens_and_the_top_k(job, tmp_path):
                 assert t["token_id"] in [a["token_id"] for a in t["top_logprobs"] if a["logprob"] == top[0]]
         # the tokens spell the text (and the end-of-turn token, which the text leaves out)
         assert "".join(t["token"] for t in tokens).strip().startswith(got[rid]["text"].strip())
+    # csv: each row's logprobs as JSON text, as jsonl writes them
+    export(cfg.output.path, "csv", str(tmp_path / "lp.csv"))
+    export(cfg.output.path, "jsonl", str(tmp_path / "lp-rows.jsonl"))
+    import csv
+    lines = {r["id"]: r for r in map(json.loads, (tmp_path / "lp-rows.jsonl").read_text().splitlines())}
+    for r in csv.DictReader(open(tmp_path / "lp.csv", newline="")):
+        assert json.loads(r["logprobs"]) == lines[r["id"]]["logprobs"] and len(lines[r["id"]]["logprobs"]) > 0
     path = tmp_path / "lp.jsonl"
     export(cfg.output.path, "openai", str(path))
     for line in path.read_text().splitlines():

@@ -350,8 +350,9 @@ _ENGINES: dict[tuple, VllmEngine] = {}
 
 
 def get_engine(cfg: EngineConfig, model_path: str, scheduling_policy: str = "fcfs") -> VllmEngine:
-    """Start an engine, or reuse this process's engine with identical settings."""
-    key = (model_path, scheduling_policy, json.dumps(asdict(cfg), sort_keys=True))
+    """Start an engine, or reuse this process's engine with identical settings (its model by the folder it loads,
+    however --model spelled it)."""
+    key = (model_path, scheduling_policy, json.dumps({**asdict(cfg), "model": None}, sort_keys=True))
     engine = _ENGINES.get(key)
     if engine is None:
         shutdown_engines()  # one engine at a time: each holds its KV cache
