@@ -146,6 +146,10 @@ CASES = [
     Case("mixed schemas", lambda e: mixed(e), 1,
          "Error: Column 'id' has type int64 in {root}/m/a.parquet but string in {root}/m/b.parquet. Mixed schemas "
          "cannot be read as one dataset: cast the column to one type in every file."),
+    Case("id column named as an output column", lambda e: run_args(e, e.parquet({"Run_ID": ["r1"], "prompt": ["a"]}),
+                                                                    "--id-column", "Run_ID"), 2,
+         "Error: Id column 'Run_ID' in {root}/in.parquet has the name of a column the output writes itself "
+         "('run_id'). Rename the column in the input, or name another with --id-column."),
     Case("uint64 ids above int64", lambda e: run_args(e, e.parquet({"id": pa.array([1, 2 ** 63 + 5], pa.uint64()),
                                                                      "prompt": ["a", "b"]})), 1,
          "Error: Id column 'id' in {root}/in.parquet is uint64 and holds values above 9223372036854775807; the "

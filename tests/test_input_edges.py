@@ -133,6 +133,21 @@ def test_passthrough_names_that_clash_twice_keep_both(tmp_path, cfg, write_parqu
     assert (row["input_input_text"], row["input_text"]) == ("T1", "I1") and row["text"].startswith("echo")
 
 
+def test_passthrough_names_that_clash_but_for_case_are_renamed_as_duckdb_reads_them(tmp_path, cfg, write_parquet):
+    """DuckDB reads names without regard to case: a part with "Status" beside "status" would be read with the
+    input's values under "status" and the result's as "status_1", by inspect, export and a notebook alike."""
+    import duckdb
+
+    inp = write_parquet({"id": [1, 2], "prompt": ["a", "b"], "Text": ["T1", "T2"], "Status": ["gold", "silver"]})
+    s = run_job(cfg(inp, tmp_path / "out"), engine_factory=given(FakeEngine()), is_tty=False)
+    t = _parts(tmp_path / "out").sort_by("id")
+    assert s.num_ok == 2 and {"input_Text", "input_Status", "text", "status"} <= set(t.column_names)
+    got = duckdb.sql(f"select status, text, input_Status from read_parquet('{tmp_path}/out/**/part-*.parquet') "
+                     f"order by id").fetchall()
+    assert [(st, txt.startswith("echo"), inp_st) for st, txt, inp_st in got] == [("ok", True, "gold"),
+                                                                             ("ok", True, "silver")]
+
+
 def test_a_path_with_glob_characters_that_exists_is_that_path(tmp_path, cfg):
     folder = tmp_path / "run [v2]"
     folder.mkdir()

@@ -123,6 +123,13 @@ def check_columns(cfg: InputConfig, fs, url: str, files: list, schema: pa.Schema
                     f"{unstrip(fs, f.path)} has no id column {cfg.id_column!r}, which other input files "
                     f"have ({unstrip(fs, having.path)}). Add the column to it, or run it as a job of its "
                     f"own (without one, each row's id comes from its file and row).")
+        from overnight.pipeline.records import RESULT_FIELDS, SAMPLE_FIELDS
+
+        clash = next((c for c in RESULT_FIELDS + SAMPLE_FIELDS if c.lower() == cfg.id_column.lower()), None)
+        if clash:  # the output's own column of that name would take its place (DuckDB reads names without case)
+            raise InputUsageError(
+                f"Id column {cfg.id_column!r} in {url} has the name of a column the output writes itself ({clash!r}). "
+                f"Rename the column in the input, or name another with --id-column.")
         t = schema.field(cfg.id_column).type
         if not is_id_type(t):
             raise InputUsageError(f"Id column {cfg.id_column!r} in {url} has type {t}; ids must be integers "

@@ -35,16 +35,18 @@ class OutputSchema:
         self.samples = samples
         self.logprobs = logprobs
         # Input column name -> output column name; clashes with result fields get an "input_" prefix (again, while
-        # that too is a name taken: an input with both "text" and "input_text" keeps both).
-        taken = reserved | {f.name for f in passthrough}
+        # that too is a name taken: an input with both "text" and "input_text" keeps both). Names clash without
+        # regard to case, as DuckDB reads them: a part with "Status" and "status" is read with "status_1".
+        reserved = {n.lower() for n in reserved}
+        taken = reserved | {f.name.lower() for f in passthrough}
         self.renames = {}
         for f in passthrough:
             name = f.name
-            if name in reserved:
+            if name.lower() in reserved:
                 name = f"input_{name}"
-                while name in taken:
+                while name.lower() in taken:
                     name = f"input_{name}"
-                taken.add(name)
+                taken.add(name.lower())
             self.renames[f.name] = name
         # Naive UTC: DuckDB and pandas read it without a timezone database.
         ts = pa.timestamp("ms")
