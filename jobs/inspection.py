@@ -23,7 +23,7 @@ log = logging.getLogger("overnight")
 def inspect_cmd(out: str, sql: str, fmt: str, price_per_hour) -> None:
     """Summarise an output folder, or query it with SQL through DuckDB.
 
-    The view `results` holds every completed part (one row per input id).
+    The view `results` holds every completed part: one row per input id, or per sample where rows ask for n > 1.
 
     \b
     Example:

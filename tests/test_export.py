@@ -207,6 +207,24 @@ def test_jsonl_export_writes_json(tmp_path, cfg, write_parquet):
     assert [r["score"] for r in rows] == [None, None, 0.5]
 
 
+def test_jsonl_and_csv_keep_nanoseconds_at_the_top_and_nested(tmp_path, cfg, write_parquet):
+    """A Python datetime, as DuckDB fetches one, holds microseconds: jsonl wrote 00:00:01 for 00:00:01.000000001."""
+    one = 1_000_000_001
+    inp = write_parquet({"id": ["a", None], "prompt": ["x", "y"], "ts": pa.array([one, None], pa.timestamp("ns")),
+                         "at": pa.array([one, one], pa.time64("ns")),
+                         "ev": pa.array([{"t": one}, None], pa.struct([("t", pa.timestamp("ns", "UTC"))]))})
+    out = tmp_path / "out"
+    run_job(cfg(inp, out), engine_factory=given(FakeEngine()), is_tty=False)
+    export(str(out), "jsonl", str(tmp_path / "all.jsonl"))
+    rows = [json.loads(x) for x in (tmp_path / "all.jsonl").read_text().splitlines()]
+    assert [(r["status"], r["ts"], r["at"], r["ev"]) for r in rows] == [
+        ("ok", "1970-01-01 00:00:01.000000001", "00:00:01.000000001", {"t": "1970-01-01 00:00:01.000000001+00"}),
+        ("error", None, "00:00:01.000000001", None)]
+    export(str(out), "csv", str(tmp_path / "all.csv"))
+    row = duckdb.sql(f"select ts::varchar, ev from read_csv('{tmp_path / 'all.csv'}', all_varchar=true)").fetchall()
+    assert row[0] == ("1970-01-01 00:00:01.000000001", '{"t":"1970-01-01 00:00:01.000000001+00"}')
+
+
 def test_a_moved_folder_of_request_lines_still_tells_completions(tmp_path, cfg):
     folder = tmp_path / "reqs"
     folder.mkdir()

@@ -126,6 +126,24 @@ def test_nanosecond_timestamps_pass_through_exactly(tmp_path, cfg, write_parquet
     assert t.column("took").cast(pa.int64()).to_pylist() == [1, 2_000]
 
 
+def test_nanosecond_values_inside_lists_structs_and_maps_pass_through_exactly(tmp_path, cfg, write_parquet):
+    ns = pa.timestamp("ns")
+    cols = {
+        "ev": pa.array([{"t": 1_000_000_001, "k": "a"}, {"t": 2_000_000_000, "k": "b"}],
+                       pa.struct([("t", ns), ("k", pa.string())])),
+        "ts": pa.array([[1, 2], None], pa.list_(ns)),
+        "big": pa.array([[3], []], pa.large_list(pa.duration("ns"))),
+        "pair": pa.array([[4, 5], [6, 7]], pa.list_(pa.time64("ns"), 2)),
+        "by": pa.array([[("x", 8)], [("y", 9)]], pa.map_(pa.string(), pa.timestamp("ns", "UTC"))),
+    }
+    inp = write_parquet({"id": [1, 2], "prompt": ["a", "b"], **cols})
+    s = run_job(cfg(inp, tmp_path / "out"), engine_factory=given(FakeEngine()), is_tty=False)
+    t = _parts(tmp_path / "out").sort_by("id")
+    assert s.num_ok == 2 and s.num_error == 0
+    for name, col in cols.items():
+        assert t.schema.field(name).type == col.type and t.column(name).combine_chunks().equals(col), name
+
+
 def test_passthrough_names_that_clash_twice_keep_both(tmp_path, cfg, write_parquet):
     inp = write_parquet({"id": [1], "prompt": ["a"], "text": ["T1"], "input_text": ["I1"]})
     run_job(cfg(inp, tmp_path / "out"), engine_factory=given(FakeEngine()), is_tty=False)

@@ -115,6 +115,10 @@ def test_inspect_sql_that_returns_nothing_and_its_json(tmp_path, cfg, write_parq
     r = CliRunner().invoke(cli, ["inspect", str(tmp_path / "out"), "--format", "json", "--sql",
                                  "select 'nan'::double as x, 1 as a, 2 as a, 1.5 as d"])
     assert r.exit_code == 0 and json.loads(r.output) == [{"x": None, "a": 1, "a_1": 2, "d": 1.5}]
+    # csv: a nested value as JSON and bytes as base64, as export --format csv writes them (not Python's repr)
+    r = CliRunner().invoke(cli, ["inspect", str(tmp_path / "out"), "--format", "csv", "--sql",
+                                 "select {'k': ['nan'::double, 2]} as s, ['x'] as l, '\\x00'::blob as b"])
+    assert r.exit_code == 0 and r.output.splitlines() == ['s,l,b', '"{""k"": [null, 2.0]}","[""x""]",AA==']
 
 
 @pytest.fixture(autouse=True)

@@ -219,18 +219,49 @@ def _column(batch: pa.RecordBatch, name: str) -> list:
 def _carried(batch: pa.RecordBatch, name: str) -> list:
     """A passthrough column's values, as the output column is built from them: as _column's, but a nanosecond
     timestamp, duration or time that Python's datetime cannot hold (without pandas, any with nanoseconds) as its
-    int64 count, from which the output column of the same type is built again exactly; a binary column's values
-    as the bytes they are (an image, a hash: written back to a binary column, not read as text)."""
+    int64 count, at the top or inside a list, struct or map, from which the output column of the same type is
+    built again exactly; a binary column's values as the bytes they are (an image, a hash: written back to a
+    binary column, not read as text)."""
     col = batch.column(name)
     t = col.type
     if _is_bytes(t) or ((pa.types.is_list(t) or pa.types.is_large_list(t)) and _is_bytes(t.value_type)):
         return col.to_pylist()  # (a list of them too: _column reads one as text, as a stop list may be stored)
-    if ((pa.types.is_timestamp(t) or pa.types.is_duration(t) or pa.types.is_time64(t)) and t.unit == "ns"):
+    counts = _ns_as_int64(t)
+    if counts is not None:
         try:
             return col.to_pylist()
         except (ValueError, pa.ArrowException):
-            return col.cast(pa.int64()).to_pylist()
+            col = col.cast(counts)
+            return [_value(col, j) for j in range(len(col))]
     return _column(batch, name)
+
+
+def _is_ns(t: pa.DataType) -> bool:
+    return (pa.types.is_timestamp(t) or pa.types.is_duration(t) or pa.types.is_time64(t)) and t.unit == "ns"
+
+
+def _ns_as_int64(t: pa.DataType) -> Optional[pa.DataType]:
+    """``t`` with each nanosecond timestamp, duration or time in it (itself, or inside a list, struct or map) as
+    int64: a type its values can be cast to and read as Python objects; None where it holds none."""
+    if _is_ns(t):
+        return pa.int64()
+    if pa.types.is_struct(t):
+        fields = [t.field(i) for i in range(t.num_fields)]
+        inner = [_ns_as_int64(f.type) for f in fields]
+        return None if all(x is None for x in inner) else pa.struct(
+            [f if x is None else f.with_type(x) for f, x in zip(fields, inner)])
+    if pa.types.is_map(t):
+        key, item = _ns_as_int64(t.key_type), _ns_as_int64(t.item_type)
+        return None if key is None and item is None else pa.map_(key or t.key_type, item or t.item_type)
+    if pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t):
+        inner = _ns_as_int64(t.value_type)
+        if inner is None:
+            return None
+        field = t.value_field.with_type(inner)
+        if pa.types.is_fixed_size_list(t):
+            return pa.list_(field, t.list_size)
+        return pa.large_list(field) if pa.types.is_large_list(t) else pa.list_(field)
+    return None
 
 
 def _value(col: pa.Array, j: int):

@@ -65,13 +65,18 @@ def export(url: str, fmt: str, output: str, errors: Optional[str] = None) -> dic
         n = con.execute(f"select count(*) from ({query})").fetchone()[0]
         return {"rows": n, "in_input_order": in_order, "output": output}
     if fmt == "jsonl":
+        query, exact = _nanoseconds_as_json(con, query)
         cur = con.execute(query)
         names = [d[0] for d in cur.description]
         n = 0
         with _writing(output, "--output") as f:
             while batch := cur.fetchmany(10_000):
                 for row in batch:
-                    f.write(_json(dict(zip(names, row))) + "\n")
+                    line = dict(zip(names, row))
+                    for name in exact:
+                        if line[name] is not None:
+                            line[name] = json.loads(line[name])
+                    f.write(_json(line) + "\n")
                     n += 1
         return {"rows": n, "in_input_order": in_order, "output": output}
     return _openai(con, manifest or {}, in_order, output, errors, url)
@@ -91,6 +96,17 @@ def _nested_as_json(con, query: str) -> str:
         else:
             cells.append(f"to_json({_ident(name)}) as {_ident(name)}")
     return f"select * replace ({', '.join(cells)}) from ({query})" if cells else query
+
+
+def _nanoseconds_as_json(con, query: str) -> tuple[str, list]:
+    """The query with each column that holds nanosecond timestamps or times (at the top or nested) as DuckDB's
+    to_json writes it, and those columns' names: a Python datetime, as DuckDB fetches them, drops the
+    nanoseconds (csv and parquet keep them)."""
+    names = [name for name, kind, *_ in con.execute(f"describe ({query})").fetchall() if "_NS" in kind]
+    if not names:
+        return query, []
+    cells = ", ".join(f"to_json({_ident(name)})::varchar as {_ident(name)}" for name in names)
+    return f"select * replace ({cells}) from ({query})", names
 
 
 def _first_line(e: Exception) -> str:
@@ -127,6 +143,16 @@ def json_value(value):
     """A value as JSON holds it: a float JSON cannot hold (NaN, infinity) as null, a DECIMAL as a number, bytes
     (a binary passthrough column's) as base64 text."""
     return _finite(value)
+
+
+def csv_cell(value):
+    """A value in a CSV cell, as `export --format csv` writes it: a nested one (a list, a struct, a map) as JSON,
+    bytes as base64, a float JSON cannot hold as itself (the cell is text); anything else as csv writes it."""
+    if isinstance(value, (dict, list, tuple)):
+        return _json(value)
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return base64.b64encode(bytes(value)).decode("ascii")
+    return value
 
 
 def _finite(value):

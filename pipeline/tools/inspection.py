@@ -4,9 +4,11 @@ The same works from a notebook:
 
     import duckdb
     con = duckdb.connect()
-    con.sql("select status, count(*) from read_parquet('results/parts/part-*.parquet') group by 1").show()
+    con.sql("select status, count(*) from read_parquet('results/parts/part-*.parquet', union_by_name = true) "
+            "group by 1").show()
 
-A sharded job's parts are in OUT/shards/*/parts/: read_parquet('results/**/part-*.parquet') reads them all.
+A sharded job's parts are in OUT/shards/*/parts/: read_parquet('results/**/part-*.parquet', union_by_name = true)
+reads them all.
 """
 
 from __future__ import annotations
@@ -196,10 +198,12 @@ def _width(s: str) -> int:
 
 def render(columns: list[str], rows: list[tuple], csv: bool = False, max_width: int = 60) -> str:
     if csv:
+        from overnight.pipeline.tools.export import csv_cell
+
         buf = io.StringIO()
         w = csvlib.writer(buf)
         w.writerow(columns)
-        w.writerows(rows)
+        w.writerows([csv_cell(v) for v in r] for r in rows)
         return buf.getvalue().rstrip("\n")
 
     def cell(v) -> str:
