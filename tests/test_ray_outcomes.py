@@ -172,3 +172,30 @@ def test_an_id_in_two_workers_units_is_answered_once(tmp_path, cfg, local_ray):
     assert (s.exit_code, s.num_rows, s.num_done, s.num_duplicates) == (0, 64, 32, 32), s.line()
     ids = ids_in(out2)
     assert len(ids) == len(set(ids)) == 32
+
+
+def test_a_worker_that_fails_while_the_others_answer_every_row_leaves_the_job_complete(tmp_path, cfg, local_ray,
+                                                                                        monkeypatch):
+    """One worker's engine fails (a bad GPU on one node); the other takes its units and answers every row. The
+    job is complete, exit 0, with a warning (it said failed, exit 69, "0 rows not done")."""
+    import overnight.pipeline.cluster.ray_job as ray_job
+    from overnight.pipeline.cluster.actors import Worker
+
+    class OneBadNode(Worker):   # (a local class: Ray pickles it by value to its worker processes)
+        def run(self):
+            if self.index == 1:
+                from overnight.pipeline.engine import EngineError
+                raise EngineError("CUDA out of memory on this node")
+            return super().run()
+
+    monkeypatch.setattr(ray_job, "Worker", OneBadNode)
+    inp = write_input(tmp_path / "in", 2, 200, 50)
+    out = tmp_path / "out"
+    s = run_on_ray(cfg(inp, out, engine={"kind": "echo", "echo_step_ms": 5, "max_num_seqs": 8},
+                       sampling={"max_tokens": 4}), False, 2, is_tty=False)
+    assert (s.state, s.exit_code, s.num_done, s.message) == ("completed", 0, 400, None)
+    assert s.extra["failures"] == {"w1": "CUDA out of memory on this node"}
+    ids = ids_in(out)
+    assert len(ids) == len(set(ids)) == 400
+    st = json.loads((out / "status.json").read_text())
+    assert (st["state"], st["exit_code"], st["rows"]["remaining"]) == ("completed", 0, 0)

@@ -319,16 +319,22 @@ class Driver:
         pending, statuses = self.ray.get(self.coordinator.snapshot.remote())
         done = self._done_now(statuses)
         states = [r["state"] for r in results.values()]
-        complete = not pending and bool(states) and all(s == "completed" for s in states) and not failures
+        left = max(0, self.total - done)
+        # every unit answered by the workers that completed: a worker that failed on its way (its engine, its node)
+        # leaves nothing undone when the others took its units, and the job is complete
+        complete = (not pending and bool(states) and all(s == "completed" for s in states)
+                    and (not failures or left == 0))
         stop = self.ray.get(self.coordinator.stop_state.remote())[0]
         if stop and stop.startswith("SIG"):  # a signal's name
             stop = f"interrupted by {stop}"
         if (not stop and not complete and not failures and self.deadline_at is not None
                 and time.time() >= self.deadline_at - self.margin):  # (workers not yet placed were not told)
             stop = "deadline reached" + ("" if results else " before any worker started")
-        left = max(0, self.total - done)
         if complete:
             state, code, message = "completed", 0, None
+            if failures:
+                log.warning("every row is done, by the other workers: " + "; ".join(
+                    f"worker w{i} failed ({m})" for i, (_, m) in sorted(failures.items())))
         elif stop or self.signals or "partial" in states or "interrupted" in states:
             state, code = ("interrupted" if self.signals else "partial"), EXIT_PARTIAL
             message = workers_stop_message(stop, [r.get("message") for _, r in sorted(results.items())], left)
