@@ -231,6 +231,11 @@ def test_the_deadline_stops_every_worker_then_a_rerun_completes(tmp_path, cfg, l
                                                                         "remaining": 1190}}))
     st = job_status(str(out))
     assert (st["state"], st["rows_done"], st["rows_left"]) == ("stopped", len(first), 1200 - len(first))
+    # ... less the rows in those folders whose ids its id pass found gone from the input (they counted as done)
+    path.write_text(json.dumps({**driver, "state": "running", "rows": {**driver["rows"], "done": 10,
+                                                                        "remaining": 1190, "removed": 7}}))
+    st = job_status(str(out))
+    assert (st["rows_done"], st["rows_left"]) == (len(first) - 7, 1200 - len(first) + 7)
     path.write_text(json.dumps(driver))
     # the rerun on one worker: w1's folder is not run, and its rows still count in the summary
     s2 = run_on_ray(cfg(inp, out, engine={"kind": "echo", "max_num_seqs": 64}, sampling={"max_tokens": 20}),

@@ -167,7 +167,8 @@ def _ray_status(out: OutputDir, dirs, driver: dict) -> dict:
         w["rows_total"] = w["rows_left"] = None  # a worker's share is whatever units it took
     done, left = rows.get("done", 0), rows.get("remaining")
     if state == "stopped":  # a driver killed: its last status is older than what its workers' folders hold
-        held = sum(w["rows_done"] or 0 for w in workers)
+        # (less the rows whose ids left the input, as the driver counted them at its start: a folder holds them)
+        held = sum(w["rows_done"] or 0 for w in workers) - (rows.get("removed") or 0)
         if held > done and isinstance(rows.get("total"), int):
             done, left = min(held, rows["total"]), max(0, rows["total"] - held)
     return {"out": out.shown(), "state": state, "shards": None, "workers": driver.get("workers"),
