@@ -24,7 +24,7 @@ from overnight.buckets.annotate import LengthAnnotator
 from overnight.buckets.predictors import make_predictor
 from overnight.pipeline.clockwork import FORECAST_S, TICK_S, Clockwork
 from overnight.pipeline.engine import EngineError
-from overnight.pipeline.input.prefetch import Prefetcher
+from overnight.pipeline.input.prefetch import PREFETCH_DEPTH, Prefetcher
 from overnight.pipeline.input.resume import ResumeFilter
 from overnight.pipeline.input.source import InputError
 from overnight.pipeline.input.stage import prepare
@@ -103,7 +103,8 @@ class Runner(Clockwork):
             elif not (self.job.lazy_engine and model.context_known) and not self._too_late():
                 model = model.with_context(self._start_engine().max_model_len)  # a guessed context: ask the engine
             self.reader = Prefetcher(prepare(cfg, self.job.source, model, self.annotator, self.resume,
-                                             self.job.source.passthrough_columns(), self.tally))
+                                             self.job.source.passthrough_columns(), self.tally),
+                                     depth=getattr(self.job.source, "prefetch_depth", PREFETCH_DEPTH))
             if not self.signals.first and not self.stopping and (self.engine is not None or self._has_work()):
                 if self.engine is not None or not self._too_late():
                     self.engine = self.engine or self._start_engine()

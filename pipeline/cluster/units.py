@@ -72,6 +72,10 @@ class UnitSource(ParquetSource):
     """The input as a worker sees it: units pulled one at a time from ``next_unit``; ``on_unit`` hears the rows
     of each unit taken."""
 
+    # Batches the worker's input thread prepares ahead of its engine loop (one engine's: 4). A unit smaller than a
+    # batch is a batch: four ahead held four units that a worker with a free engine would have taken.
+    prefetch_depth = 1
+
     def __init__(self, cfg, next_unit: Callable[[], Optional[Unit]], id_column_of: Callable[[str], object]):
         super().__init__(cfg)
         self.next_unit = next_unit

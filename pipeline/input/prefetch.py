@@ -14,6 +14,9 @@ import threading
 from typing import Iterator, Optional
 
 
+PREFETCH_DEPTH = 4  # prepared batches held ahead of the engine loop
+
+
 class _End:
     pass
 
@@ -24,7 +27,7 @@ class _Failed:
 
 
 class Prefetcher:
-    def __init__(self, items: Iterator, depth: int = 4, name: str = "overnight-reader"):
+    def __init__(self, items: Iterator, depth: int = PREFETCH_DEPTH, name: str = "overnight-reader"):
         self._items = items
         self._queue: queue.Queue = queue.Queue(maxsize=depth)
         self._stop = threading.Event()
