@@ -53,6 +53,9 @@ class Clockwork:
             return
         self._last_tick = now
         self.tracker.observe(self.generated_estimate)
+        self.progress.generated(self.generated_estimate)
+        if self.tally.num_removed:  # rows in OUT whose ids left the input are not this input's done
+            self.progress.recount(self.tally.num_done_here)
         self.progress.tick()
         if self.job.lock is not None:
             self.job.lock.heartbeat()

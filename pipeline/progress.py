@@ -32,7 +32,17 @@ class Rate:
         while len(self.points) > 2 and t - self.points[0][0] > self.window:
             self.points.popleft()
 
-    def per_second(self) -> float:
+    def per_second(self, now: Optional[float] = None) -> float:
+        """From the window's first point to its last; with ``now``, to now, from the last point at or before the
+        window's start: a rate fed only when events come (rows finishing) falls while none comes, and a burst of
+        them is not counted over the moments between its own events."""
+        if now is not None:
+            while len(self.points) > 1 and self.points[1][0] <= now - self.window:
+                self.points.popleft()
+            if not self.points:
+                return 0.0
+            t0, v0 = self.points[0]
+            return (self.points[-1][1] - v0) / (now - t0) if now > t0 else 0.0
         if len(self.points) < 2:
             return 0.0
         (t0, v0), (t1, v1) = self.points[0], self.points[-1]
@@ -54,7 +64,10 @@ class Progress:
         self.log_every = log_every
         self.last_log = self.started
         self.row_rate = Rate()
-        self.token_rate = Rate()
+        self.token_rate = Rate()  # output tokens of the rows finished
+        self.gen_rate = Rate()  # output tokens generated, rows running included (the loop's feed, when it feeds)
+        self.num_generated = 0
+        self.rates_from(self.started)
         self.is_tty = sys.stderr.isatty() if is_tty is None else is_tty
         self.bar = None
         self.forecast_eta: Optional[float] = None
@@ -71,6 +84,38 @@ class Progress:
 
             self.bar = tqdm(total=total, initial=initial, unit="row", dynamic_ncols=True, smoothing=0.1,
                             file=sys.stderr, desc="overnight")
+
+    def rates_from(self, t: float) -> None:
+        """Count the rates from ``t``: the job's start, then the engine's (its start-up generates nothing)."""
+        self.row_rate.points.clear()
+        self.token_rate.points.clear()
+        self.row_rate.add(t, self.done)
+        self.token_rate.add(t, self.tokens)
+        self.gen_rate.points.clear()
+        self.gen_rate.add(t, self.num_generated)
+
+    def generated(self, total: int) -> None:
+        """The output tokens the engine generated so far (a token a running sequence a step), at each tick: the
+        rate shown, where the tokens of rows as they finish come in bursts and silences."""
+        self.num_generated = total
+        self.gen_rate.add(self.clock(), total)
+
+    def tokens_per_s(self) -> float:
+        """Output tokens per second over the last half minute: generated, where the loop feeds it; else those of
+        the rows finished."""
+        rate = self.gen_rate if len(self.gen_rate.points) > 1 else self.token_rate
+        return rate.per_second(self.clock())
+
+    def recount(self, done: int) -> None:
+        """The rows done of this input, as the tally knows them: at the start every row in OUT counts, until a
+        pass over the input finds some whose ids left it (a resume over an input that changed)."""
+        delta = done - self.done
+        if delta:
+            self.done = done
+            self.row_rate.points = type(self.row_rate.points)((t, v + delta) for t, v in self.row_rate.points)
+            if self.bar is not None:
+                self.bar.n = done
+                self.bar.refresh()
 
     def update(self, num_rows: int, num_tokens: int) -> None:
         now = self.clock()
@@ -115,7 +160,7 @@ class Progress:
         if self.samples and now - self.samples[-1]["t"] < self.sample_every:
             return
         self.samples.append({"t": round(now, 3), "rows_done": self.done, "output_tokens": self.tokens,
-                             "output_tokens_per_s": round(self.token_rate.per_second(), 2),
+                             "output_tokens_per_s": round(self.tokens_per_s(), 2),
                              "eta_s": self.eta_seconds(), "deadline_left_s": self.deadline_left,
                              "at_risk": self.deadline_at_risk, **(detail or {})})
         if len(self.samples) >= MAX_SAMPLES:
@@ -123,7 +168,7 @@ class Progress:
             self.sample_every = 2 * max(self.sample_every, 1.0)
 
     def postfix(self) -> str:
-        text = f"{self.token_rate.per_second():.0f} tok/s, ETA {fmt_duration(self.eta_seconds())}"
+        text = f"{self.tokens_per_s():.0f} tok/s, ETA {fmt_duration(self.eta_seconds())}"
         if self.eta_range is not None and self.forecast_eta is not None:
             text += f" ({fmt_duration(self.eta_range[0])}-{fmt_duration(self.eta_range[1])})"
         if self.deadline_left is not None:
@@ -135,7 +180,7 @@ class Progress:
             return 0.0
         if self.forecast_eta is not None:
             return self.forecast_eta
-        rate = self.row_rate.per_second()
+        rate = self.row_rate.per_second(self.clock())
         remaining = max(0, self.total - self.done)
         if remaining == 0:
             return 0.0
@@ -148,7 +193,7 @@ class Progress:
     def counters(self) -> dict:
         """What a progress line says, as numbers (the JSON log lines carry them)."""
         return {"rows_done": self.done, "rows_total": self.total,
-                "output_tokens_per_s": round(self.token_rate.per_second(), 2), "eta_s": self.eta_seconds(),
+                "output_tokens_per_s": round(self.tokens_per_s(), 2), "eta_s": self.eta_seconds(),
                 "eta_range_s": None if self.eta_range is None else [round(x, 1) for x in self.eta_range],
                 "deadline_left_s": self.deadline_left, "deadline_at_risk": self.deadline_at_risk}
 

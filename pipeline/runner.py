@@ -59,6 +59,7 @@ class Runner(Clockwork):
                                          cfg.buckets.num_buckets, background=True)
         self.tracker = DeadlineTracker(job.deadline_at, job.margin_s, clock, sc.tokens_per_second,
                                        max_tokens=cfg.sampling.max_tokens, calibrated=predictor.calibrated)
+        self.tracker.drains = sc.on_deadline != "abort"
         self.tracker.start(self.scheduler)
         scan = job.scan
         self.tally = Tally(job.source.num_rows, scan.num_ok, scan.num_error, scan.num_output_tokens)
@@ -160,6 +161,7 @@ class Runner(Clockwork):
         self.scheduler.resize(self.engine.max_num_seqs)
         self.tracker.engine_started(self.engine.max_num_seqs)
         self.tally.started = time.monotonic()  # the attempt's elapsed time and tok/s count from a running engine
+        self.progress.rates_from(self.progress.clock())  # (the progress line's too)
         self.tally.engine_ready_at = time.time()
         self.writer.last_flush = self.writer.clock()  # flush_seconds count from a running engine, not its start
         return self.engine

@@ -318,3 +318,39 @@ def test_the_deadline_counts_down_between_forecasts_and_a_finished_job_has_no_et
     assert p.deadline_left == 0.0
     p.update(10, 100)                                # every row done: the last forecast's 40 s are past
     assert p.eta_seconds() == 0.0 and p.counters()["eta_s"] == 0.0
+
+
+def test_the_progress_rates_fall_when_rows_stop_finishing_and_count_a_burst_over_the_window():
+    from overnight.pipeline.progress import Progress
+
+    now = [0.0]
+    p = Progress(100, 0, log_every=30.0, is_tty=False, clock=lambda: now[0])
+    now[0] = 20.0
+    p.rates_from(now[0])                             # the engine is ready: the rates count from here
+    now[0] = 30.0
+    p.update(5, 500)
+    now[0] = 30.01
+    p.update(5, 500)                                 # a burst: 10 rows in 10 ms, after 10 s of generating
+    assert p.token_rate.per_second(now[0]) == pytest.approx(1000 / 10.01) and "100 output tok/s" in p.line()
+    now[0] = 45.0
+    assert p.token_rate.per_second(now[0]) == pytest.approx(1000 / 25)  # none since: it falls
+    now[0] = 330.0                                   # five minutes and nothing more finished: none in the window
+    assert p.counters()["output_tokens_per_s"] == 0 and p.eta_seconds() is None
+    # fed by the loop, tokens as the engine generates them: the engine's rate, whatever rows finish
+    p.rates_from(now[0])
+    for t in range(1, 41):
+        now[0] = 330.0 + t
+        p.generated(50 * t)
+    assert p.counters()["output_tokens_per_s"] == pytest.approx(50) and "50 output tok/s" in p.line()
+
+
+def test_the_progress_recounts_rows_done_as_those_of_this_input():
+    from overnight.pipeline.progress import Progress
+
+    now = [0.0]
+    p = Progress(100, 100, log_every=30.0, is_tty=False, clock=lambda: now[0])  # OUT holds 100 rows
+    assert p.eta_seconds() == 0.0
+    p.recount(50)                                    # a pass over the input: 50 of them left it
+    now[0] = 10.0
+    p.update(10, 1000)
+    assert p.line().startswith("60/100 rows (60%)") and p.eta_seconds() == pytest.approx(40 / (10 / 10.0))

@@ -79,6 +79,20 @@ def test_drain_of_equal_rows_is_whole_rounds():
     assert d.steps == 25 and d.tokens == 50  # the 20-token row starts when a 5 ends
 
 
+def test_rows_done_by_the_deadline_are_those_started_by_the_stop():
+    """Admission stops at the stop (the deadline less its margin); the rows in flight drain to the deadline."""
+    # 10 rows of 10 over 4 slots: they start at 0 (4), 10 (4) and 20 (2) and end at 10, 20 and 30
+    d = drain(4, np.array([]), np.array([10.0]), np.array([10]), within_steps=30, start_by=15)
+    assert d.rows_by == 8                              # the last 2 would start at 20, after the stop at 15
+    assert drain(4, np.array([]), np.array([10.0]), np.array([10]), within_steps=30, start_by=20).rows_by == 10
+    assert drain(4, np.array([]), np.array([10.0]), np.array([10]), within_steps=25).rows_by == 8
+    # a partial round: 6 rows, the 2 of the second round start at 10
+    assert drain(4, np.array([]), np.array([10.0]), np.array([6]), within_steps=30, start_by=9).rows_by == 4
+    assert drain(4, np.array([]), np.array([10.0]), np.array([6]), within_steps=30, start_by=10).rows_by == 6
+    # rows running now started long ago: by the deadline they count
+    assert drain(2, np.array([25.0, 5.0]), np.array([]), np.array([]), within_steps=30, start_by=1).rows_by == 2
+
+
 def test_drain_tail_adds_the_spread_of_the_last_rows():
     lm = LengthModel(512)
     lm.mu, lm.sigma = 0.0, 0.8
@@ -103,7 +117,8 @@ def test_in_flight_emulates_vllm_queue():
 
 # -- a simulated run ---------------------------------------------------------------------------------
 def simulate(policy, cost, n_rows=600, m=64, deadline_share=None, makespan=None, seed=3, probe=True, n_samples=1,
-             blind=False, drift=0.0, sqrt=False, calibrated=False, rows=None, loops=0.0, row_max_tokens=512):
+             blind=False, drift=0.0, sqrt=False, calibrated=False, rows=None, loops=0.0, row_max_tokens=512,
+             margin=0.0):
     """Runs the real Scheduler and DeadlineTracker against a simulated engine; returns the story. With n_samples
     > 1 each row asks for that many completions, which the engine runs as as many sequences (vLLM's parallel
     sampling), each of its own length around the row's. blind: lengths normal, whatever the predictions. drift: a
@@ -113,7 +128,8 @@ def simulate(policy, cost, n_rows=600, m=64, deadline_share=None, makespan=None,
     tracker is told the predictions are a trained predictor's. loops: this share of the rows, drawn at random, run
     to max_tokens whatever their prediction (the model loops: 4% of the embedded model's answers with its preset).
     rows: (predicted, actual) given instead of drawn (benchmarks/forecast_floor.py: the labelled lengths).
-    row_max_tokens: each row's own max_tokens (the job's, the tracker's, stays 512); lengths are cut there."""
+    row_max_tokens: each row's own max_tokens (the job's, the tracker's, stays 512); lengths are cut there.
+    margin: admission stops this long before the deadline, and the rows in flight drain to it."""
     rng = np.random.default_rng(seed)
     speed_rng, speed, steps = np.random.default_rng(seed + 100), 1.0, 0
     predicted, actual = lognormal_rows(n_rows, 0.0, 0.55, rng)
@@ -132,7 +148,7 @@ def simulate(policy, cost, n_rows=600, m=64, deadline_share=None, makespan=None,
         actual[:, None] * rng.lognormal(0, 0.3, (n_rows, n_samples)))))
     clock = FakeClock(0.0)
     deadline = None if deadline_share is None else deadline_share * makespan
-    tracker = DeadlineTracker(deadline, 0.0, clock, max_tokens=512, calibrated=calibrated)
+    tracker = DeadlineTracker(deadline, margin, clock, max_tokens=512, calibrated=calibrated)
     if not probe:
         tracker.probe_done = True
     sched = Scheduler(m, 1.0, Policy(policy))
@@ -149,6 +165,8 @@ def simulate(policy, cost, n_rows=600, m=64, deadline_share=None, makespan=None,
     while not sched.is_done():
         if deadline is not None and clock.t >= deadline:
             break
+        if tracker.should_stop():
+            sched.is_admitting = False
         if not tracker.probe_done:
             sched.cap = tracker.probe_cap(m)
             if tracker.probe_done:  # as the runner: a forecast sets the cap before more rows go in
@@ -288,6 +306,23 @@ def test_deadline_at_risk_is_warned_by_five_percent_with_rows_left_within_twenty
     assert done <= 0.05 * story.n
     left = story.n - story.done
     assert f.rows_expected_left == pytest.approx(left, rel=0.2)
+
+
+@pytest.mark.parametrize("cost", [CPU, GPU], ids=["cpu", "gpu"])
+def test_rows_that_drain_to_the_deadline_are_not_expected_left(cost):
+    """Admission stops a margin before the deadline, and the rows in flight run on to it (--on-deadline drain).
+    The rows expected left count those that finish in the drain as done: at the stop, with the deadline at 90% of
+    the makespan and a margin of 10%, they expected 121-134 rows left on the CPU's cost (62-72 were) and 69-81 on
+    the GPU's (7-16 were). A deadline the drain meets is not warned of on a GPU's cost (12 of 12 forecasts did)."""
+    full = simulate("fifo", cost)
+    story = simulate("fifo", cost, deadline_share=0.9, makespan=full.end, margin=0.1 * full.end)
+    t, done, f = [s for s in story.samples if s[0] <= 0.8 * full.end][-1]
+    left = story.n - story.done
+    assert f.will_miss and f.rows_expected_left == pytest.approx(left, rel=0.2, abs=3), (f.rows_expected_left, left)
+    met = simulate("fifo", cost, deadline_share=1.02, makespan=full.end, margin=0.1 * full.end)
+    assert met.done == met.n
+    if cost == GPU:
+        assert not any(f.will_miss for t, _, f in met.samples if t > 0.5 * full.end)
 
 
 def test_a_forecast_that_misses_the_deadline_expects_a_row_left():

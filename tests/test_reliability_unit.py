@@ -292,6 +292,10 @@ def test_resume_after_the_input_changed(write_parquet, tmp_path, cfg, caplog):
     assert s.line().startswith("overnight: done: 4/4 rows (5 ok, 0 error, 3 already done, 1 no longer in the input)")
     st = json.loads((out / "status.json").read_text())
     assert (st["rows"]["done"], st["rows"]["remaining"]) == (4, 0)
+    # the progress counts the input's rows: b's result is not one of them (it showed 5/4 rows, and an ETA of 0
+    # from the start of a resume whose input had as many rows left as OUT held gone)
+    timeline = json.loads((out / "timeline.json").read_text())
+    assert timeline and all(t["rows_done"] <= 4 for t in timeline), timeline
     from overnight.pipeline.tools.status import job_status
     js = job_status(str(out))
     assert (js["rows_done"], js["rows_left"]) == (4, 0), js

@@ -65,6 +65,8 @@ class DeadlineTracker:
         # if those take less. calibrated: the rows' predictions come from a trained predictor (LengthMixture).
         self.deadline = deadline
         self.stop_at = None if deadline is None else deadline - margin_s
+        # the rows in flight at the stop run on until the deadline (--on-deadline drain), or are aborted (abort)
+        self.drains = True
         self.clock = clock
         self.initial_tokens_per_s = initial_tokens_per_s
         self.rate = Rate(window_s)

@@ -141,13 +141,18 @@ def model_forecast(t, scheduler, lengths, counts, unread: int, mean_predicted: f
             e[blind] = float(model.expected(hist_p, None, shift) @ hist_n) / float(hist_n.sum())
         return e
 
+    # The rows done by the deadline: those that start by the stop (admission ends there) and finish by the
+    # deadline, where the rows in flight drain to it (--on-deadline drain); by the stop, where they are aborted.
+    until = max(left, t.deadline - t.clock()) if t.drains and t.stop_at is not None else left
+
     def eta(shift: float, tail: bool, slots: int = max_num_seqs):
         step = a + b * slots
-        within = left / step if step > 0 and left < math.inf else math.inf
+        within, start_by = ((until / step, left / step) if step > 0 and left < math.inf else (math.inf, math.inf))
         run_e = model.expected(run_p, run_g, shift)
         fill_e, fill_k = chunks(expected_fill(shift), fill_n)
         group_p = chunks(fill, fill_n)[0] if tail else None
-        d = drain(slots, run_e, fill_e, fill_k, within, (model, run_p, run_g, group_p, shift) if tail else None)
+        d = drain(slots, run_e, fill_e, fill_k, within, (model, run_p, run_g, group_p, shift) if tail else None,
+                  start_by, admitted=len(queued_p))
         return a * (d.steps + d.tail_steps) + b * d.tokens + c * prefill, d
 
     # The ETA is the rest's with the engine full: under auto's cap near a deadline the job stops at the
@@ -171,10 +176,13 @@ def model_forecast(t, scheduler, lengths, counts, unread: int, mean_predicted: f
         low = max(0.0, eta_s - math.hypot(max(0.0, eta_s - low), eta_s * -math.expm1(-drift)))
         high = eta_s + math.hypot(max(0.0, high - eta_s), eta_s * math.expm1(drift))
     tokens_per_s = max_num_seqs / step_full if step_full > 0 else 0.0
-    will_miss = t.stop_at is not None and eta_s > left
     left_rows = max(0, round(rows - rows_by / per_row)) if t.stop_at is not None else 0
-    if will_miss:  # the rows' ends by the stop leave out the drain's tail and the prefills the ETA has: a miss by
-        left_rows = max(1, left_rows)  # a few seconds still leaves a row ("expect about 0 of 375 rows" it said)
+    # past the stop, and rows left: rows that would start after it, or an ETA past the deadline itself (every row
+    # started by the stop, and the last still running at the deadline); an ETA within the drain, every row started
+    # by the stop, leaves none (the job ends in the drain: it warned "7 of 7 rows left", and none was)
+    will_miss = t.stop_at is not None and eta_s > left and (left_rows > 0 or eta_s > until)
+    if will_miss:  # the rows' ends by the deadline leave out the drain's tail and the prefills the ETA has: a miss
+        left_rows = max(1, left_rows)  # by a few seconds still leaves a row ("expect about 0 of 375 rows" it said)
     if cap is not None:
         cap = max(1, int(cap / per_row))  # the scheduler caps rows
     calibration = math.exp(model.mu + model.sigma ** 2 / 2)  # before max_tokens cuts the longest

@@ -276,8 +276,11 @@ class Drain:
 
 
 def drain(slots: int, running: np.ndarray, lengths: np.ndarray, counts: np.ndarray, within_steps: float = math.inf,
-          tail: Optional[tuple] = None) -> Drain:
+          tail: Optional[tuple] = None, start_by: Optional[float] = None, admitted: float = 0.0) -> Drain:
     """Rows in run order over ``slots`` engine slots, each slot running one row at a time, a token per step.
+    ``rows_by``: the rows that finish within ``within_steps`` and, but for the first ``admitted`` rows to start
+    (in the engine's queue already), start by ``start_by`` steps (default: the same). Admission stops before the
+    deadline, and the rows in flight, the engine's queue included, drain to it.
 
     running: expected remaining tokens of the rows running now (each holds a slot); lengths/counts: groups of rows
     still to start, in the order they will start (expected tokens each, and how many). A group bigger than the
@@ -294,6 +297,12 @@ def drain(slots: int, running: np.ndarray, lengths: np.ndarray, counts: np.ndarr
     last_start[:n] = 0.0
     tokens = float(np.sum(running))
     rows_by = int(np.sum(running <= within_steps))
+    start_by = within_steps if start_by is None else min(start_by, within_steps)
+    free = np.zeros(len(lengths), bool)  # a group of rows already admitted: not bound by start_by
+    origin = np.arange(len(lengths))  # each group's in the caller's groups (a group split keeps its index)
+    if admitted > 0 and start_by < within_steps and len(lengths):
+        lengths, counts, free, origin = _split_admitted(np.asarray(lengths, np.float64),
+                                                        np.asarray(counts, np.float64), admitted)
     for gi, (length, count) in enumerate(zip(lengths, counts)):
         count = int(count)
         if count <= 0:
@@ -302,22 +311,42 @@ def drain(slots: int, running: np.ndarray, lengths: np.ndarray, counts: np.ndarr
         rounds, rest = divmod(count, k)
         if rounds:
             if within_steps < math.inf:
-                # rows of slot j finish at load_j + length * i, i = 1..rounds
-                rows_by += int(np.clip(np.floor((within_steps - load) / max(length, 1e-9)), 0, rounds).sum())
+                # rows of slot j start at load_j + length * (i - 1) and finish at load_j + length * i, i = 1..rounds
+                span = max(length, 1e-9)
+                ends = np.floor((within_steps - load) / span)
+                starts = ends if free[gi] else np.floor((start_by - load) / span) + 1
+                rows_by += int(np.clip(np.minimum(ends, starts), 0, rounds).sum())
             last_start = load + length * (rounds - 1)
-            last_group[:] = gi
+            last_group[:] = origin[gi]
             load = load + length * rounds
         if rest:
             order = np.argsort(load, kind="stable")[:rest]
             last_start[order] = load[order]
-            last_group[order] = gi
+            last_group[order] = origin[gi]
+            started = load[order] <= (math.inf if free[gi] else start_by)
             load[order] += length
-            rows_by += int(np.sum(load[order] <= within_steps))
+            rows_by += int(np.sum((load[order] <= within_steps) & started))
     steps = float(load.max()) if len(load) else 0.0
     tail_steps = 0.0
     if tail is not None and steps > 0:
         tail_steps = _tail_steps(tail, load, last_start, last_group, running, n, steps)
     return Drain(steps, tokens, 0.0, rows_by, tail_steps)
+
+
+def _split_admitted(lengths: np.ndarray, counts: np.ndarray, admitted: float):
+    """The groups with the first ``admitted`` rows in groups of their own (a group split where they end), which
+    groups those are, and each group's index among the groups given."""
+    before = np.concatenate([[0.0], np.cumsum(counts)[:-1]])
+    inside = np.clip(admitted - before, 0.0, counts)  # each group's rows among the admitted
+    out_l, out_c, out_f, out_o = [], [], [], []
+    for i, (length, count, a) in enumerate(zip(lengths, counts, inside)):
+        for n, f in ((a, True), (count - a, False)):
+            if n > 0:
+                out_l.append(length)
+                out_c.append(n)
+                out_f.append(f)
+                out_o.append(i)
+    return np.asarray(out_l), np.asarray(out_c), np.asarray(out_f, bool), np.asarray(out_o, int)
 
 
 def _tail_steps(tail, load, last_start, last_group, running, n_running, steps) -> float:
