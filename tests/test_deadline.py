@@ -120,3 +120,29 @@ def test_forecast_from_lengths_and_counts_matches_the_row_by_row_forecast(seed):
     assert runs.rows_expected_left == rows.rows_expected_left
     assert runs.will_miss == rows.will_miss and runs.remaining_rows == rows.remaining_rows
     assert runs.remaining_tokens == pytest.approx(rows.remaining_tokens)
+
+
+def test_a_revised_at_risk_warning_comes_a_minute_apart_and_for_a_real_move(caplog):
+    """The first warning, then a revision only when the rows expected left move by a fifth (and by more than a
+    twentieth of the rows left, and 10 rows), a minute after the last at the soonest: every few seconds it said so
+    10 times in 3 minutes."""
+    from overnight.pipeline.scheduling.estimate import Forecast
+    from overnight.pipeline.scheduling.scheduler import Scheduler
+
+    clock = FakeClock()
+    t = DeadlineTracker(clock.t + 600, margin_s=10, clock=clock)
+    sched = Scheduler(8, 1.0, "fifo")
+
+    def at(seconds, left):
+        clock.t = seconds
+        t.steer(Forecast(100.0, 1e5, 400, 900.0, 590.0 - seconds, True, left), sched)
+
+    with caplog.at_level("WARNING", logger="overnight"):
+        at(10, 100)    # the first: said at once
+        at(20, 160)    # moved by 60%, 10 s later: not yet
+        at(75, 160)    # a minute after the first: said
+        at(140, 175)   # by 15 rows of 160: under a fifth
+        at(200, 100)   # by 60: said
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 3 and "expect about 100 of 400" in said[0]
+    assert "now expecting about 160 of 400" in said[1] and "now expecting about 100 of 400" in said[2]

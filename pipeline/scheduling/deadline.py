@@ -37,6 +37,8 @@ MODE_MESSAGES = {Mode.DEADLINE: "auto: deadline at risk, now running the most ro
 # auto goes back to throughput-first only when the ETA is under this fraction of the time left: without the
 # gap, a forecast hovering at the deadline would switch the order back and forth.
 SAFE_ETA_FRACTION = 0.8
+# A revised at-risk warning comes at most this often (seconds).
+REWARN_S = 60.0
 # The step-cost probe at the start of a run: the first rows go in at a quarter, then half of the engine's
 # sequences, for this many steps each, so that the fixed and per-sequence costs of a step can be told apart (a
 # full engine runs one size of step only). With SETTLE_S before it, it ends about 6 s after the first row here.
@@ -75,6 +77,7 @@ class DeadlineTracker:
         self.last: Optional[Forecast] = None  # the latest forecast, for the status file
         self.is_warned = False  # the at-risk warning was given (and the deadline is not back on track)
         self.warned_left = 0  # the rows the last warning expected to be left undone
+        self.warned_at = -math.inf  # when (the clock's)
         self.steps = StepCost()
         self.early_steps = StepCost()  # the engine's first seconds (settle_s): the forecast's until steps has some
         self.inflight = InFlight(1)
@@ -252,12 +255,15 @@ class DeadlineTracker:
             scheduler.cap = cap
         if f.will_miss and not self.is_warned and self.trusts(f):
             self.is_warned = True
-            self.warned_left = f.rows_expected_left
+            self.warned_left, self.warned_at = f.rows_expected_left, self.clock()
             log.warning(self.at_risk_message(f))
-        elif (f.will_miss and self.is_warned
-              and abs(f.rows_expected_left - self.warned_left) > 0.2 * max(self.warned_left, 10)):
-            # what the first minutes taught the forecast moved its estimate: say so once it moves by a fifth
-            self.warned_left = f.rows_expected_left
+        elif (f.will_miss and self.is_warned and self.clock() - self.warned_at >= REWARN_S
+              and abs(f.rows_expected_left - self.warned_left) > max(0.2 * self.warned_left,
+                                                                    0.05 * f.remaining_rows, 10)):
+            # what the first minutes taught the forecast moved its estimate: say so once it moves by a fifth (of
+            # the rows it expected left, and by more than a twentieth of the rows left), a minute apart at most
+            # (every few seconds, it said so 10 times in 3 minutes)
+            self.warned_left, self.warned_at = f.rows_expected_left, self.clock()
             log.warning(f"deadline at risk: now expecting about {f.rows_expected_left} of {f.remaining_rows} "
                         f"remaining rows to be left undone (ETA {fmt_duration(f.eta_s)}, "
                         f"{fmt_duration(f.time_left_s)} left)")
