@@ -53,7 +53,11 @@ class Summary:
         tail = f"; {self.message}" if self.message and (self.state in ("partial", "interrupted") or
                                                        not self.num_rows) else ""
         cost = self.extra.get("cost") or {}
-        price = f", cost {cost['cost']:.4f} ({cost['engine_hours']:.4f} engine-hours)" if "cost" in cost else ""
+        price = ""
+        if "cost" in cost:
+            per = cost.get("cost_per_1000_rows")
+            price = (f", cost {cost['cost']:.4f} ({cost['engine_hours']:.4f} engine-hours"
+                     f"{'' if per is None else f', {per:.4f} per 1,000 rows'})")
         return (f"overnight: {head}: {self.num_done}/{self.num_rows} rows ({self.num_ok} ok, {self.num_error} error"
                 f"{resumed}{dup}), {self.num_output_tokens} output tokens in {fmt_duration(self.elapsed_s)} "
                 f"({self.output_tokens_per_s:.0f} tok/s){price} -> {self.out}{tail}")

@@ -226,7 +226,7 @@ def test_each_row_gets_its_share_of_engine_time_and_the_job_its_cost(tmp_path, c
                                        f"order by finished_at desc limit 10").fetchall()]
     # every step's time is split among the rows in it: this attempt's rows' shares add up to its engine time
     assert sum(shares) == pytest.approx(cost["engine_seconds"], rel=0.02)
-    assert "cost 0.0" in s.line() and "engine-hours" in s.line()
+    assert f"engine-hours, {cost['cost_per_1000_rows']:.4f} per 1,000 rows)" in s.line() and "cost 0.0" in s.line()
 
 
 def test_a_completed_job_over_an_unchanged_input_knows_at_once(tmp_path, cfg, write_parquet, monkeypatch):
