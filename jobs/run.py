@@ -85,11 +85,14 @@ def run(input_path, out, config_file, fresh, retry_errors, as_json, **options):
         try:
             summary = run_job(cfg, fresh=fresh, retry_errors=retry_errors)
         except EngineError as e:
+            failed_metrics(cfg, e, EXIT_ENGINE)
             failed(e, EXIT_ENGINE, stdout)
         except ConfigError as e:  # one only the job can check (--shard auto's index and count, a column or model
             # an option names that is not there, an OUT of other settings): bad usage still
+            failed_metrics(cfg, e, 2)
             failed(e, 2, stdout)
         except USER_ERRORS as e:
+            failed_metrics(cfg, e, 1)
             failed(e, 1, stdout)
         if as_json:
             from dataclasses import asdict
@@ -97,3 +100,21 @@ def run(input_path, out, config_file, fresh, retry_errors, as_json, **options):
         else:
             click.echo(summary.line(), file=stdout)
     click.get_current_context().exit(summary.exit_code)
+
+
+def failed_metrics(cfg, e: Exception, code: int) -> None:
+    """A job that fails before it writes its status (its input missing, an OUT of other settings): its
+    --metrics-file says so (state failed, the exit code), where it said the last run's "completed, exit 0". Not
+    where another run holds OUT: the file is that run's."""
+    from overnight.pipeline.output.lock import LockError
+
+    if not cfg.output.metrics_file or isinstance(e, LockError):
+        return
+    try:
+        from overnight.pipeline.output.checkpoint import OutputDir
+        from overnight.pipeline.output.metrics import Metrics
+
+        Metrics(cfg.output.metrics_file, None, OutputDir(cfg.output.path).shown()).update(
+            {"state": "failed", "exit_code": code})
+    except Exception as err:  # (monitoring must not hide the error itself)
+        logging.getLogger("overnight").debug("could not write the metrics file: %s", err)

@@ -88,6 +88,18 @@ def test_metrics_file_in_prometheus_text_format(tmp_path, tiny_model):
     samples = {(s.name, s.labels.get("state")): s.value
                for fam in text_string_to_metric_families(metrics.read_text()) for s in fam.samples}
     assert samples[("overnight_rows", "done")] == 180 and samples[("overnight_state", "completed")] == 1
+    # a run that fails before its job opens says so there too (the file said the last run's "completed, exit 0")
+    for extra, code in ((["--temperature", "0.3"], 2), (["--prompt-column", "nope"], 2)):
+        done = overnight("run", str(inp), "--out", str(tmp_path / "out"), "--engine", "echo", "--model", tiny_model,
+                         "--metrics-file", str(metrics), *extra, check=False)
+        samples = {(s.name, s.labels.get("state")): s.value
+                   for fam in text_string_to_metric_families(metrics.read_text()) for s in fam.samples}
+        assert done.returncode == code and samples[("overnight_state", "failed")] == 1, done.stderr[-2000:]
+        assert samples[("overnight_exit_code", None)] == code and samples[("overnight_state", "completed")] == 0
+        metrics.write_text("stale\n")
+    done = overnight("run", str(tmp_path / "missing.parquet"), "--out", str(tmp_path / "out"), "--engine", "echo",
+                     "--model", tiny_model, "--metrics-file", str(metrics), check=False)
+    assert done.returncode == 1 and "overnight_exit_code" in metrics.read_text()
 
 
 def test_report_of_a_sharded_job_with_every_plot(tmp_path, tiny_model):
