@@ -103,6 +103,8 @@ class Runner(Clockwork):
                 self.stopping = f"interrupted by {self.signals.first} before the engine started"
             elif not (self.job.lazy_engine and model.context_known) and not self._too_late():
                 model = model.with_context(self._start_engine().max_model_len)  # a guessed context: ask the engine
+                if self.signals.first:  # it came while the engine started: no row is run (it said "stopped")
+                    self.stopping = f"interrupted by {self.signals.first} while the engine started"
             self.reader = Prefetcher(prepare(cfg, self.job.source, model, self.annotator, self.resume,
                                              self.job.source.passthrough_columns(), self.tally),
                                      depth=getattr(self.job.source, "prefetch_depth", PREFETCH_DEPTH))
@@ -155,7 +157,11 @@ class Runner(Clockwork):
         if warning:
             log.warning(warning)
         began = time.time()
-        self.engine = self.supervisor.start()
+        told, self.signals.on_request = self.signals.on_request, self._signal_while_starting
+        try:
+            self.engine = self.supervisor.start()
+        finally:
+            self.signals.on_request = told
         self.tally.engine_start_s = time.time() - began
         self.ready_after_stop = self.tracker.should_stop()  # the start-up took what the budget had left
         self.scheduler.resize(self.engine.max_num_seqs)
@@ -165,6 +171,12 @@ class Runner(Clockwork):
         self.tally.engine_ready_at = time.time()
         self.writer.last_flush = self.writer.clock()  # flush_seconds count from a running engine, not its start
         return self.engine
+
+    def _signal_while_starting(self, name: str) -> None:
+        """A stop asked for while the engine starts (a minute or more): said at once, done once it is up."""
+        if self.signals.count == 1:
+            log.warning(f"{name} while the engine starts: the job stops once it is up, before any row runs, and "
+                        f"exits 75 (rerun to continue)")
 
     def _too_late(self) -> bool:
         """The deadline's stop time came while the job opened (its tokenizer, a resume's scan, a lock's wait):

@@ -29,7 +29,7 @@ class StopRequests:
         self._previous: dict = {}
         self._clock = clock
         self._first_at: Optional[float] = None
-        self._on_request = on_request  # called with the signal's name for each request counted
+        self.on_request = on_request  # called with the signal's name for each request counted
 
     @property
     def is_urgent(self) -> bool:
@@ -44,8 +44,8 @@ class StopRequests:
         elif self.count == 1 and name == self.first and now - self._first_at < SAME_STOP_S:
             return  # the same stop, delivered twice (to the process group, and passed on by a wrapper)
         self.count += 1
-        if self._on_request is not None:
-            self._on_request(name)
+        if self.on_request is not None:
+            self.on_request(name)
 
     def replay(self, name: str) -> None:
         """A request that came before these handlers were installed (to another StopRequests)."""

@@ -54,6 +54,22 @@ def test_a_deadline_within_the_safety_margin_is_refused(tmp_path, cfg, write_par
                 engine_factory=given(FakeEngine()), is_tty=False)
 
 
+def test_a_signal_while_the_engine_starts_is_said_at_once_and_stops_the_job_once_it_is_up(tmp_path, cfg,
+                                                                                          write_parquet, caplog):
+    engine = FakeEngine()
+
+    def slow_start(job):   # vLLM's start takes a minute or more; the signal comes during it
+        os.kill(os.getpid(), signal.SIGTERM)
+        return engine
+
+    inp = write_parquet({"id": [1, 2], "prompt": ["a", "b"]})
+    with caplog.at_level("WARNING", logger="overnight"):
+        s = run_job(cfg(inp, tmp_path / "out"), engine_factory=slow_start, is_tty=False)
+    assert "SIGTERM while the engine starts: the job stops once it is up, before any row runs" in caplog.text
+    assert (s.exit_code, s.state, s.num_ok, engine.added) == (75, "interrupted", 0, [])
+    assert s.message.startswith("interrupted by SIGTERM while the engine started: 2 rows not done"), s.message
+
+
 def test_a_signal_while_the_job_opens_stops_it_before_the_engine(tmp_path, cfg, write_parquet, monkeypatch):
     import overnight.pipeline.api as api
 
