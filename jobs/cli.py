@@ -20,8 +20,8 @@ from overnight.jobs.tune import tune
 
 class OvernightGroup(click.Group):
     """An error keeps the promises of the options: with --log-format json, a JSON line on stderr (in every
-    command, and for an unknown command too), and for a usage error with `run --json`, still one JSON document on
-    stdout."""
+    command, and for an unknown command too, and an unforeseen fault's with its traceback), and for a usage error
+    or an unforeseen fault with `run --json`, still one JSON document on stdout."""
 
     def invoke(self, ctx: click.Context):
         args = [*ctx._protected_args, *ctx.args]
@@ -41,6 +41,19 @@ class OvernightGroup(click.Group):
                 click.echo(json.dumps({"state": "failed", "exit_code": e.exit_code, "message": e.format_message()},
                                       indent=2))
             raise
+        except (click.exceptions.Exit, click.exceptions.Abort):
+            raise
+        except Exception as e:  # a fault no message was written for (a bug, an OSError of the machine's)
+            logger = logging.getLogger("overnight")
+            message = f"{type(e).__name__}: {e}"
+            if args[:1] == ["run"] and "--json" in args[1:]:
+                import json
+
+                click.echo(json.dumps({"state": "failed", "exit_code": 1, "message": message}, indent=2))
+            if not getattr(logger, "json_lines", False):
+                raise  # its traceback, as Python prints it
+            logger.error(f"Error: {message}", exc_info=True)  # one JSON object, the traceback in it
+            ctx.exit(1)
 
 
 @click.group(cls=OvernightGroup, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})

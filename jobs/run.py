@@ -81,7 +81,8 @@ def run(input_path, out, config_file, fresh, retry_errors, as_json, **options):
         failed(e, 1)
     verbose = logging.getLogger("overnight").isEnabledFor(logging.DEBUG)
     # What the engine and its libraries print goes to stderr, without the noise unless -v.
-    with filtered_stderr(verbose), reserved_stdout() as stdout:
+    with filtered_stderr(verbose, getattr(logging.getLogger("overnight"), "json_lines", False)), \
+            reserved_stdout() as stdout:
         try:
             summary = run_job(cfg, fresh=fresh, retry_errors=retry_errors)
         except EngineError as e:

@@ -66,7 +66,8 @@ def tune(input_path, config_file, batched_tokens, seqs, sample, time_limit, save
                           f"$OVERNIGHT_ENGINE or the config). Unset OVERNIGHT_ENGINE, or set engine.kind: vllm.")
     verbose = logging.getLogger("overnight").isEnabledFor(logging.DEBUG)
     # stdout: only tune's own table and preset; what vLLM prints goes to stderr (without the noise unless -v)
-    with filtered_stderr(verbose), reserved_stdout() as stdout:
+    with filtered_stderr(verbose, getattr(logging.getLogger("overnight"), "json_lines", False)), \
+            reserved_stdout() as stdout:
         echo = functools.partial(click.echo, file=stdout)
         report = run_tune(cfg, b, s, sample, parse_budget(time_limit, "--time-limit"), echo=echo)
         if not report.num_rows:

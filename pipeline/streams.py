@@ -96,15 +96,16 @@ JOIN_S = 0.25  # seconds the reader gets to pass on what is left in the pipe whe
 
 
 @contextlib.contextmanager
-def filtered_stderr(verbose: bool) -> Iterator[None]:
+def filtered_stderr(verbose: bool, as_json: bool = False) -> Iterator[None]:
     """Point file descriptor 2 (what the engine's processes inherit) at a pipe whose lines are passed on to the
-    real stderr without the known NOISE; overnight's own log lines and progress bar write to the real stderr
-    directly (``sys.stderr``). Unless verbose."""
+    real stderr without the known NOISE (unless verbose), each as a JSON object with ``as_json`` (--log-format
+    json: a log shipper's every line, the engine's too); overnight's own log lines and progress bar write to the
+    real stderr directly (``sys.stderr``)."""
     try:
         real = sys.stderr.fileno() == 2
     except (AttributeError, OSError, ValueError):
         real = False
-    if verbose or not real:
+    if (verbose and not as_json) or not real:
         yield
         return
     sys.stderr.flush()
@@ -114,7 +115,8 @@ def filtered_stderr(verbose: bool) -> Iterator[None]:
     os.close(w)
     previous = sys.stderr
     sys.stderr = os.fdopen(os.dup(saved), "w", buffering=1)
-    thread = threading.Thread(target=_pass_on, args=(r, saved), name="overnight-stderr", daemon=True)
+    thread = threading.Thread(target=_pass_on, args=(r, saved, not verbose, as_json), name="overnight-stderr",
+                              daemon=True)
     thread.start()
     try:
         yield
@@ -129,7 +131,7 @@ def filtered_stderr(verbose: bool) -> Iterator[None]:
         sys.stderr = previous
 
 
-def _pass_on(r: int, out: int) -> None:
+def _pass_on(r: int, out: int, quiet: bool = True, as_json: bool = False) -> None:
     pending = b""
     with os.fdopen(r, "rb", buffering=0) as pipe:
         while True:
@@ -138,12 +140,29 @@ def _pass_on(r: int, out: int) -> None:
                 break
             pending += chunk
             *lines, pending = re.split(rb"(?<=[\n\r])", pending)
-            _write(out, lines)
-    _write(out, [pending] if pending else [])
+            _write(out, lines, quiet, as_json)
+    _write(out, [pending] if pending else [], quiet, as_json)
 
 
-def _write(out: int, lines: list) -> None:
-    kept = [ln for ln in lines if not NOISE.search(ln.decode("utf-8", "replace"))]
+_LEVEL = re.compile(r"\b(ERROR|CRITICAL|WARNING|DEBUG)\b|Traceback|Error:")
+
+
+def _as_json(line: str) -> bytes:
+    """A line another process wrote, as a JSON object as overnight's own log lines are (level from its words)."""
+    import datetime as dt
+    import json
+
+    found = _LEVEL.search(line)
+    word = found.group(1) if found and found.group(1) else ("ERROR" if found else "INFO")
+    level = {"CRITICAL": "critical", "ERROR": "error", "WARNING": "warning", "DEBUG": "debug"}.get(word, "info")
+    return (json.dumps({"time": dt.datetime.now(dt.timezone.utc).isoformat(timespec="milliseconds"),
+                        "level": level, "logger": "engine", "message": line}) + "\n").encode()
+
+
+def _write(out: int, lines: list, quiet: bool = True, as_json: bool = False) -> None:
+    kept = [ln for ln in lines if not (quiet and NOISE.search(ln.decode("utf-8", "replace")))]
+    if as_json:
+        kept = [_as_json(text) for text in (ln.decode("utf-8", "replace").strip() for ln in kept) if text]
     if kept:
         try:
             os.write(out, b"".join(kept))

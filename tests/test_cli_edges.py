@@ -370,3 +370,30 @@ def test_the_progress_recounts_rows_done_as_those_of_this_input():
     now[0] = 10.0
     p.update(10, 1000)
     assert p.line().startswith("60/100 rows (60%)") and p.eta_seconds() == pytest.approx(40 / (10 / 10.0))
+
+
+def test_an_unforeseen_fault_still_gives_one_json_document_and_json_log_lines(tmp_path, monkeypatch):
+    """A fault no message was written for (a bug): `run --json` still prints one JSON document on stdout, and
+    with --log-format json the error and its traceback are one JSON object on stderr (a raw traceback before)."""
+    from click.testing import CliRunner
+
+    import overnight.pipeline.api as api
+    from overnight.jobs.cli import cli
+
+    def boom(*a, **k):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(api, "run_job", boom)
+    pq_path = tmp_path / "in.parquet"
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    pq.write_table(pa.table({"id": [1], "prompt": ["a"]}), pq_path)
+    args = ["run", str(pq_path), "--out", str(tmp_path / "out"), "--json"]
+    r = CliRunner().invoke(cli, ["--log-format", "json", *args])
+    assert r.exit_code == 1
+    doc = json.loads(r.stdout)
+    assert doc == {"state": "failed", "exit_code": 1, "message": "RuntimeError: boom"}
+    lines = [json.loads(ln) for ln in r.stderr.splitlines() if ln.strip()]
+    assert lines[-1]["message"] == "Error: RuntimeError: boom" and "Traceback" in lines[-1]["exception"]
+    r = CliRunner().invoke(cli, args)   # as text: the traceback as Python prints it, the document all the same
+    assert isinstance(r.exception, RuntimeError) and json.loads(r.stdout)["message"] == "RuntimeError: boom"

@@ -26,3 +26,24 @@ def test_leaving_the_filter_does_not_wait_for_a_child_that_holds_the_pipe(tmp_pa
     assert left < 1.0  # it used to wait 2 s for the pipe to close
     assert "child line" in r.stderr  # passed on after the filter was left
     assert "Triton" not in r.stderr
+
+
+def test_with_log_format_json_the_engines_own_lines_are_json_objects_too(tmp_path):
+    """--log-format json promises a JSON object on every stderr line: a line the engine's process writes itself
+    (its own logging, a C++ warning, a traceback) is wrapped as one, its level read from its words."""
+    import json
+
+    script = textwrap.dedent("""
+        import subprocess, sys
+        from overnight.pipeline.streams import filtered_stderr
+        child = "import sys; print('(EngineCore pid=1) WARNING a raw line', file=sys.stderr); " \\
+                "print('Traceback (most recent call last):', file=sys.stderr); print('plain', file=sys.stderr)"
+        with filtered_stderr(False, as_json=True):
+            subprocess.run([sys.executable, "-c", child])
+    """)
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    lines = [json.loads(ln) for ln in r.stderr.splitlines()]
+    assert [(d["level"], d["logger"], d["message"]) for d in lines] == [
+        ("warning", "engine", "(EngineCore pid=1) WARNING a raw line"),
+        ("error", "engine", "Traceback (most recent call last):"), ("info", "engine", "plain")]
