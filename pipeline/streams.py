@@ -13,6 +13,7 @@ bars. -v shows all of it.
 from __future__ import annotations
 
 import contextlib
+import io
 import logging
 import os
 import re
@@ -115,6 +116,8 @@ def filtered_stderr(verbose: bool, as_json: bool = False) -> Iterator[None]:
     os.close(w)
     previous = sys.stderr
     sys.stderr = os.fdopen(os.dup(saved), "w", buffering=1)
+    if as_json:  # what this process prints that is not a log line of overnight's own (vLLM's logger, a print)
+        sys.stderr = _JsonLines(sys.stderr)
     thread = threading.Thread(target=_pass_on, args=(r, saved, not verbose, as_json), name="overnight-stderr",
                               daemon=True)
     thread.start()
@@ -127,7 +130,9 @@ def filtered_stderr(verbose: bool, as_json: bool = False) -> Iterator[None]:
         # command's end shuts it down (jobs/cli.py main()); the reader, a daemon, passes its lines on meanwhile.
         # Waiting here for that cost 2 s at every finished job's exit.
         thread.join(timeout=JOIN_S)
-        sys.stderr.close()
+        # flushed, not closed: vLLM's logger holds it (VLLM_LOGGING_STREAM) and logs as the engine shuts down
+        # after this ("ValueError: I/O operation on closed file" under -v)
+        sys.stderr.flush()
         sys.stderr = previous
 
 
@@ -157,6 +162,33 @@ def _as_json(line: str) -> bytes:
     level = {"CRITICAL": "critical", "ERROR": "error", "WARNING": "warning", "DEBUG": "debug"}.get(word, "info")
     return (json.dumps({"time": dt.datetime.now(dt.timezone.utc).isoformat(timespec="milliseconds"),
                         "level": level, "logger": "engine", "message": line}) + "\n").encode()
+
+
+class _JsonLines(io.TextIOBase):
+    """A text stream that writes each line as it is where it is a JSON object already (overnight's own log
+    lines), and as one (``_as_json``) where it is not."""
+
+    def __init__(self, stream: TextIO):
+        self.stream = stream
+        self.pending = ""
+
+    def write(self, text: str) -> int:
+        *lines, self.pending = (self.pending + text).split("\n")
+        for line in lines:
+            if line.startswith("{"):
+                self.stream.write(line + "\n")
+            elif line.strip():
+                self.stream.write(_as_json(line.strip()).decode())
+        return len(text)
+
+    def flush(self) -> None:
+        self.stream.flush()
+
+    def fileno(self) -> int:
+        return self.stream.fileno()
+
+    def isatty(self) -> bool:
+        return False
 
 
 def _write(out: int, lines: list, quiet: bool = True, as_json: bool = False) -> None:

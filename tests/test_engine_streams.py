@@ -64,8 +64,13 @@ def test_json_stdout_and_quiet_stderr_with_the_real_engine(tmp_path, model_path)
     assert len(lines) == 6
     assert all(ChatCompletion.model_validate(x["response"]["body"]).choices[0].message.content for x in lines)
 
-    loud = subprocess.run([*overnight_cmd(), "-v", *args, "--out", str(tmp_path / "b")], capture_output=True,
-                          text=True, timeout=600, env=fresh_env())
+    # -v, with --log-format json: vLLM's own lines are back, and each stderr line is a JSON object, the engine's
+    # processes' own lines too
+    loud = subprocess.run([*overnight_cmd(), "-v", "--log-format", "json", *args, "--out", str(tmp_path / "b")],
+                          capture_output=True, text=True, timeout=600, env=fresh_env())
     assert loud.returncode == 0, loud.stderr[-3000:]
     assert json.loads(loud.stdout)["num_ok"] == 6  # -v changes stderr only
-    assert "INFO" in loud.stderr and any(n in loud.stderr for n in NOISE[:3])   # vLLM's own lines are back
+    logged = [json.loads(ln) for ln in loud.stderr.splitlines() if ln.strip()]
+    text = "\n".join(d["message"] for d in logged)
+    assert "INFO" in text and any(n in text for n in NOISE[:3])   # vLLM's own lines are back
+    assert {"overnight", "engine"} <= {d["logger"] for d in logged}
