@@ -112,7 +112,13 @@ class Clockwork:
         self.hard_stop_at = hard_stop_at
         self.scheduler.is_admitting = False
         n = self.scheduler.num_running
-        how = "aborting them" if hard_stop_at <= self.clock() else f"draining them until {iso(hard_stop_at)}"
+        if not n:
+            log.warning(f"{reason}: stopped admitting rows; none in flight")
+            return
+        if hard_stop_at <= self.clock():
+            log.warning(f"{reason}: stopped admitting rows; {n} rows in flight, aborting them")
+            return
         second = ("a second signal aborts at once" if self.signals.first
                   else "a signal ends the drain within --grace, a second aborts at once")
-        log.warning(f"{reason}: stopped admitting rows; {n} rows in flight, {how} ({second})")
+        log.warning(f"{reason}: stopped admitting rows; {n} rows in flight, draining them until {iso(hard_stop_at)} "
+                    f"({second})")

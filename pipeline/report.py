@@ -40,6 +40,7 @@ class Summary:
     message: Optional[str] = None
     extra: dict = field(default_factory=dict)
     num_removed: int = 0     # rows in the output whose ids are no longer in the input (counted in ok and error)
+    attempt_output_tokens: Optional[int] = None  # of num_output_tokens, this attempt's (its time and rate are)
 
     def line(self) -> str:
         head = {"completed": "done", "partial": "stopped early (resumable)", "interrupted": "interrupted (resumable)",
@@ -58,8 +59,10 @@ class Summary:
             per = cost.get("cost_per_1000_rows")
             price = (f", cost {cost['cost']:.4f} ({cost['engine_hours']:.4f} engine-hours"
                      f"{'' if per is None else f', {per:.4f} per 1,000 rows'})")
+        mine = self.attempt_output_tokens
+        this = f" ({mine} this run)" if mine is not None and mine != self.num_output_tokens else ""
         return (f"overnight: {head}: {self.num_done}/{self.num_rows} rows ({self.num_ok} ok, {self.num_error} error"
-                f"{resumed}{dup}), {self.num_output_tokens} output tokens in {fmt_duration(self.elapsed_s)} "
+                f"{resumed}{dup}), {self.num_output_tokens} output tokens{this} in {fmt_duration(self.elapsed_s)} "
                 f"({self.output_tokens_per_s:.0f} tok/s){price} -> {self.out}{tail}")
 
 
@@ -132,7 +135,7 @@ def summary(t: Tally, run_id: str, out: str, state: mf.RunState, exit_code: int,
                    num_done=t.num_done_here, num_ok=t.num_ok, num_error=t.num_error, num_resumed=t.num_resumed,
                    num_duplicates=t.num_duplicates, num_output_tokens=t.num_output_tokens,
                    elapsed_s=round(t.elapsed(), 3), output_tokens_per_s=t.tokens_per_s(), message=message,
-                   extra=extra, num_removed=t.num_removed or 0)
+                   extra=extra, num_removed=t.num_removed or 0, attempt_output_tokens=t.attempt_tokens)
 
 
 def nothing_to_do(job) -> Summary:

@@ -46,6 +46,9 @@ def test_resume_processes_only_rows_not_done(data, tmp_path, cfg):
     s = run_job(cfg(data, out), engine_factory=given(second), is_tty=False)
     assert len(second.added) == 4
     assert s.num_resumed == 6 and s.num_done == 10
+    # the job's tokens, and this run's, whose time and rate the line gives
+    assert 0 < s.attempt_output_tokens < s.num_output_tokens
+    assert f"{s.num_output_tokens} output tokens ({s.attempt_output_tokens} this run) in " in s.line()
     ids = output(out).column("id").to_pylist()
     assert sorted(ids) == [f"q{i}" for i in range(10)] and len(ids) == len(set(ids))
     m = __import__("json").loads((out / "manifest.json").read_text())

@@ -92,10 +92,14 @@ def test_auto_completes_more_rows_than_fifo_by_the_deadline(write_parquet, tmp_p
     assert len(set(eng.priorities.values())) > 1  # vLLM's own priority queue orders what waits in the engine
 
 
-def test_abort_on_deadline_leaves_in_flight_rows_not_done(write_parquet, tmp_path, cfg):
+def test_abort_on_deadline_leaves_in_flight_rows_not_done(write_parquet, tmp_path, cfg, caplog):
     inp = deadline_data(write_parquet)
-    s, eng = budget_run(cfg, inp, tmp_path / "out", "fifo", on_deadline="abort")
+    with caplog.at_level("WARNING", logger="overnight"):
+        s, eng = budget_run(cfg, inp, tmp_path / "out", "fifo", on_deadline="abort")
     assert s.state == "partial" and len(eng.aborted) > 0
+    # said as it is: no drain, so no word of a signal ending one
+    assert f"deadline reached: stopped admitting rows; {len(eng.aborted)} rows in flight, aborting them" in caplog.text
+    assert "--grace" not in caplog.text
     done = set(output(tmp_path / "out").column("id").to_pylist())
     assert len(done) == s.num_done
 

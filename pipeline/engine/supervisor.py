@@ -48,7 +48,8 @@ class EngineSupervisor:
             except Exception as e:
                 log.debug("shutting down the failed engine: %s", e)
             hint = (" Pass --max-engine-restarts N to restart it in-process." if not self.max_restarts else
-                    f" It was restarted {self.num_restarts} times already (--max-engine-restarts {self.max_restarts}).")
+                    f" It was restarted {self.num_restarts} time{'s' if self.num_restarts != 1 else ''} already "
+                    f"(--max-engine-restarts {self.max_restarts}).")
             raise EngineError(f"The vLLM engine failed mid-run ({what}). The rows it finished are saved in "
                               f"{where}; rerun the same command to continue.{hint}") from error
         self.num_restarts += 1

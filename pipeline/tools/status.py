@@ -149,8 +149,9 @@ def job_status(url: str) -> dict:
     return {"out": out.shown(), "state": state, "shards": len(shards) if n is not None else None,
             "rows_total": total, "rows_done": done,
             "rows_left": sum(lefts) if total is not None and None not in lefts else None,
+            # the running shards' rates; none known yet (no status written): not known, not 0
             "output_tokens_per_s": (round(sum(s["output_tokens_per_s"] or 0 for s in shards), 2)
-                                    if "running" in states else None),
+                                    if any(s["output_tokens_per_s"] is not None for s in shards) else None),
             "eta_s": max(etas) if None not in etas else None, "exit_code": exit_code,
             "per_shard": shards}
 
