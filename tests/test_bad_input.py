@@ -146,6 +146,9 @@ CASES = [
     Case("mixed schemas", lambda e: mixed(e), 1,
          "Error: Column 'id' has type int64 in {root}/m/a.parquet but string in {root}/m/b.parquet. Mixed schemas "
          "cannot be read as one dataset: cast the column to one type in every file."),
+    Case("two columns of one name", lambda e: run_args(e, e.parquet(pa.Table.from_arrays(
+        [pa.array([1]), pa.array(["a"]), pa.array([1]), pa.array([2])], names=["id", "prompt", "x", "x"]))), 2,
+         "Error: {root}/in.parquet has two columns named 'x'. Rename one of them and write the file again."),
     Case("id column named as an output column", lambda e: run_args(e, e.parquet({"Run_ID": ["r1"], "prompt": ["a"]}),
                                                                     "--id-column", "Run_ID"), 2,
          "Error: Id column 'Run_ID' in {root}/in.parquet has the name of a column the output writes itself "

@@ -204,6 +204,14 @@ def test_every_kind_of_bad_line_is_an_error_row_naming_its_line(tmp_path, tiny_m
     assert errors == [m for _, m in BAD]
     assert got["seed"]["status"] == "error"   # a bad line with a custom_id keeps it as its id
     assert got["requests.jsonl#2"]["id"] is None  # one without keeps none, and is matched by its origin
+    assert got["bytes"]["status"] == "error"  # a line not valid UTF-8 whose custom_id reads whole keeps it too
+    # ... and the OpenAI errors file answers it under that custom_id, once, as the input order reads it
+    from overnight.pipeline.tools.export import export
+
+    summary = export(str(out), "openai", str(tmp_path / "o.jsonl"), str(tmp_path / "e.jsonl"))
+    assert summary["expired"] == 0 and summary["rows"] == len(lines)
+    errs = [json.loads(x)["custom_id"] for x in (tmp_path / "e.jsonl").read_text().splitlines()]
+    assert errs.count("bytes") == 1
 
 
 def test_a_schema_the_checks_fail_on_is_an_error_row(tmp_path, cfg):

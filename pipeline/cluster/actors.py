@@ -153,6 +153,7 @@ class RemoteStop:
         self._first: Optional[str] = None
         self._count = 0
         self._last = 0.0
+        self.on_request = None  # (the runner's hook for a signal it hears: a worker hears none, the driver does)
 
     def _poll(self) -> None:
         now = time.monotonic()

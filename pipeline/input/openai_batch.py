@@ -43,7 +43,7 @@ from typing import ClassVar, Collection, Iterator, Optional
 import pyarrow as pa
 
 from overnight.pipeline.input.openai_body import (_COLUMNS, LineError, _is_text, _messages, _parameters, _prompt,
-                                                  _short)
+                                                  _short, readable_id)
 from overnight.pipeline.input.source import (INPUT_ERROR_COLUMN, MODEL_COLUMN, RAW_PROMPT_COLUMN, InputError,
                                              InputFile, ParquetSource, SourceBatch, _first_line)
 from overnight.pipeline.input.listing import GLOB_CHARS, file_version, glob_base, is_data_file, is_hidden
@@ -247,6 +247,7 @@ class OpenAIBatchSource(ParquetSource):
             try:
                 req = json.loads(raw.decode("utf-8-sig"))  # strict UTF-8 (json.loads of bytes would take UTF-16)
             except UnicodeDecodeError as e:
+                custom_id = readable_id(raw)  # its error row answers its custom_id, where that reads whole
                 raise LineError(f"line {line_no} is not valid UTF-8 (at byte {e.start + 1}); re-encode the file as "
                                 f"UTF-8") from None
             except json.JSONDecodeError as e:
@@ -372,7 +373,10 @@ def request_lines(url: str) -> Iterator[tuple[Optional[str], bool, Optional[str]
                     continue
                 try:
                     req = json.loads(line.decode("utf-8-sig"))  # as the source reads it
-                except (ValueError, RecursionError):  # not JSON, not UTF-8, nested too deeply (an error row)
+                except UnicodeDecodeError:  # an error row, of its custom_id where that reads whole
+                    cid = readable_id(line)
+                    req = {"custom_id": cid} if cid else None
+                except (ValueError, RecursionError):  # not JSON, nested too deeply (an error row)
                     req = None
                 cid = req.get("custom_id") if isinstance(req, dict) else None
                 if isinstance(cid, str) and cid and _is_text(cid):

@@ -167,3 +167,14 @@ def _is_text(value) -> bool:
 def _short(value, limit: int = 60) -> str:
     text = json.dumps(value) if not isinstance(value, (bytes, set)) else repr(value)
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def readable_id(raw: bytes) -> Optional[str]:
+    """The custom_id of a request line that is not valid UTF-8, where the JSON around its bad bytes reads and the
+    id itself is whole text; else None (its error row is then known by its origin)."""
+    try:
+        req = json.loads(raw.decode("utf-8-sig", "replace"))
+    except (ValueError, RecursionError):
+        return None
+    cid = req.get("custom_id") if isinstance(req, dict) else None
+    return cid if isinstance(cid, str) and cid and "\ufffd" not in cid and _is_text(cid) else None

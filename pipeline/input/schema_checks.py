@@ -62,6 +62,11 @@ def unify(fs, url: str, files: list, reads=lambda name: "needed") -> pa.Schema:
     seen: dict = {}
     unread: set = set()
     for f in files:
+        names = f.schema.names
+        twice = next((n for n in names if names.count(n) > 1), None)
+        if twice is not None:  # (pyarrow's "Can't unify schema with duplicate field names" names neither)
+            raise InputUsageError(f"{unstrip(fs, f.path)} has two columns named {twice!r}. Rename one of them "
+                                  f"and write the file again.")
         for fld in f.schema:
             if fld.name not in seen:
                 seen[fld.name] = (fld.type, f)
