@@ -341,3 +341,22 @@ def test_a_folder_where_the_manifest_or_status_belongs_is_named(tmp_path, cfg, w
     (tmp_path / "bytes" / "manifest.json").write_bytes(b"\xff\xfe")
     with pytest.raises(OutputError, match="manifest.json is not valid JSON"):
         job_status(str(tmp_path / "bytes"))
+
+
+def test_status_of_an_out_a_run_holds_before_it_wrote_anything_is_starting(tmp_path):
+    """A Ray driver reads the input's ids and places its workers before any status is written (seconds, or
+    minutes at 10M rows): `overnight status` said there was no job there (exit 1, "missing")."""
+    from overnight.pipeline.output.checkpoint import OutputDir
+    from overnight.pipeline.output.lock import RunLock
+    from overnight.pipeline.tools.status import job_status, status_lines
+
+    lock = RunLock(OutputDir(str(tmp_path / "out")), split="ray")
+    lock.acquire()
+    try:
+        s = job_status(str(tmp_path / "out"))
+        assert (s["state"], s["rows_done"], s["exit_code"]) == ("starting", 0, None)
+        assert status_lines(s)[0].endswith(": starting")
+    finally:
+        lock.release()
+    with pytest.raises(OutputError, match="holds no overnight job"):
+        job_status(str(tmp_path / "out"))

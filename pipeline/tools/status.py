@@ -121,6 +121,10 @@ def job_status(url: str) -> dict:
     driver = out.read_status() if not any(d.shard is None and d.worker is None for d in dirs) else None
     if driver and "workers" in driver:
         return _ray_status(out, dirs, driver)
+    if not dirs and not driver and _is_running(out):  # a run holds OUT and has written nothing yet (a Ray driver
+        # reading the input's ids and placing its workers, a job opening): starting, not "no job"
+        return {"out": out.shown(), "state": "starting", "shards": None, "rows_total": None, "rows_done": 0,
+                "rows_left": None, "output_tokens_per_s": None, "eta_s": None, "exit_code": None, "per_shard": []}
     if not dirs:
         raise OutputError(f"{url} holds no overnight job (no manifest.json or parts/, at its top or in shards/). "
                           f"Pass the --out folder of a run.")
