@@ -172,6 +172,14 @@ class _JsonLines(io.TextIOBase):
         self.stream = stream
         self.pending = ""
 
+    @property
+    def encoding(self) -> str:
+        return self.stream.encoding
+
+    @property
+    def errors(self) -> str:
+        return self.stream.errors
+
     def write(self, text: str) -> int:
         *lines, self.pending = (self.pending + text).split("\n")
         for line in lines:
