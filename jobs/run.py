@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 
 import click
 
@@ -80,20 +81,21 @@ def run(input_path, out, config_file, fresh, retry_errors, as_json, **options):
     except USER_ERRORS as e:
         failed(e, 1)
     verbose = logging.getLogger("overnight").isEnabledFor(logging.DEBUG)
+    began = time.time()
     # What the engine and its libraries print goes to stderr, without the noise unless -v.
     with filtered_stderr(verbose, getattr(logging.getLogger("overnight"), "json_lines", False)), \
             reserved_stdout() as stdout:
         try:
             summary = run_job(cfg, fresh=fresh, retry_errors=retry_errors)
         except EngineError as e:
-            failed_metrics(cfg, e, EXIT_ENGINE)
+            failed_metrics(cfg, e, EXIT_ENGINE, began)
             failed(e, EXIT_ENGINE, stdout)
         except ConfigError as e:  # one only the job can check (--shard auto's index and count, a column or model
             # an option names that is not there, an OUT of other settings): bad usage still
-            failed_metrics(cfg, e, 2)
+            failed_metrics(cfg, e, 2, began)
             failed(e, 2, stdout)
         except USER_ERRORS as e:
-            failed_metrics(cfg, e, 1)
+            failed_metrics(cfg, e, 1, began)
             failed(e, 1, stdout)
         if as_json:
             from dataclasses import asdict
@@ -103,19 +105,31 @@ def run(input_path, out, config_file, fresh, retry_errors, as_json, **options):
     click.get_current_context().exit(summary.exit_code)
 
 
-def failed_metrics(cfg, e: Exception, code: int) -> None:
+def failed_metrics(cfg, e: Exception, code: int, since: float) -> None:
     """A job that fails before it writes its status (its input missing, an OUT of other settings): its
     --metrics-file says so (state failed, the exit code), where it said the last run's "completed, exit 0". Not
-    where another run holds OUT: the file is that run's."""
+    where this run wrote it since ``since`` (a job that failed mid-run: its rows and tokens are there), nor where
+    another run holds OUT (the file is that run's)."""
     from overnight.pipeline.output.lock import LockError
 
     if not cfg.output.metrics_file or isinstance(e, LockError):
         return
     try:
+        from prometheus_client.parser import text_string_to_metric_families
+
         from overnight.pipeline.output.checkpoint import OutputDir
         from overnight.pipeline.output.metrics import Metrics
+        from overnight.pipeline.tools.status import _is_running
 
-        Metrics(cfg.output.metrics_file, None, OutputDir(cfg.output.path).shown()).update(
-            {"state": "failed", "exit_code": code})
+        try:
+            with open(cfg.output.metrics_file) as f:
+                written = [s.value for fam in text_string_to_metric_families(f.read()) for s in fam.samples
+                           if s.name == "overnight_last_update_timestamp_seconds"]
+        except (OSError, ValueError):
+            written = []
+        out = OutputDir(cfg.output.path)
+        if any(t >= since for t in written) or (out.fs.exists(out.root) and _is_running(out)):
+            return
+        Metrics(cfg.output.metrics_file, None, out.shown()).update({"state": "failed", "exit_code": code})
     except Exception as err:  # (monitoring must not hide the error itself)
         logging.getLogger("overnight").debug("could not write the metrics file: %s", err)

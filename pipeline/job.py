@@ -162,8 +162,9 @@ def _open_locked(cfg, fresh, source, out, model, fields, lock, deadline_at, marg
     _check_id_kind(scan, source, id_name)
     passthrough = [_as_output(source.schema.field(c), cfg.input) for c in source.passthrough_columns()]
     names = source.schema.names
+    before = None if previous is None else (previous.get("input") or {}).get("renamed") or {}
     schema = OutputSchema(id_name, source.id_type, passthrough, samples=cfg.sampling.n > 1 or "n" in names,
-                          logprobs=cfg.sampling.logprobs is not None or "logprobs" in names)
+                          logprobs=cfg.sampling.logprobs is not None or "logprobs" in names, renamed_before=before)
     input_info = {"url": redact(source.url), "num_files": len(source.files), "num_rows": source.num_rows,
                   "stamp": stamp, "cwd": os.getcwd(),  # where a relative input path is (export reads it again)
                   "jsonl": is_jsonl_input(cfg.input.path),  # request lines: export's word when they moved

@@ -361,8 +361,8 @@ class Runner(Clockwork):
     def _record(self, results: list[Result]) -> None:
         if results:
             tokens = self.tally.record(results)
+            self.progress.update(len(results), tokens)  # before a flush the add may make recounts them
             self.writer.add(results)
-            self.progress.update(len(results), tokens)
 
     def _finish(self, state: RunState, message: Optional[str]) -> Summary:
         self.progress.close()

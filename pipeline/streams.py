@@ -181,15 +181,21 @@ class _JsonLines(io.TextIOBase):
         return self.stream.errors
 
     def write(self, text: str) -> int:
-        *lines, self.pending = (self.pending + text).split("\n")
+        *lines, self.pending = re.split(r"[\r\n]", self.pending + text)  # (a bar's redraw ends with \r)
         for line in lines:
-            if line.startswith("{"):
-                self.stream.write(line + "\n")
-            elif line.strip():
-                self.stream.write(_as_json(line.strip()).decode())
+            self._line(line)
         return len(text)
 
+    def _line(self, line: str) -> None:
+        if line.startswith("{"):
+            self.stream.write(line + "\n")
+        elif line.strip():
+            self.stream.write(_as_json(line.strip()).decode())
+
     def flush(self) -> None:
+        if self.pending:  # a line without its end yet (a progress bar's): one object too
+            self._line(self.pending)
+            self.pending = ""
         self.stream.flush()
 
     def fileno(self) -> int:

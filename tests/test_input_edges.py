@@ -166,6 +166,28 @@ def test_passthrough_names_that_clash_but_for_case_are_renamed_as_duckdb_reads_t
                                                                              ("ok", True, "silver")]
 
 
+def test_an_out_begun_before_names_clashed_without_case_keeps_its_column_name_on_resume(tmp_path, cfg,
+                                                                                        write_parquet):
+    """An OUT whose parts hold "Status" as it came (before the case-blind rule): its resume writes "Status" too,
+    as its manifest's renames say (it wrote "input_Status" in the new parts, and the column's earlier rows read as
+    null)."""
+    import json
+
+    inp = write_parquet({"id": [1, 2], "prompt": ["a", "b"], "Status": ["gold", "silver"]})
+    out = tmp_path / "out"
+    run_job(cfg(inp, out, input={"limit": 1}), engine_factory=given(FakeEngine()), is_tty=False)
+    part = next((out / "parts").glob("part-*.parquet"))   # made as the rule before made it
+    t = pq.read_table(part)
+    pq.write_table(t.rename_columns(["Status" if c == "input_Status" else c for c in t.column_names]), part)
+    m = json.loads((out / "manifest.json").read_text())
+    assert m["input"].pop("renamed") == {"Status": "input_Status"}
+    (out / "manifest.json").write_text(json.dumps(m))
+    run_job(cfg(inp, out), engine_factory=given(FakeEngine()), is_tty=False)
+    for p in (out / "parts").glob("part-*.parquet"):
+        assert "Status" in pq.read_schema(p).names and "input_Status" not in pq.read_schema(p).names, p
+    assert "renamed" not in json.loads((out / "manifest.json").read_text())["input"]
+
+
 def test_a_path_with_glob_characters_that_exists_is_that_path(tmp_path, cfg):
     folder = tmp_path / "run [v2]"
     folder.mkdir()

@@ -165,3 +165,24 @@ def test_metrics_port_serves_while_the_job_runs(tmp_path, tiny_model):
     proc.communicate(timeout=120)
     assert 'overnight_rows{job=' in body and 'overnight_state{job="' in body
     assert 'state="running"} 1.0' in body    # scraped mid-run
+
+
+def test_a_failure_after_the_job_wrote_its_metrics_leaves_them(tmp_path):
+    """A job that failed mid-run wrote its metrics (its rows and tokens, state failed): the command's own failed
+    metrics are for a run that wrote none (they replaced that file with two lines and 0 rows)."""
+    import time
+
+    from overnight.jobs.run import failed_metrics
+    from overnight.pipeline.configio import resolve
+    from overnight.pipeline.input.source import InputError
+    from overnight.pipeline.output.metrics import Metrics
+
+    metrics = tmp_path / "job.prom"
+    cfg = resolve({"input": {"path": str(tmp_path / "in.parquet")},
+                   "output": {"path": str(tmp_path / "out"), "metrics_file": str(metrics)}})
+    began = time.time()
+    Metrics(str(metrics), None, "job").update({"state": "failed", "exit_code": 1, "rows": {"done": 3000}})
+    failed_metrics(cfg, InputError("row group 6 cannot be read"), 1, began)
+    assert 'state="done"} 3000.0' in metrics.read_text()
+    failed_metrics(cfg, InputError("gone"), 1, time.time() + 1)   # written by an earlier run: replaced
+    assert 'state="done"' not in metrics.read_text() and 'state="failed"} 1.0' in metrics.read_text()

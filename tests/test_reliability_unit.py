@@ -304,6 +304,23 @@ def test_resume_after_the_input_changed(write_parquet, tmp_path, cfg, caplog):
     t = pq.read_table(out / "parts").to_pylist()
     assert sorted(r["id"] for r in t) == ["a", "b", "c", "d", "e"]
     assert all(len(r["prompt_hash"]) == 16 for r in t)
+    # ... also where a row's flush (which recounts) comes as it is recorded: counted once (it showed 15/11)
+    from overnight.pipeline import progress as P
+
+    seen, update = [], P.Progress.update
+
+    def watched(self, n, t):
+        update(self, n, t)
+        seen.append((self.done, self.total))
+
+    third = write_parquet({"id": ["a", "c", "d"] + [f"n{i}" for i in range(8)], "prompt": ["one", "THREE?", "four"] +
+                           [f"new {i}" for i in range(8)]}, "v3.parquet")
+    P.Progress.update = watched
+    try:
+        run_job(cfg(third, out, output={"flush_rows": 1}), engine_factory=given(FakeEngine()), is_tty=False)
+    finally:
+        P.Progress.update = update
+    assert seen and all(d <= t for d, t in seen), seen
 
 
 def test_a_file_where_the_parts_folder_belongs_is_named_at_once_not_retried(data, tmp_path, cfg, monkeypatch):

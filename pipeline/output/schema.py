@@ -6,7 +6,7 @@ writes it), one output row per sample.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import pyarrow as pa
 
@@ -27,10 +27,14 @@ class OutputSchema:
     neither column."""
 
     def __init__(self, id_name: str, id_type: pa.DataType, passthrough: list[pa.Field], samples: bool = False,
-                 logprobs: bool = False):
+                 logprobs: bool = False, renamed_before: Optional[dict] = None):
+        """renamed_before: the renames an OUT's earlier attempts recorded (its manifest's), where it has some:
+        a column that clashes with a result field only in case keeps its own name unless they renamed it (an OUT
+        begun before names clashed without case wrote it so, and one column keeps one name in every part)."""
         from overnight.pipeline.records import RESULT_FIELDS, SAMPLE_FIELDS
 
         reserved = set(RESULT_FIELDS) | set(SAMPLE_FIELDS) | {id_name}
+        exact = set(reserved)
         self.id_name = id_name
         self.samples = samples
         self.logprobs = logprobs
@@ -42,7 +46,8 @@ class OutputSchema:
         self.renames = {}
         for f in passthrough:
             name = f.name
-            if name.lower() in reserved:
+            legacy = renamed_before is not None and name not in exact and name not in renamed_before
+            if name.lower() in reserved and not legacy:
                 name = f"input_{name}"
                 while name.lower() in taken:
                     name = f"input_{name}"

@@ -17,6 +17,7 @@ import decimal
 import json
 import math
 import os
+import re
 from typing import Optional
 
 from overnight.pipeline.output.checkpoint import OutputError
@@ -102,7 +103,8 @@ def _nanoseconds_as_json(con, query: str) -> tuple[str, list]:
     """The query with each column that holds nanosecond timestamps or times (at the top or nested) as DuckDB's
     to_json writes it, and those columns' names: a Python datetime, as DuckDB fetches them, drops the
     nanoseconds (csv and parquet keep them)."""
-    names = [name for name, kind, *_ in con.execute(f"describe ({query})").fetchall() if "_NS" in kind]
+    names = [name for name, kind, *_ in con.execute(f"describe ({query})").fetchall()
+             if re.search(r"\b(?:TIMESTAMP|TIMESTAMPTZ|TIME)_NS\b", kind)]
     if not names:
         return query, []
     cells = ", ".join(f"to_json({_ident(name)})::varchar as {_ident(name)}" for name in names)
