@@ -360,3 +360,29 @@ def test_status_of_an_out_a_run_holds_before_it_wrote_anything_is_starting(tmp_p
         lock.release()
     with pytest.raises(OutputError, match="holds no overnight job"):
         job_status(str(tmp_path / "out"))
+
+
+def test_status_of_a_ray_job_rerun_with_fewer_workers_marks_the_folders_it_does_not_run(tmp_path, cfg,
+                                                                                         write_parquet):
+    """A rerun with 1 worker where 2 ran before: w1's folder of the earlier attempt (killed while running) showed
+    "running" under the new driver's lock. Its rows count; its state is not this attempt's."""
+    from overnight.pipeline.output.checkpoint import OutputDir
+    from overnight.pipeline.output.layout import worker_out
+    from overnight.pipeline.output.lock import RunLock
+
+    out = tmp_path / "out"
+    inp = write_parquet({"id": ["a", "b"], "prompt": ["hi", "yo"]})
+    run_job(cfg(inp, worker_out(str(out), 0).root), engine_factory=given(FakeEngine()), is_tty=False)
+    _started_not_flushed(cfg(inp, worker_out(str(out), 1).root))
+    (out / "status.json").write_text(json.dumps({"state": "running", "exit_code": None, "workers": 1,
+                                                 "rows": {"total": 2, "done": 2, "remaining": 0}}))
+    lock = RunLock(OutputDir(str(out)), split="ray")
+    lock.acquire()
+    try:
+        s = job_status(str(out))
+    finally:
+        lock.release()
+    by = {w["shard"]: w for w in s["per_shard"]}
+    assert by["w0"]["state"] == "completed" and by["w0"]["rows_done"] == 2
+    assert (by["w1"]["state"], by["w1"]["exit_code"], by["w1"]["eta_s"]) == ("not in this run", None, None)
+    assert any(line.startswith("w1  ") and "not in this run" in line for line in status_lines(s))

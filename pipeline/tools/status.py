@@ -167,9 +167,17 @@ def _ray_status(out: OutputDir, dirs, driver: dict) -> dict:
     if state == "running" and not _is_running(out):
         state = "stopped"
     rows = driver.get("rows", {})
-    workers = [shard_status(d, out) for d in dirs if d.worker is not None]
-    for w in workers:
+    n = driver.get("workers")
+    workers = []
+    for d in dirs:
+        if d.worker is None:
+            continue
+        w = shard_status(d, out)
         w["rows_total"] = w["rows_left"] = None  # a worker's share is whatever units it took
+        if isinstance(n, int) and d.worker >= n:  # a folder of an earlier attempt with more workers: its rows
+            # count, its state (running, stopped, its exit code) is not this attempt's
+            w.update(state="not in this run", output_tokens_per_s=None, eta_s=None, exit_code=None)
+        workers.append(w)
     done, left = rows.get("done", 0), rows.get("remaining")
     if state == "stopped":  # a driver killed: its last status is older than what its workers' folders hold
         # (less the rows whose ids left the input, as the driver counted them at its start: a folder holds them)
