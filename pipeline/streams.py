@@ -153,10 +153,17 @@ _LEVEL = re.compile(r"\b(ERROR|CRITICAL|WARNING|DEBUG)\b|Traceback|Error:")
 
 
 def _as_json(line: str) -> bytes:
-    """A line another process wrote, as a JSON object as overnight's own log lines are (level from its words)."""
+    """A line another process wrote, as a JSON object as overnight's own log lines are (level from its words); a
+    line that is a JSON object already (a process that logs JSON itself) as it is."""
     import datetime as dt
     import json
 
+    if line.startswith("{") and line.endswith("}"):
+        try:
+            if isinstance(json.loads(line), dict):
+                return (line + "\n").encode()
+        except ValueError:
+            pass
     found = _LEVEL.search(line)
     word = found.group(1) if found and found.group(1) else ("ERROR" if found else "INFO")
     level = {"CRITICAL": "critical", "ERROR": "error", "WARNING": "warning", "DEBUG": "debug"}.get(word, "info")

@@ -37,13 +37,15 @@ def test_with_log_format_json_the_engines_own_lines_are_json_objects_too(tmp_pat
         import subprocess, sys
         from overnight.pipeline.streams import filtered_stderr
         child = "import sys; print('(EngineCore pid=1) WARNING a raw line', file=sys.stderr); " \\
-                "print('Traceback (most recent call last):', file=sys.stderr); print('plain', file=sys.stderr)"
+                "print('Traceback (most recent call last):', file=sys.stderr); print('plain', file=sys.stderr); " \\
+                "print('{\\"level\\": \\"info\\", \\"message\\": \\"its own\\"}', file=sys.stderr)"
         with filtered_stderr(False, as_json=True):
             subprocess.run([sys.executable, "-c", child])
     """)
     r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     lines = [json.loads(ln) for ln in r.stderr.splitlines()]
-    assert [(d["level"], d["logger"], d["message"]) for d in lines] == [
+    assert [(d["level"], d["logger"], d["message"]) for d in lines[:3]] == [
         ("warning", "engine", "(EngineCore pid=1) WARNING a raw line"),
         ("error", "engine", "Traceback (most recent call last):"), ("info", "engine", "plain")]
+    assert lines[3] == {"level": "info", "message": "its own"}  # a JSON object already: not wrapped again
