@@ -166,6 +166,8 @@ SAMPLING = [
     Opt("--top-k", "sampling.top_k", "Sample from the k most likely tokens; -1 is off.", preset=True),
     Opt("--repetition-penalty", "sampling.repetition_penalty", "Above 1 discourages repetition; 1 is off.",
         preset=True),
+    Opt("--min-p", "sampling.min_p", "Leave out tokens less likely than this share of the most likely one's "
+                                     "(0 to 1); 0 is off."),
     Opt("--seed", "sampling.seed", "Per-row sampling seed, for reproducible outputs.", preset=True),
     Opt("--stop", "sampling.stop", "Stop string (repeatable).", type=str, convert=string_list, preset=True,
         click_kwargs={"multiple": True}),

@@ -81,6 +81,8 @@ class SamplingConfig:
     top_k: int = -1
     # 1.0 disables it; >1 discourages repeating tokens already generated.
     repetition_penalty: float = 1.0
+    # Leave out tokens less likely than this share of the most likely one's probability (0 to 1); 0 is off.
+    min_p: float = 0.0
     # Per-request seed: the same seed gives the same output for a row, whatever it is batched with.
     seed: Optional[int] = None
     # Stop strings.
@@ -127,6 +129,7 @@ class SamplingConfig:
                "sampling.choice (--choice) is empty; give the strings to choose among, e.g. --choice yes,no.")
         _check(0 < self.top_p <= 1, f"sampling.top_p is {self.top_p}; it must be in (0, 1].")
         _check(self.top_k == -1 or self.top_k >= 1, f"sampling.top_k is {self.top_k}; use -1 (off) or a positive integer.")
+        _check(0 <= self.min_p <= 1, f"sampling.min_p is {self.min_p}; it must be 0 (off) to 1.")
         _check(self.repetition_penalty > 0,
                f"sampling.repetition_penalty is {self.repetition_penalty}; it must be above 0 (1.0 is off).")
         _check(self.seed is None or abs(self.seed) <= 2 ** 62,

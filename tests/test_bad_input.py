@@ -164,7 +164,7 @@ CASES = [
                 "kept). If it is on remote storage that failed, rerun: the job resumes."),
     Case("yaml unknown key", lambda e: ["run", "--config", e.text("job.yaml", "sampling:\n  temprature: 0.5\n")], 2,
          "Error: {root}/job.yaml: unknown key sampling.temprature in sampling. Valid keys: choice, "
-         "frequency_penalty, json_schema, logprobs, max_tokens, min_tokens, n, presence_penalty, regex, "
+         "frequency_penalty, json_schema, logprobs, max_tokens, min_p, min_tokens, n, presence_penalty, regex, "
          "repetition_penalty, seed, stop, stop_token_ids, temperature, top_k, top_p."),
     Case("yaml wrong type", lambda e: ["run", "--config", e.text("job.yaml", "engine:\n  max_num_seqs: lots\n")], 2,
          "Error: {root}/job.yaml: engine.max_num_seqs must be an integer, got 'lots'."),

@@ -30,6 +30,14 @@ LINES = [
     {"custom_id": "embedding", "method": "POST", "url": "/v1/embeddings", "body": {"input": "not a completion"}},
     {"custom_id": "completion-2", "method": "POST", "url": "/v1/completions",
      "body": {"prompt": ["Count from one to five."], "max_tokens": 4, "top_p": 0.9}},
+    # vLLM's own keys, as `vllm run-batch` reads them: structured output and its sampling keys
+    {"custom_id": "guided", "method": "POST", "url": "/v1/chat/completions",
+     "body": {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "Is water wet?"}], "max_tokens": 4,
+              "guided_choice": ["yes", "no"], "temperature": 1.0, "top_k": 1, "min_p": 0.05,
+              "repetition_penalty": 1.2}},
+    # a key that would change the answer and is not run here: a 400, not an answer without it
+    {"custom_id": "bias", "method": "POST", "url": "/v1/chat/completions",
+     "body": {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "Hi"}], "logit_bias": {"42": 5}}},
 ]
 
 
@@ -44,17 +52,17 @@ def test_openai_batch_file_in_and_out(tmp_path, model_path):
                           "--json"], capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     summary = json.loads(run.stdout)
-    assert (summary["state"], summary["num_rows"], summary["num_ok"], summary["num_error"]) == ("completed", 5, 4, 1)
+    assert (summary["state"], summary["num_rows"], summary["num_ok"], summary["num_error"]) == ("completed", 7, 5, 2)
 
     ok, errors = tmp_path / "results.jsonl", tmp_path / "errors.jsonl"
     exported = subprocess.run([*overnight_cmd(), "export", str(out), "--format", "openai", "--output", str(ok),
                                "--errors", str(errors)], capture_output=True, text=True, timeout=300)
     assert exported.returncode == 0, exported.stderr
     answers = {x["custom_id"]: x for x in map(json.loads, ok.read_text().splitlines())}
-    assert list(answers) == ["chat-1", "chat-parts", "completion-1", "completion-2"]     # the file's order
-    limits = {"chat-1": 12, "chat-parts": 10, "completion-1": 8, "completion-2": 4}
+    assert list(answers) == ["chat-1", "chat-parts", "completion-1", "completion-2", "guided"]  # the file's order
+    limits = {"chat-1": 12, "chat-parts": 10, "completion-1": 8, "completion-2": 4, "guided": 4}
     for cid, x in answers.items():   # a user's parser works unchanged: a chat's body, or a completion's
-        if cid.startswith("chat"):
+        if cid.startswith(("chat", "guided")):
             completion = ChatCompletion.model_validate(x["response"]["body"])
             assert completion.object == "chat.completion" and completion.choices[0].message.content
         else:
@@ -62,6 +70,7 @@ def test_openai_batch_file_in_and_out(tmp_path, model_path):
             assert completion.object == "text_completion" and completion.choices[0].text
         assert 0 < completion.usage.completion_tokens <= limits[cid]
     assert "Paris" in answers["chat-1"]["response"]["body"]["choices"][0]["message"]["content"]
+    assert answers["guided"]["response"]["body"]["choices"][0]["message"]["content"] in ("yes", "no")
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model_path)
@@ -71,7 +80,9 @@ def test_openai_batch_file_in_and_out(tmp_path, model_path):
     chat = tok.apply_chat_template(LINES[0]["body"]["messages"], tokenize=False, add_generation_prompt=True)
     assert prompt_tokens["chat-1"] == len(tok(chat, add_special_tokens=False)["input_ids"])         # templated
     failed = [json.loads(x) for x in errors.read_text().splitlines()]
-    assert [e["custom_id"] for e in failed] == ["embedding"]
+    assert [e["custom_id"] for e in failed] == ["embedding", "bias"]
+    assert failed[1]["response"]["status_code"] == 400 and "body.logit_bias" in \
+        failed[1]["response"]["body"]["error"]["message"]
     assert failed[0]["error"] is None and failed[0]["response"]["status_code"] == 400   # as OpenAI writes a bad request
     error = failed[0]["response"]["body"]["error"]
     assert error["type"] == "invalid_request_error"

@@ -1,7 +1,8 @@
 """What a request can ask for, through the real engine with the embedded model: structured output (the job's
 JSON schema, and per row a JSON schema, OpenAI's response_format, a regex or a choice; a bad schema, or a regex
 vLLM refuses, is an error row that names the problem), min_tokens (cut with max_tokens to the room the context
-leaves), penalties and stop token ids passed through to vLLM."""
+leaves), penalties and stop token ids passed through to vLLM, and vLLM's top_k, min_p and repetition_penalty per
+row."""
 
 from __future__ import annotations
 
@@ -50,6 +51,20 @@ def test_structured_output_and_sampling_columns(tmp_path, model_path):
         "presence_penalty": [None] * 7 + [1.5, None, None],
         "frequency_penalty": [None] * 7 + [1.0, None, None],
     }
+    # rows 10-13, one prompt: greedy (the job's temperature 0); sampled hot but with top_k 1, and with min_p 1,
+    # each of which leaves the most likely token alone; and greedy under a strong repetition penalty
+    count = "Count from one to twenty, separated by commas."
+    # (row 14: hot, as row 11, without top_k: the control)
+    rows["prompt"] += [count] * 5
+    for name in ("choice", "regex", "json_schema", "min_tokens", "presence_penalty", "frequency_penalty"):
+        rows[name] += [None] * 5
+    rows["response_format"] += [json.dumps({"type": "text"})] * 5
+    rows["id"] += [10, 11, 12, 13, 14]
+    rows["temperature"] = [None] * n + [None, 1.5, 1.5, None, 1.5]
+    rows["seed"] = [None] * n + [None, 1, 2, None, 1]
+    rows["top_k"] = [None] * n + [None, 1, None, None, None]
+    rows["min_p"] = [None] * n + [None, None, 1.0, None, None]
+    rows["repetition_penalty"] = [None] * n + [None, None, None, 2.0, None]
     rows["response_format"][6] = rows["response_format"][7] = rows["response_format"][9] = \
         json.dumps({"type": "text"})
     inp = tmp_path / "in.parquet"
@@ -62,7 +77,7 @@ def test_structured_output_and_sampling_columns(tmp_path, model_path):
                    # two machines, and a cut object is no JSON
                    "sampling": {"json_schema": str(schema_file), "max_tokens": 96, "temperature": 0}})
     s = run_job(cfg, is_tty=False)
-    assert (s.num_ok, s.num_error) == (8, 2)
+    assert (s.num_ok, s.num_error) == (13, 2)
     con, _ = open_results(str(out))
     got = {r[0]: r[1:] for r in con.execute(
         "select id, status, text, error, output_tokens, finish_reason from results order by id").fetchall()}
@@ -84,3 +99,8 @@ def test_structured_output_and_sampling_columns(tmp_path, model_path):
     # above a max_tokens of 24 before): it runs to the context's end
     status, ptok, otok = con.execute("select status, prompt_tokens, output_tokens from results where id = 9").fetchone()
     assert status == "ok" and ptok + otok == 2048 and otok < 60, (status, ptok, otok)
+    greedy = got[10][1]
+    assert len(greedy) > 30 and got[11][1][:30] == greedy[:30] and got[12][1][:30] == greedy[:30], \
+        (greedy, got[11][1], got[12][1])
+    assert got[14][1][:30] != greedy[:30], greedy   # at 1.5 without them, the text leaves the greedy one
+    assert got[13][1] != greedy, greedy   # (the repeated commas and numbers, penalised)

@@ -185,6 +185,7 @@ class VllmEngine:
             top_p=sampling["top_p"],
             top_k=sampling["top_k"],
             repetition_penalty=sampling["repetition_penalty"],
+            min_p=sampling.get("min_p", 0.0),
             seed=sampling["seed"],
             stop=sampling["stop"] or None,
             stop_token_ids=sampling.get("stop_token_ids") or None,

@@ -64,6 +64,28 @@ def _top_p(value) -> float:
     return v
 
 
+def _top_k(value) -> int:
+    v = _integer(value, "top_k")
+    if not -1 <= v < PRIORITY_BOUND:  # (vLLM keeps it as a 32-bit integer)
+        raise RowError(f"top_k is {_whole(v)}; it must be 0 or -1 (off), or the number of most likely tokens to "
+                       f"sample from")
+    return v
+
+
+def _min_p(value) -> float:
+    v = _number(value, "min_p")
+    if not 0 <= v <= 1:
+        raise RowError(f"min_p is {v}; it must be 0 (off) to 1")
+    return v
+
+
+def _repetition_penalty(value) -> float:
+    v = _number(value, "repetition_penalty")
+    if not 0 < v < math.inf:
+        raise RowError(f"repetition_penalty is {v}; it must be above 0 (1 is off, above 1 discourages repeats)")
+    return v
+
+
 # vLLM's client sends a request's integers as 64-bit (msgpack), and a sample i of n > 1 draws with seed + i: a
 # seed or priority beyond these bounds failed the engine itself, not the row.
 SEED_BOUND = 2 ** 62
@@ -258,6 +280,9 @@ _OVERRIDE_CHECKS = {
     "max_tokens": _named("max_tokens", _max_tokens),
     "temperature": _named("temperature", _temperature),
     "top_p": _named("top_p", _top_p),
+    "top_k": _named("top_k", _top_k),
+    "min_p": _named("min_p", _min_p),
+    "repetition_penalty": _named("repetition_penalty", _repetition_penalty),
     "seed": _named("seed", _seed),
     "stop": _named("stop", _stop),
     "stop_token_ids": _named("stop_token_ids", _stop_token_ids),

@@ -11,9 +11,13 @@ RAW_PROMPT_COLUMN: the prompt goes to the model as given, without the chat templ
 send it), ``lora`` (filled by ModelRoute: the adapter a line's ``body.model`` names), and the per-row
 columns ``max_tokens`` (or ``max_completion_tokens``), ``temperature``, ``top_p``, ``seed``, ``stop``,
 ``presence_penalty``, ``frequency_penalty``, ``min_tokens``, ``stop_token_ids``, ``response_format`` (as JSON
-text), ``n`` and ``logprobs`` (the number of top alternatives: ``logprobs: true`` with ``top_logprobs: K`` is
-K, without it 0; a completions request's integer ``logprobs`` is K itself), read from the body by
-``openai_body``. ``validate`` checks their values as for any input.
+text), ``n`` and ``logprobs`` (the number of top alternatives: chat's ``logprobs: true`` with ``top_logprobs: K``
+is K, without it 0; a completions request's integer ``logprobs`` is K itself), and vLLM's own ``top_k``,
+``min_p``, ``repetition_penalty`` and structured outputs (``guided_json``, ``guided_regex``, ``guided_choice``,
+``structured_outputs``: the ``json_schema``, ``regex`` and ``choice`` columns), read from the body by
+``openai_body``. ``validate`` checks their values as for any input. A key that would change the answer and is not
+run here (``logit_bias``, ``tools``, ``echo``, ``suffix``, ``best_of`` above 1, ...: ``openai_body.REFUSED``)
+makes the line an error, not an answer without it.
 
 A line that cannot be a request (not JSON, no ``custom_id``, a ``method`` other than POST, an unsupported
 ``url``, a body without ``messages`` / ``prompt``, a value of the wrong type) becomes a row whose
@@ -42,8 +46,8 @@ from typing import ClassVar, Collection, Iterator, Optional
 
 import pyarrow as pa
 
-from overnight.pipeline.input.openai_body import (_COLUMNS, LineError, _is_text, _messages, _parameters, _prompt,
-                                                  _short, readable_id)
+from overnight.pipeline.input.openai_body import (_COLUMNS, GUIDED, REFUSED, LineError, _is_text, _messages,
+                                                  _parameters, _prompt, _short, readable_id, refused)
 from overnight.pipeline.input.source import (INPUT_ERROR_COLUMN, MODEL_COLUMN, RAW_PROMPT_COLUMN, InputError,
                                              InputFile, ParquetSource, SourceBatch, _first_line)
 from overnight.pipeline.input.listing import GLOB_CHARS, file_version, glob_base, is_data_file, is_hidden
@@ -60,7 +64,7 @@ ENDPOINTS = {"/v1/chat/completions": "messages", "/v1/completions": "prompt"}
 # Body keys read into columns, besides messages / prompt.
 HONOURED = ("max_tokens", "max_completion_tokens", "temperature", "top_p", "seed", "stop", "presence_penalty",
             "frequency_penalty", "min_tokens", "stop_token_ids", "response_format", "n", "logprobs",
-            "top_logprobs")
+            "top_logprobs", "top_k", "min_p", "repetition_penalty", "structured_outputs", *GUIDED, *REFUSED)
 # Body keys that change nothing here (results are written, not streamed); model is ModelRoute's.
 SILENT = ("model", "user", "metadata", "store", "stream", "stream_options", "service_tier")
 # The columns only this source writes: honoured from its batches alone, never passed through.
@@ -289,7 +293,8 @@ class OpenAIBatchSource(ParquetSource):
                 row[RAW_PROMPT_COLUMN] = True
             if isinstance(body.get("model"), str) and body["model"]:
                 row[MODEL_COLUMN] = body["model"]
-            row.update(_parameters(body, line_no))
+            refused(body, line_no)
+            row.update(_parameters(body, line_no, ENDPOINTS[url]))
             self._warn_unknown(body, url, file, line_no)
             return row
         except LineError as e:

@@ -19,10 +19,16 @@ ROLE_ALIASES = {"developer": "system"}  # OpenAI's newer name for the system mes
 # Per-row columns and their types; each is read from the body key of the same name (see OpenAIBatchSource._row
 # for the others).
 _COLUMNS = (("max_tokens", pa.int64()), ("temperature", pa.float64()), ("top_p", pa.float64()),
+            ("top_k", pa.int64()), ("min_p", pa.float64()), ("repetition_penalty", pa.float64()),
             ("seed", pa.int64()), ("stop", pa.list_(pa.string())), ("presence_penalty", pa.float64()),
             ("frequency_penalty", pa.float64()), ("min_tokens", pa.int64()),
             ("stop_token_ids", pa.list_(pa.int64())), ("response_format", pa.string()), ("n", pa.int64()),
-            ("logprobs", pa.int64()))
+            ("logprobs", pa.int64()), ("json_schema", pa.string()), ("regex", pa.string()),
+            ("choice", pa.list_(pa.string())))
+# vLLM's own structured-output keys in a request body (its OpenAI server and run-batch honour them): the column
+# each fills. ``structured_outputs`` ({"json": ..., "regex": ..., "choice": ...}) fills the same columns.
+GUIDED = {"guided_json": "json_schema", "guided_regex": "regex", "guided_choice": "choice"}
+STRUCTURED_KEYS = {"json": "json_schema", "regex": "regex", "choice": "choice"}
 _INT64 = (-2 ** 63, 2 ** 63 - 1)
 
 
@@ -68,21 +74,37 @@ def _prompt(value, line_no: int) -> str:
                     f"not supported)")
 
 
-def _parameters(body: dict, line_no: int) -> dict:
-    """The per-row columns, type-checked; ranges are validate's to check."""
+def _parameters(body: dict, line_no: int, endpoint: str = "messages") -> dict:
+    """The per-row columns, type-checked; ranges are validate's to check. endpoint: "messages" for
+    /v1/chat/completions, "prompt" for /v1/completions (their logprobs differ)."""
     out: dict[str, Any] = {}
+    guided = _guided(body, line_no)
     for name, t in _COLUMNS:
         value = body.get(name)
         if name == "max_tokens" and body.get("max_completion_tokens") is not None:
             name, value = "max_completion_tokens", body["max_completion_tokens"]
         if name == "logprobs":
-            value = _logprobs(body, line_no)
+            value = _logprobs(body, line_no, endpoint)
+        if name in ("json_schema", "regex", "choice"):
+            name, value = guided.get(name, (name, None))
         if value is None:
             continue
         where = f"line {line_no}: body.{name}"
-        column = "max_tokens" if name == "max_completion_tokens" else name
+        column = {"max_completion_tokens": "max_tokens"}.get(name) or (
+            STRUCTURED_KEYS.get(name.rsplit(".", 1)[-1]) if name.startswith("structured_outputs.") else None) or \
+            GUIDED.get(name, name)
         if name == "response_format":
             out[column] = json.dumps(value)
+        elif column == "json_schema":
+            out[column] = value if isinstance(value, str) else json.dumps(value)
+        elif column == "regex":
+            if not isinstance(value, str):
+                raise LineError(f"{where} is {_short(value)}; give the regular expression as a string")
+            out[column] = value
+        elif column == "choice":
+            if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
+                raise LineError(f"{where} is {_short(value)}; give a list of strings to choose among")
+            out[column] = value
         elif name == "stop":
             if isinstance(value, str):
                 value = [value]
@@ -130,9 +152,53 @@ def _finite(value) -> bool:
         return False
 
 
-def _logprobs(body: dict, line_no: int) -> Optional[int]:
-    """Top alternatives per token: chat's logprobs=true with top_logprobs=K (0 without), or completions' K."""
+def _guided(body: dict, line_no: int) -> dict:
+    """vLLM's structured-output keys (guided_json, guided_regex, guided_choice, structured_outputs) as
+    {column: (body key, value)}; a kind overnight does not run (a grammar, json_object) is the line's error."""
+    found = {column: (key, body[key]) for key, column in GUIDED.items() if body.get(key) is not None}
+    so = body.get("structured_outputs")
+    if so is not None:
+        if not isinstance(so, dict):
+            raise LineError(f"line {line_no}: body.structured_outputs is {_short(so)}; give an object such as "
+                            f"{{\"json\": SCHEMA}}, {{\"regex\": ...}} or {{\"choice\": [...]}}")
+        for key, value in so.items():
+            if value is None or value is False:
+                continue
+            if key not in STRUCTURED_KEYS:
+                raise LineError(f"line {line_no}: body.structured_outputs.{key} is not supported; overnight runs "
+                                f"json, regex and choice")
+            found.setdefault(STRUCTURED_KEYS[key], (f"structured_outputs.{key}", value))
+    if body.get("guided_grammar") is not None:
+        raise LineError(f"line {line_no}: body.guided_grammar is not supported; overnight runs guided_json, "
+                        f"guided_regex and guided_choice")
+    return found
+
+
+# Body keys that would change the answer and that overnight does not run: a line that sets one is its error (400),
+# not answered without it. Each with the values that change nothing (a line may carry them).
+REFUSED = {"logit_bias": ({},), "tools": ([],), "tool_choice": ("none",), "functions": ([],),
+           "function_call": ("none",), "parallel_tool_calls": (True, False), "echo": (False,), "suffix": ("",),
+           "best_of": (1,), "prediction": (), "audio": (), "modalities": (["text"],)}
+
+
+def refused(body: dict, line_no: int) -> None:
+    for key, neutral in REFUSED.items():
+        value = body.get(key)
+        if value is not None and not any(value == v and type(value) is type(v) for v in neutral):
+            raise LineError(f"line {line_no}: body.{key} is {_short(value)}, which overnight does not support; "
+                            f"remove it from the request (the line would be answered without it)")
+
+
+def _logprobs(body: dict, line_no: int, endpoint: str = "messages") -> Optional[int]:
+    """Top alternatives per token: chat's logprobs=true with top_logprobs=K (0 without), or completions' K. As
+    OpenAI and vLLM read them: chat's logprobs is a boolean, completions' an integer."""
     value, top = body.get("logprobs"), body.get("top_logprobs")
+    if endpoint == "messages" and value is not None and not isinstance(value, bool):
+        raise LineError(f"line {line_no}: body.logprobs is {_short(value)}; for /v1/chat/completions give true, "
+                        f"with top_logprobs: K for K alternatives per token")
+    if endpoint == "prompt" and isinstance(value, bool):
+        raise LineError(f"line {line_no}: body.logprobs is {_short(value)}; for /v1/completions give the number "
+                        f"of top alternatives per token (0 for the chosen token's alone)")
     if value is None or value is False:
         if top is not None:
             raise LineError(f"line {line_no}: body.top_logprobs is set but body.logprobs is not true; add "

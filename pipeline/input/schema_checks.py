@@ -4,6 +4,8 @@ id column's values within int64 (from the row groups' statistics)."""
 
 from __future__ import annotations
 
+import logging
+
 import pyarrow as pa
 
 from overnight.pipeline.config import ConfigError, InputConfig
@@ -11,6 +13,13 @@ from overnight.pipeline.input.arrow_types import compatible, is_id_type, is_text
 from overnight.pipeline.output.storage import unstrip
 
 INT64_MAX = 2 ** 63 - 1
+# Column names a user of vLLM, Ray Data LLM or OpenAI's API may give a row's request setting by, which overnight
+# does not read per row (its own columns: source.OVERRIDE_COLUMNS): said once, as such a column is only passed through.
+NOT_PER_ROW = frozenset({"sampling_params", "max_completion_tokens", "top_logprobs", "logit_bias", "best_of",
+                         "guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs",
+                         "bad_words", "allowed_token_ids", "ignore_eos", "include_stop_str_in_output",
+                         "skip_special_tokens", "prompt_logprobs", "truncate_prompt_tokens", "length_penalty",
+                         "logits_processors", "min_p_keep", "lora_request", "lora_name", "adapter"})
 
 
 class InputError(Exception):
@@ -139,6 +148,14 @@ def check_columns(cfg: InputConfig, fs, url: str, files: list, schema: pa.Schema
         if not is_id_type(t):
             raise InputUsageError(f"Id column {cfg.id_column!r} in {url} has type {t}; ids must be integers "
                              f"or strings. Cast it, or name another column with --id-column.")
+    unread = sorted(n for n in names if n.lower() in NOT_PER_ROW)
+    if unread:
+        logging.getLogger("overnight").warning(
+            f"{url}: column{'s' if len(unread) > 1 else ''} {', '.join(repr(n) for n in unread)} "
+            f"{'are' if len(unread) > 1 else 'is'} not read as a row's request setting, only passed through to the "
+            f"output. The per-row columns are max_tokens, temperature, top_p, top_k, min_p, repetition_penalty, "
+            f"seed, stop, stop_token_ids, presence_penalty, frequency_penalty, min_tokens, json_schema, "
+            f"response_format, regex, choice, n, logprobs and lora (README: Per-row columns).")
     if isinstance(cfg.passthrough, list):
         missing = [c for c in cfg.passthrough if c not in names]
         if missing:

@@ -32,7 +32,7 @@ from overnight.pipeline.output.faults import failpoint
 from overnight.pipeline.output.storage import unstrip, url_to_fs
 
 # Per-row columns that override the job's sampling defaults when present.
-OVERRIDE_COLUMNS = ("max_tokens", "temperature", "top_p", "seed", "stop", "stop_token_ids", "presence_penalty",
+OVERRIDE_COLUMNS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed", "stop", "stop_token_ids", "presence_penalty",
                     "frequency_penalty", "min_tokens", "json_schema", "response_format", "regex", "choice", "n",
                     "logprobs", "lora")
 # Per-row columns the scheduler honours.

@@ -66,6 +66,7 @@ def sampling_defaults(cfg: SamplingConfig) -> dict:
         "top_p": cfg.top_p,
         "top_k": cfg.top_k,
         "repetition_penalty": cfg.repetition_penalty,
+        "min_p": cfg.min_p,
         "seed": cfg.seed,
         "stop": list(cfg.stop),
         "stop_token_ids": list(cfg.stop_token_ids),

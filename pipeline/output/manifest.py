@@ -37,7 +37,7 @@ def now_iso() -> str:
 
 # Sampling settings added later: in the fingerprint only when set, so that an OUT written before keeps its own.
 LATER_SAMPLING = {"stop_token_ids": [], "presence_penalty": 0.0, "frequency_penalty": 0.0, "min_tokens": 0,
-                  "json_schema": None, "regex": None, "choice": None, "n": 1, "logprobs": None}
+                  "json_schema": None, "regex": None, "choice": None, "n": 1, "logprobs": None, "min_p": 0.0}
 
 
 def fingerprint_fields(cfg, model: str, chat: bool, as_given: bool = False, lora_as_given: bool = False) -> dict:
