@@ -80,7 +80,7 @@ def load_outputs(urls: list[str], one_per_prompt: bool = False, need_prompt: boo
                 raise DatasetError(f"{url} holds no rows: its job completed with none (an input of no rows, or "
                                    f"rows all skipped). Pass the --out folder of a run that answered some.")
             raise DatasetError(f"{url} has no finished rows yet; let the run flush its first part (or finish), "
-                               f"then train on it.")
+                               f"then run this again.")
         # an input column whose name is a result's (``text``) is in the output under another name
         prompt_col, messages_col = (output_name(c, manifest) for c in (prompt_col, messages_col))
         if prompt_col not in columns and messages_col not in columns and need_prompt:

@@ -349,8 +349,10 @@ class TrainedPredictor(Predictor):
         except PredictorFileError:
             raise
         except Exception as e:
+            # (NumPy says a file that is no archive holds pickled data it could load "unsafely": not advice to give)
+            why = "it is not a NumPy archive" if "pickle" in str(e) else f"{type(e).__name__}: {e}"
             raise PredictorUsageError(f"{path} is not a predictor file written by `overnight predictor train` "
-                                     f"({type(e).__name__}: {e}).") from None
+                                     f"({why}).") from None
         if meta.get("format") != FORMAT or meta.get("hash_dim") != HASH_DIM or len(blob["wd"]) != len(NUMERIC_NAMES) + 1:
             raise PredictorUsageError(f"{path} was written by an incompatible version ({meta.get('format')}); "
                                      f"train it again with `overnight predictor train`.")

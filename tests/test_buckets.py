@@ -123,6 +123,9 @@ def test_bad_predictor_files_are_named_with_the_fix(tmp_path):
         (tmp_path / name).write_bytes(buf.getvalue())
         with pytest.raises(PredictorFileError, match=f"{name} is not a predictor file written by"):
             TrainedPredictor.load(str(tmp_path / name))
+    (tmp_path / "text.pt").write_text("hello")   # NumPy's own words advised loading it "unsafely"
+    with pytest.raises(PredictorFileError, match=r"text.pt is not a predictor file .*\(it is not a NumPy archive\)"):
+        TrainedPredictor.load(str(tmp_path / "text.pt"))
 
 
 def test_the_text_a_predictor_reads_from_a_chat_given_as_json():

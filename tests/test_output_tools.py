@@ -178,6 +178,8 @@ def test_shards_with_a_limit_export_each_shards_rows(tmp_path, cfg):
     assert (info["ok"], info["expired"], info["in_input_order"]) == (6, 0, True)
     got = _ids(tmp_path / "o.jsonl")
     assert got == sorted(got, key=lambda i: (i.split("#")[0], int(i.split("#")[1])))
+    con, m = open_results(str(out))   # inspect: the limit is each shard's ("6 rows within --limit 3" read as a fault)
+    assert any("(6 rows within --limit 3 per shard)" in line for line in summary_lines(con, m)), summary_lines(con, m)
 
 
 # -- F: /v1/completions lines answer as text_completion ------------------------------------------------------

@@ -5,6 +5,7 @@ a run goes on, duplicates on an unchanged rerun, a prompt given where there was 
 from __future__ import annotations
 
 import json
+import os
 import logging
 
 import pyarrow as pa
@@ -207,3 +208,19 @@ def test_plans_scaled_rows_never_run_past_their_max_tokens(tmp_path, cfg, write_
     monkeypatch.setattr(planmod, "measured_calibration", lambda url, predictor: (1000.0, 10))
     p = planmod.make_plan(cfg(inp, out, sampling={"max_tokens": 64}), out=str(out), throughput=10.0)
     assert p.num_todo == 10 and p.eta_s == pytest.approx((5 * 5 + 5 * 64) / 10.0 + p.startup_s)
+
+
+def test_plan_counts_a_ray_workers_start_up(tmp_path, cfg, write_parquet):
+    """A Ray job's folders are its workers': their start-up was left out ("not counting the start-up, which no
+    run in --out measured"), where a worker took 33 s to its first row."""
+    from overnight.pipeline.output.layout import worker_out
+    from overnight.pipeline.scheduling.plan import make_plan
+
+    out = tmp_path / "out"
+    inp = write_parquet({"id": list(range(20)), "prompt": ["hi there"] * 20})
+    w0 = worker_out(str(out), 0).root
+    run_job(cfg(inp, w0, input={"limit": 10}), engine_factory=given(FakeEngine()), is_tty=False)
+    st = json.loads((tmp_path / "out" / "workers" / os.path.basename(w0) / "status.json").read_text())
+    st["startup"]["first_row_s"] = 33.0
+    (tmp_path / "out" / "workers" / os.path.basename(w0) / "status.json").write_text(json.dumps(st))
+    assert make_plan(cfg(inp, out), out=str(out), throughput=100.0).startup_s == 33.0

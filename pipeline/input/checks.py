@@ -329,7 +329,9 @@ def parse_time(value, name: str) -> float:
         return _timestamp(value, value, name)
     if isinstance(value, str):
         try:
-            parsed = dt.datetime.fromisoformat(value.strip())
+            from overnight.pipeline.scheduling.when import from_iso
+
+            parsed = from_iso(value)
         except ValueError:
             raise RowError(f"{name} is {_short(value)}; use an ISO time such as 2026-11-23T06:00 or "
                            f"2026-11-23T06:00+01:00") from None

@@ -160,15 +160,18 @@ def same_settings(previous: dict, fields: dict, also: Optional[list] = None) -> 
     return previous.get("fingerprint") in [fingerprint(f) for f in candidates]
 
 
-def check_resume(previous: dict, fields: dict, out_url: str, also: Optional[list] = None) -> None:
-    """Refuse to mix outputs of different settings in one OUT."""
+RESUME_FIX = ("Rerun with the original settings to continue, pass --fresh to discard those results and start over, "
+              "or choose another --out.")
+
+
+def check_resume(previous: dict, fields: dict, out_url: str, also: Optional[list] = None,
+                 fix: str = RESUME_FIX) -> None:
+    """Refuse to mix outputs of different settings in one OUT. fix: what to do, as the command refusing says it."""
     if same_settings(previous, fields, also):
         return
     detail = differences(previous, fields)
     raise OutputUsageError(
-        f"{out_url} holds results of a run with different settings ({detail}). Resuming would mix outputs. "
-        f"Rerun with the original settings to continue, pass --fresh to discard those results and start over, "
-        f"or choose another --out.")
+        f"{out_url} holds results of a run with different settings ({detail}). Resuming would mix outputs. {fix}")
 
 
 def new_manifest(cfg_dict: dict, fields: dict, input_info: dict) -> dict:

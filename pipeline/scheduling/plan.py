@@ -72,10 +72,10 @@ def measured_throughput(out_url: str, kind: str = "vllm") -> Optional[float]:
 
 def measured_startup(out_url: str) -> Optional[float]:
     """Seconds the last run in OUT took from its start to its first row in the engine (a sharded job's slowest
-    shard); None where no run there started an engine, and on Ray (a worker's process is not the job's, whose
-    driver reads the input's ids and places the workers first)."""
-    times = [((d.out.read_status() or {}).get("startup") or {}).get("first_row_s") for d in job_dirs(out_url)
-             if d.worker is None]
+    shard, a Ray job's slowest worker); None where no run there started an engine. On Ray it is short of the
+    job's: a worker counts from its own start, after the driver read the input's ids and placed the workers (left
+    out, it made a deadline that the start-up alone would eat look feasible)."""
+    times = [((d.out.read_status() or {}).get("startup") or {}).get("first_row_s") for d in job_dirs(out_url)]
     return max((float(t) for t in times if t is not None), default=None)
 
 
@@ -130,7 +130,10 @@ def make_plan(cfg: JobConfig, out: Optional[str] = None, throughput: Optional[fl
         previous = d.out.read_manifest()
         if previous:  # a folder of other settings: the run refuses it, so its rows are not this job's done
             mf.check_resume(previous, mf.fingerprint_fields(cfg, model.requested, model.chat), d.out.url,
-                            also=mf.older_fields(cfg, model.requested, model.chat))
+                            also=mf.older_fields(cfg, model.requested, model.chat),
+                            fix="Plan with the settings of the run there (its options or --config; "
+                                "OVERNIGHT_ENGINE=echo for a run on the echo engine) to plan what is left of it, or "
+                                "leave out --out to plan the whole input.")
             d.out.scan(cfg.input.id_column, into=done)
     tally = Tally(source.num_rows)
     resume = ResumeFilter(done, tally, out or "")

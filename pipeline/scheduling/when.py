@@ -23,10 +23,16 @@ def parse_budget(text: str, what: str = "--time-budget") -> float:
     return h * 3600 + mnt * 60 + s
 
 
+def from_iso(text: str) -> dt.datetime:
+    """datetime.fromisoformat, with a trailing Z for UTC also before Python 3.11 (which reads it only since)."""
+    text = text.strip()
+    return dt.datetime.fromisoformat(text[:-1] + "+00:00" if text[-1:] in ("Z", "z") and "T" in text else text)
+
+
 def parse_deadline(text: str, now: float) -> float:
     """An ISO time (local when it has no offset) -> seconds since the epoch; must be in the future."""
     try:
-        when = dt.datetime.fromisoformat(text.strip())
+        when = from_iso(text)
     except ValueError:
         raise ConfigError(f"--deadline (scheduler.deadline) {text!r} is not an ISO time; use e.g. "
                           f"2026-11-23T06:00 (local time) or 2026-11-23T06:00+01:00.") from None

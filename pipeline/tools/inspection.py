@@ -96,6 +96,9 @@ def _empty_results(manifest: dict):
 
 def _limit(manifest: dict) -> str:
     limit = ((manifest.get("config") or {}).get("input") or {}).get("limit")
+    shards = sum(str(s.get("shard", "")).count("/") == 1 for s in manifest.get("shards") or [])
+    if isinstance(limit, int) and shards:  # each shard reads its first N rows: the whole is more than N
+        return f" within --limit {limit} per shard"
     return f" within --limit {limit}" if isinstance(limit, int) else ""
 
 
