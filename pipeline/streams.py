@@ -162,7 +162,7 @@ def _as_json(line: str) -> bytes:
         try:
             if isinstance(json.loads(line), dict):
                 return (line + "\n").encode()
-        except ValueError:
+        except (ValueError, RecursionError):
             pass
     found = _LEVEL.search(line)
     word = found.group(1) if found and found.group(1) else ("ERROR" if found else "INFO")

@@ -38,6 +38,7 @@ def test_vllms_own_keys_fill_the_columns(tmp_path):
         chat("j", guided_json=schema), chat("r", guided_regex="[0-9]+"), chat("c", guided_choice=["yes", "no"]),
         chat("s", structured_outputs={"choice": ["x", "y"]}), chat("t", structured_outputs={"json": json.dumps(schema)}),
         completion("p", logprobs=0), chat("n", tools=[], echo=False, best_of=1, logit_bias={}, tool_choice="none"),
+        completion("m", best_of=1.0, echo=0, ignore_eos=False, skip_special_tokens=True),  # as vLLM reads them
     ])
     rows = {r["id"]: r for r in rows_of(open_source(InputConfig(path=path)))}
     assert all(r[INPUT_ERROR_COLUMN] is None for r in rows.values()), rows
@@ -82,6 +83,11 @@ BAD = [
     (chat("minp", min_p=1.5), "min_p is 1.5; it must be 0 (off) to 1"),
     (chat("rep", repetition_penalty=0), "repetition_penalty is 0.0; it must be above 0"),
     (chat("two", guided_choice=["a"], response_format={"type": "json_object"}), "structured output"),
+    (completion("ctop", logprobs=2, top_logprobs=2), "line 16: body.top_logprobs is for /v1/chat/completions; for "
+                                                     "/v1/completions give \"logprobs\": K"),
+    (chat("both", guided_json={"type": "object"}, structured_outputs={"json": {"type": "string"}}),
+     "line 17: body.structured_outputs.json and body.guided_json differ; give one of them"),
+    (completion("eos", ignore_eos=True), "line 18: body.ignore_eos is true, which overnight does not support"),
 ]
 
 

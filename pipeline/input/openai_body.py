@@ -25,7 +25,7 @@ _COLUMNS = (("max_tokens", pa.int64()), ("temperature", pa.float64()), ("top_p",
             ("stop_token_ids", pa.list_(pa.int64())), ("response_format", pa.string()), ("n", pa.int64()),
             ("logprobs", pa.int64()), ("json_schema", pa.string()), ("regex", pa.string()),
             ("choice", pa.list_(pa.string())))
-# vLLM's own structured-output keys in a request body (its OpenAI server and run-batch honour them): the column
+# vLLM's own structured-output keys in a request body (older vLLM's OpenAI server and run-batch honour them): the column
 # each fills. ``structured_outputs`` ({"json": ..., "regex": ..., "choice": ...}) fills the same columns.
 GUIDED = {"guided_json": "json_schema", "guided_regex": "regex", "guided_choice": "choice"}
 STRUCTURED_KEYS = {"json": "json_schema", "regex": "regex", "choice": "choice"}
@@ -167,7 +167,11 @@ def _guided(body: dict, line_no: int) -> dict:
             if key not in STRUCTURED_KEYS:
                 raise LineError(f"line {line_no}: body.structured_outputs.{key} is not supported; overnight runs "
                                 f"json, regex and choice")
-            found.setdefault(STRUCTURED_KEYS[key], (f"structured_outputs.{key}", value))
+            column = STRUCTURED_KEYS[key]
+            if column in found and found[column][1] != value:
+                raise LineError(f"line {line_no}: body.structured_outputs.{key} and body.{found[column][0]} differ; "
+                                f"give one of them")
+            found.setdefault(column, (f"structured_outputs.{key}", value))
     if body.get("guided_grammar") is not None:
         raise LineError(f"line {line_no}: body.guided_grammar is not supported; overnight runs guided_json, "
                         f"guided_regex and guided_choice")
@@ -178,13 +182,18 @@ def _guided(body: dict, line_no: int) -> dict:
 # not answered without it. Each with the values that change nothing (a line may carry them).
 REFUSED = {"logit_bias": ({},), "tools": ([],), "tool_choice": ("none",), "functions": ([],),
            "function_call": ("none",), "parallel_tool_calls": (True, False), "echo": (False,), "suffix": ("",),
-           "best_of": (1,), "prediction": (), "audio": (), "modalities": (["text"],)}
+           "best_of": (1,), "prediction": (), "audio": (), "modalities": (["text"],),
+           # vLLM's own (its server's and run-batch's extra parameters)
+           "ignore_eos": (False,), "bad_words": ([],), "allowed_token_ids": (), "chat_template_kwargs": ({},),
+           "add_generation_prompt": (True,), "continue_final_message": (False,),
+           "include_stop_str_in_output": (False,), "skip_special_tokens": (True,), "truncate_prompt_tokens": (),
+           "prompt_logprobs": ()}
 
 
 def refused(body: dict, line_no: int) -> None:
     for key, neutral in REFUSED.items():
         value = body.get(key)
-        if value is not None and not any(value == v and type(value) is type(v) for v in neutral):
+        if value is not None and not any(value == v for v in neutral):  # (1.0 and true are 1, as vLLM reads them)
             raise LineError(f"line {line_no}: body.{key} is {_short(value)}, which overnight does not support; "
                             f"remove it from the request (the line would be answered without it)")
 
@@ -199,6 +208,9 @@ def _logprobs(body: dict, line_no: int, endpoint: str = "messages") -> Optional[
     if endpoint == "prompt" and isinstance(value, bool):
         raise LineError(f"line {line_no}: body.logprobs is {_short(value)}; for /v1/completions give the number "
                         f"of top alternatives per token (0 for the chosen token's alone)")
+    if endpoint == "prompt" and top is not None:
+        raise LineError(f"line {line_no}: body.top_logprobs is for /v1/chat/completions; for /v1/completions give "
+                        f"\"logprobs\": K, the number of top alternatives per token")
     if value is None or value is False:
         if top is not None:
             raise LineError(f"line {line_no}: body.top_logprobs is set but body.logprobs is not true; add "

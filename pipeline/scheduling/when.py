@@ -26,7 +26,7 @@ def parse_budget(text: str, what: str = "--time-budget") -> float:
 def from_iso(text: str) -> dt.datetime:
     """datetime.fromisoformat, with a trailing Z for UTC also before Python 3.11 (which reads it only since)."""
     text = text.strip()
-    return dt.datetime.fromisoformat(text[:-1] + "+00:00" if text[-1:] in ("Z", "z") and "T" in text else text)
+    return dt.datetime.fromisoformat(text[:-1] + "+00:00" if text[-1:] in ("Z", "z") and ":" in text else text)
 
 
 def parse_deadline(text: str, now: float) -> float:
