@@ -129,7 +129,8 @@ class SamplingConfig:
                "sampling.choice (--choice) is empty; give the strings to choose among, e.g. --choice yes,no.")
         _check(0 < self.top_p <= 1, f"sampling.top_p is {self.top_p}; it must be in (0, 1].")
         _check(-1 <= self.top_k < 2 ** 31,
-               f"sampling.top_k is {self.top_k}; use 0 or -1 (off), or the number of most likely tokens to sample from.")
+               f"sampling.top_k is {self.top_k}; use 0 or -1 (off), or the number of most likely tokens to sample "
+               f"from.")
         _check(0 <= self.min_p <= 1, f"sampling.min_p is {self.min_p}; it must be 0 (off) to 1.")
         _check(self.repetition_penalty > 0,
                f"sampling.repetition_penalty is {self.repetition_penalty}; it must be above 0 (1.0 is off).")

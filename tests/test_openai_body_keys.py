@@ -36,7 +36,8 @@ def test_vllms_own_keys_fill_the_columns(tmp_path):
     path = write_lines(tmp_path / "requests.jsonl", [
         chat("k", top_k=5, min_p=0.1, repetition_penalty=1.2),
         chat("j", guided_json=schema), chat("r", guided_regex="[0-9]+"), chat("c", guided_choice=["yes", "no"]),
-        chat("s", structured_outputs={"choice": ["x", "y"]}), chat("t", structured_outputs={"json": json.dumps(schema)}),
+        chat("s", structured_outputs={"choice": ["x", "y"]}),
+        chat("t", structured_outputs={"json": json.dumps(schema)}),
         completion("p", logprobs=0), chat("n", tools=[], echo=False, best_of=1, logit_bias={}, tool_choice="none"),
         completion("m", best_of=1.0, echo=0, ignore_eos=False, skip_special_tokens=True),  # as vLLM reads them
     ])

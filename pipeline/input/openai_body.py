@@ -25,8 +25,8 @@ _COLUMNS = (("max_tokens", pa.int64()), ("temperature", pa.float64()), ("top_p",
             ("stop_token_ids", pa.list_(pa.int64())), ("response_format", pa.string()), ("n", pa.int64()),
             ("logprobs", pa.int64()), ("json_schema", pa.string()), ("regex", pa.string()),
             ("choice", pa.list_(pa.string())))
-# vLLM's own structured-output keys in a request body (older vLLM's OpenAI server and run-batch honour them): the column
-# each fills. ``structured_outputs`` ({"json": ..., "regex": ..., "choice": ...}) fills the same columns.
+# vLLM's own structured-output keys in a request body (older vLLM's OpenAI server and run-batch honour them): the
+# column each fills. ``structured_outputs`` ({"json": ..., "regex": ..., "choice": ...}) fills the same columns.
 GUIDED = {"guided_json": "json_schema", "guided_regex": "regex", "guided_choice": "choice"}
 STRUCTURED_KEYS = {"json": "json_schema", "regex": "regex", "choice": "choice"}
 _INT64 = (-2 ** 63, 2 ** 63 - 1)

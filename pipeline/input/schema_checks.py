@@ -153,9 +153,10 @@ def check_columns(cfg: InputConfig, fs, url: str, files: list, schema: pa.Schema
         logging.getLogger("overnight").warning(
             f"{url}: column{'s' if len(unread) > 1 else ''} {', '.join(repr(n) for n in unread)} "
             f"{'are' if len(unread) > 1 else 'is'} not read as a row's request setting (an ordinary column, passed "
-            f"through as --passthrough says). The per-row columns are max_tokens, temperature, top_p, top_k, min_p, repetition_penalty, "
-            f"seed, stop, stop_token_ids, presence_penalty, frequency_penalty, min_tokens, json_schema, "
-            f"response_format, regex, choice, n, logprobs and lora (README: Per-row columns).")
+            f"through as --passthrough says). The per-row columns are max_tokens, temperature, top_p, top_k, "
+            f"min_p, repetition_penalty, seed, stop, stop_token_ids, presence_penalty, frequency_penalty, "
+            f"min_tokens, json_schema, response_format, regex, choice, n, logprobs and lora (README: Per-row "
+            f"columns).")
     if isinstance(cfg.passthrough, list):
         missing = [c for c in cfg.passthrough if c not in names]
         if missing:

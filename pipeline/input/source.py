@@ -32,9 +32,9 @@ from overnight.pipeline.output.faults import failpoint
 from overnight.pipeline.output.storage import unstrip, url_to_fs
 
 # Per-row columns that override the job's sampling defaults when present.
-OVERRIDE_COLUMNS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed", "stop", "stop_token_ids", "presence_penalty",
-                    "frequency_penalty", "min_tokens", "json_schema", "response_format", "regex", "choice", "n",
-                    "logprobs", "lora")
+OVERRIDE_COLUMNS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed", "stop",
+                    "stop_token_ids", "presence_penalty", "frequency_penalty", "min_tokens", "json_schema",
+                    "response_format", "regex", "choice", "n", "logprobs", "lora")
 # Per-row columns the scheduler honours.
 SCHEDULING_COLUMNS = ("priority", "value", "deadline")
 REQUEST_COLUMNS = frozenset(OVERRIDE_COLUMNS + SCHEDULING_COLUMNS)  # each value a row's own: a bad one fails its row
