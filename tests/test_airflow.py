@@ -1,7 +1,8 @@
 """The Airflow DAG in examples/airflow, run for real with `airflow dags test` in its own virtualenv (Airflow
 pins many packages, so it lives apart from vLLM's: `make test` builds .venv-airflow once and caches it).
 
-Two shards over the echo engine, each with a time budget too short to finish in one attempt: every deadline
+Two shards over the echo engine, each with a time budget too short to finish in one attempt (about 60 rows of 10
+steps of 60 ms, 4 at a time: 9 s of steps, whatever the machine's speed, in an 8 s budget): every deadline
 exit (75) leads to a retry that resumes, the job completes, and every id appears exactly once. A bad option (exit
 2) fails each shard at once, without the retries."""
 
@@ -29,7 +30,7 @@ def test_the_nightly_dag_retries_deadline_exits_until_every_id_is_done(tmp_path,
     inp = tmp_path / "in" / "2026-11-22"   # the night's own prompts (OVERNIGHT_INPUT with {{ ds }})
     inp.mkdir(parents=True)
     for f in range(4):
-        pq.write_table(pa.table({"id": [f"f{f}-{i}" for i in range(20)], "prompt": [f"q {f} {i}" for i in range(20)]}),
+        pq.write_table(pa.table({"id": [f"f{f}-{i}" for i in range(30)], "prompt": [f"q {f} {i}" for i in range(30)]}),
                        inp / f"p{f}.parquet")
     out = tmp_path / "out"
     config = tmp_path / "nightly.yaml"
@@ -53,7 +54,7 @@ def test_the_nightly_dag_retries_deadline_exits_until_every_id_is_done(tmp_path,
     assert "overnight exited 75 (resumable)" in log and "Marking task as UP_FOR_RETRY" in log  # retried, resumed
     out = out / "2026-11-22"                                     # the night's own OUT
     ids = [r[0] for r in duckdb.sql(f"select id from read_parquet('{out}/shards/*/parts/*.parquet')").fetchall()]
-    assert len(ids) == len(set(ids)) == 80
+    assert len(ids) == len(set(ids)) == 120
     attempts = [json.loads((d / "manifest.json").read_text())["attempts"] for d in sorted((out / "shards").iterdir())]
     assert any(len(a) >= 2 and a[0]["state"] == "partial" and a[-1]["state"] == "completed" for a in attempts)
     assert "'state': 'completed'" in log or '"state": "completed"' in log   # the summary task's XCom

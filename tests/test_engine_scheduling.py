@@ -20,9 +20,11 @@ def warm(tmp_path_factory, model_path):
     """Start the module's engine once (a time budget should not pay for the start-up) and leave a finished run."""
     d = tmp_path_factory.mktemp("sched")
     inp = d / "in.parquet"
-    # Half the rows are capped at 8 tokens and half at 96, so a short budget finishes a known share.
+    # Half the rows are capped at 8 tokens and half at 96, so a short budget finishes a known share (run first
+    # under --policy priority).
     table = real_prompts(40)
     table = table.append_column("max_tokens", pa.array([8 if i % 2 == 0 else 96 for i in range(40)], pa.int64()))
+    table = table.append_column("priority", pa.array([i % 2 for i in range(40)], pa.int64()))
     pq.write_table(table, inp)
     out = d / "first"
     invoke("run", inp, "--out", out)
@@ -41,18 +43,23 @@ def test_tight_time_budget_exits_75_and_the_rerun_completes(warm, tmp_path):
     inp, first = warm
     out = tmp_path / "out"
     args = ["run", inp, "--out", out, "--flush-rows", "5"]
-    # A budget that cannot be met on this machine, however fast: 60% of the time the same job took in the warm
-    # run (a fixed 12 s was enough for the whole job on a fast 2-core machine: 293 tok/s, done in 6 s). The
-    # 8-token rows finish within the first second or two; the 96-token ones need the whole job's time.
+    # A budget the job cannot meet, under load or not: 35% of the time the warm run's rows took (its engine's
+    # start not counted), the 8-token rows first (their priority). On this machine the first 16 were done in 17%
+    # of it, all 20 in 33%, and the 96-token ones, after them, needed the whole time: each side has a margin of
+    # at least two times for a run slower or faster than the warm one. (60% of the warm run's time in the default
+    # order, longest first until at risk, was met on CI: that warm run, beside another worker's engine start,
+    # took 1.7 times the second's, and the second finished 40/40 in its drain.)
     took = json.loads((first / "status.json").read_text())["elapsed_s"]
-    partial = invoke(*args, "--time-budget", f"{max(4.0, 0.6 * took):.1f}s", code=75)
+    partial = invoke(*args, "--policy", "priority", "--time-budget", f"{max(4.0, 0.35 * took):.1f}s", code=75)
     line = partial.output.strip().splitlines()[-1]
     assert line.startswith("overnight: stopped early (resumable): ")
     assert "rows not done; rerun the same command to continue" in line
     done = pq.read_table(out / "parts")
-    assert 20 <= done.num_rows < 40  # the 8-token rows, and perhaps a few that stopped early
-    assert set(pq.read_table(inp).filter(pa.compute.equal(pa.compute.field("max_tokens"), 8)).column("id")
-               .to_pylist()) <= set(done.column("id").to_pylist())
+    assert 1 <= done.num_rows < 40
+    # a 96-token row done means every 8-token row was done before it
+    done_caps = dict(zip(done.column("id").to_pylist(), done.column("max_tokens").to_pylist()))
+    if 96 in done_caps.values():
+        assert list(done_caps.values()).count(8) == 20, done_caps
     done = done.num_rows
     status = json.loads((out / "status.json").read_text())
     assert status["exit_code"] == 75 and status["state"] == "partial" and status["rows"]["remaining"] == 40 - done
@@ -93,7 +100,7 @@ def test_plan_uses_measured_throughput_and_judges_the_deadline(warm):
     grown = first.parent / "grown.parquet"
     table = pq.read_table(inp)
     more = pa.table({"id": [f"more-{i}" for i in range(10)], "prompt": table.column("prompt").slice(0, 10),
-                     "max_tokens": pa.array([8] * 10, pa.int64())})
+                     "max_tokens": pa.array([8] * 10, pa.int64()), "priority": pa.array([0] * 10, pa.int64())})
     pq.write_table(pa.concat_tables([table, more.cast(table.schema)]), grown)
     started = json.loads((first / "status.json").read_text())["startup"]["first_row_s"]
     p = json.loads(invoke("plan", grown, "--out", first, "--json").output)
@@ -131,7 +138,8 @@ def test_predictor_train_eval_and_run_with_it(warm, tmp_path):
     expect = p.predict(featurize([r["prompt"] for r in done], [r["prompt_tokens"] for r in done],
                                  [r["max_tokens"] for r in done])).tokens
     assert [r["predicted_tokens"] for r in done] == [int(round(x)) for x in expect]
-    bad = CliRunner().invoke(cli, ["run", str(inp), "--out", str(tmp_path / "x"), "--predictor", str(tmp_path / "no.pt")])
+    bad = CliRunner().invoke(cli, ["run", str(inp), "--out", str(tmp_path / "x"),
+                                   "--predictor", str(tmp_path / "no.pt")])
     assert bad.exit_code == 2 and f"Predictor file {tmp_path / 'no.pt'} does not exist" in bad.output
 
 
