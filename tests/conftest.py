@@ -138,11 +138,15 @@ def s3(tmp_path_factory):
     proc = subprocess.Popen([str(server), "-H", "127.0.0.1", "-p", str(port)], stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
     endpoint = f"http://127.0.0.1:{port}"
-    for _ in range(100):
+    up_by = time.monotonic() + 90  # (its imports take seconds beside two engines starting)
+    while True:
         try:
             urllib.request.urlopen(endpoint, timeout=1)
             break
         except OSError:
+            if proc.poll() is not None or time.monotonic() > up_by:
+                proc.kill()
+                raise RuntimeError(f"moto_server did not answer on {endpoint} (exit code {proc.poll()})")
             time.sleep(0.1)
     env = s3_env(endpoint)
     saved = {k: os.environ.get(k) for k in env}

@@ -179,8 +179,10 @@ def test_early_warning_comes_before_five_percent_of_rows(warm, tmp_path, monkeyp
     assert "deadline at risk" in result.output and "remaining rows to be left undone" in result.output
     done = json.loads((out / "status.json").read_text())["rows"]["done"]
     left = 200 - done
-    # what the warning expected against what happened; the 20% target is measured in benchmarks/forecast.py
-    assert abs(warned[0]["rows_expected_left"] - left) <= 0.5 * left, (warned[0], done)
+    # what the warning expected against what happened, within a factor of two: the pace at the warning holds only
+    # while nothing else runs, and the other test worker's engine starting or stopping changes it by 1.7 times. The
+    # 20% target is measured in benchmarks/forecast.py, and checked with a fake clock in tests/test_forecast.py.
+    assert 0.5 * left <= warned[0]["rows_expected_left"] <= 2 * left, (warned[0], done)
 
 
 def forecast_lines(tmp_path, *args) -> list[str]:

@@ -163,7 +163,7 @@ def test_two_workers_share_the_units_and_answer_each_id_once(tmp_path, cfg, loca
     assert len(ids) == len(set(ids)) == 800
     per_worker = duckdb.sql(f"select count(*) from read_parquet('{out}/workers/*/parts/*.parquet', filename=true) "
                             f"group by regexp_extract(filename, 'w[0-9]+')").fetchall()
-    assert len(per_worker) == 2 and min(n for (n,) in per_worker) > 100   # both took units, not a static half
+    assert len(per_worker) == 2 and min(n for (n,) in per_worker) >= 50   # both took units (a unit: 50 rows)
     status = json.loads((out / "status.json").read_text())
     assert status["state"] == "completed" and status["rows"]["done"] == 800 and status["units_pending"] == 0
     assert status["output_tokens_per_s"] > 0   # the rate measured, kept at the end (it said 0)
@@ -208,10 +208,10 @@ def test_the_deadline_stops_every_worker_then_a_rerun_completes(tmp_path, cfg, l
     inp = write_input(tmp_path / "in", 2, 600, 50)
     out = tmp_path / "out"
     # two workers do about 13 rows/s: 1200 rows need 90 s, and the budget (which counts Ray's and the workers'
-    # start, 5-20 s on 2 busy cores) is 30 s
+    # start, 5-20 s on 2 busy cores, and must leave the driver time to warn) is 40 s
     slow = {"kind": "echo", "echo_step_ms": 30, "max_num_seqs": 4}
     with caplog.at_level("WARNING", logger="overnight"):
-        s = run_on_ray(cfg(inp, out, engine=slow, sampling={"max_tokens": 20}, scheduler={"time_budget": "30s"}),
+        s = run_on_ray(cfg(inp, out, engine=slow, sampling={"max_tokens": 20}, scheduler={"time_budget": "40s"}),
                        False, 2, is_tty=False)
     assert (s.state, s.exit_code) == ("partial", 75)
     first = ids_in(out)

@@ -280,12 +280,14 @@ def test_three_shard_processes_one_killed_rerun_exactly_once(tmp_path, tiny_mode
     deadline = time.time() + 120
     while time.time() < deadline and not (status_dir.exists() and len(list(status_dir.glob("part-*"))) >= 2):
         time.sleep(0.2)
+    # held where it is (it would finish its ~6 s of rows while `status` starts on a loaded machine), seen running
+    victim.send_signal(signal.SIGSTOP)
     running = json.loads(subprocess.run([*overnight_cmd(), "status", str(out), "--json"], capture_output=True,
                                         text=True, check=True).stdout)
     assert running["state"] == "running" and running["exit_code"] is None
-    assert "running" in [p["state"] for p in running["per_shard"]]
+    assert running["per_shard"][1]["state"] == "running"
     victim.send_signal(signal.SIGKILL)
-    victim.wait()
+    assert victim.wait() == -signal.SIGKILL
     for p in (procs[0], procs[2]):
         assert p.wait(timeout=300) == 0, p.stderr.read()[-2000:]
     killed = json.loads(subprocess.run([*overnight_cmd(), "status", str(out), "--json"], capture_output=True,

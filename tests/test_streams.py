@@ -23,7 +23,7 @@ def test_leaving_the_filter_does_not_wait_for_a_child_that_holds_the_pipe(tmp_pa
     r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     left = float(r.stdout.split("left after ")[1])
-    assert left < 1.0  # it used to wait 2 s for the pipe to close
+    assert left < 1.5  # it used to wait 2 s for the pipe to close (0.25 s now, and a loaded machine is slow)
     assert "child line" in r.stderr  # passed on after the filter was left
     assert "Triton" not in r.stderr
 
