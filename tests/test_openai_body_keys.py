@@ -135,3 +135,19 @@ def test_a_parquet_column_named_for_a_setting_not_read_per_row_is_said(tmp_path,
     said = [m for m in caplog.messages if "not read as a row's request setting" in m]
     assert len(said) == 1 and "columns 'max_completion_tokens', 'sampling_params' are not read" in said[0]
     assert "top_k, min_p, repetition_penalty" in said[0]
+
+
+def test_a_request_column_in_another_case_is_said_not_read(tmp_path, cfg, write_parquet, caplog):
+    """Top_K, MAX_TOKENS: a per-row column's name in another case is not read (names are case-sensitive); said."""
+    import logging
+
+    inp = write_parquet({"id": ["a"], "prompt": ["hi"], "Top_K": [1], "MAX_TOKENS": [3], "Seed": [4], "seed": [5]})
+    engine = Sampled()
+    with caplog.at_level(logging.WARNING, logger="overnight"):
+        s = run_job(cfg(inp, tmp_path / "out"), engine_factory=given(engine), is_tty=False)
+    assert s.num_ok == 1 and engine.sampling[0]["seed"] == 5 and engine.sampling[0]["top_k"] == -1
+    assert engine.sampling[0]["max_tokens"] != 3
+    said = [m for m in caplog.messages if "column names are case-sensitive" in m]
+    assert len(said) == 1, caplog.messages
+    assert ("columns 'MAX_TOKENS', 'Top_K' are not read as a row's max_tokens, top_k (column names are "
+            "case-sensitive): rename them to max_tokens, top_k") in said[0]

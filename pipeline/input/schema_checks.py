@@ -157,6 +157,17 @@ def check_columns(cfg: InputConfig, fs, url: str, files: list, schema: pa.Schema
             f"min_p, repetition_penalty, seed, stop, stop_token_ids, presence_penalty, frequency_penalty, "
             f"min_tokens, json_schema, response_format, regex, choice, n, logprobs and lora (README: Per-row "
             f"columns).")
+    from overnight.pipeline.input.source import REQUEST_COLUMNS
+
+    cased = sorted(n for n in names if n not in REQUEST_COLUMNS and n.lower() in REQUEST_COLUMNS
+                   and n.lower() not in names)
+    if cased:  # (Parquet's names, and overnight's, are case-sensitive)
+        logging.getLogger("overnight").warning(
+            f"{url}: column{'s' if len(cased) > 1 else ''} {', '.join(repr(n) for n in cased)} "
+            f"{'are' if len(cased) > 1 else 'is'} not read as a row's "
+            f"{', '.join(n.lower() for n in cased)} (column names are case-sensitive): rename "
+            f"{'them' if len(cased) > 1 else 'it'} to {', '.join(n.lower() for n in cased)} to have "
+            f"{'them' if len(cased) > 1 else 'it'} read per row. Passed through as --passthrough says.")
     if isinstance(cfg.passthrough, list):
         missing = [c for c in cfg.passthrough if c not in names]
         if missing:
