@@ -101,8 +101,8 @@ def start_slurm_task(tmp_path: Path, tiny_model: str, restarts: int) -> tuple[su
         write_input(inp, files=2, rows=200)
     cfg = local_config((CLUSTER / "nightly.yaml").read_text(), inp, out, tiny_model)
     cfg["engine"]["echo_step_ms"] = 40
-    # 32 rows at a time: each interrupted attempt drains its rows in flight, and three of them must leave rows
-    # undone of 400, however late after a part the signal comes (128, the default, left that to chance)
+    # 32 rows at a time (64 in flight): each interrupted attempt drains its rows in flight, and three of them must
+    # leave rows undone of 400 unless their signals come seconds late (at 128, the default, 256 in flight each)
     cfg["engine"]["max_num_seqs"] = 32
     cfg["output"]["flush_rows"] = 8
     config = tmp_path / "nightly.yaml"

@@ -138,16 +138,30 @@ def test_a_parquet_column_named_for_a_setting_not_read_per_row_is_said(tmp_path,
 
 
 def test_a_request_column_in_another_case_is_said_not_read(tmp_path, cfg, write_parquet, caplog):
-    """Top_K, MAX_TOKENS: a per-row column's name in another case is not read (names are case-sensitive); said."""
+    """Top_K, MAX_TOKENS: a per-row column's name in another case is not read (names are case-sensitive); said once,
+    by the job and not by a Ray worker's input. A name that is also a data column's (N, Value), a column the options
+    name and one --passthrough lists are not said."""
     import logging
 
-    inp = write_parquet({"id": ["a"], "prompt": ["hi"], "Top_K": [1], "MAX_TOKENS": [3], "Seed": [4], "seed": [5]})
+    from overnight.pipeline.cluster.units import unit_source
+
+    inp = write_parquet({"id": ["a"], "prompt": ["hi"], "Top_K": [1], "MAX_TOKENS": [3], "Seed": [4], "seed": [5],
+                         "N": [2], "Value": [1.0], "Temperature": [0.5], "Min_P": ["p"]})
     engine = Sampled()
     with caplog.at_level(logging.WARNING, logger="overnight"):
-        s = run_job(cfg(inp, tmp_path / "out"), engine_factory=given(engine), is_tty=False)
+        c = cfg(inp, tmp_path / "out", input={"passthrough": ["Temperature", "Top_K", "MAX_TOKENS", "N", "Value"]})
+        unit_source(c.input, lambda: None, lambda folder: None)
+        assert not [m for m in caplog.messages if "case-sensitive" in m]  # a worker's input says nothing
+        s = run_job(cfg(inp, tmp_path / "out", input={"prompt_column": "prompt", "id_column": "id"}),
+                    engine_factory=given(engine), is_tty=False)
+        run_job(cfg(inp, tmp_path / "out2", input={"passthrough": ["Temperature"], "id_column": "Min_P"}),
+                engine_factory=given(Sampled()), is_tty=False)
     assert s.num_ok == 1 and engine.sampling[0]["seed"] == 5 and engine.sampling[0]["top_k"] == -1
-    assert engine.sampling[0]["max_tokens"] != 3
+    assert engine.sampling[0]["max_tokens"] != 3 and engine.sampling[0]["n"] == 1
     said = [m for m in caplog.messages if "column names are case-sensitive" in m]
-    assert len(said) == 1, caplog.messages
-    assert ("columns 'MAX_TOKENS', 'Top_K' are not read as a row's max_tokens, top_k (column names are "
-            "case-sensitive): rename them to max_tokens, top_k") in said[0]
+    assert len(said) == 2, caplog.messages
+    assert ("columns 'MAX_TOKENS', 'Min_P', 'Temperature', 'Top_K' are not read as a row's max_tokens and min_p and "
+            "temperature and top_k (column names are case-sensitive): rename them to max_tokens and min_p and "
+            "temperature and top_k to have them read per row. As they are, they are ordinary columns") in said[0]
+    # the id column (--id-column Min_P) and a --passthrough column are the user's own: not said
+    assert "columns 'MAX_TOKENS', 'Top_K' are not read as a row's max_tokens and top_k" in said[1]

@@ -108,9 +108,9 @@ def unify(fs, url: str, files: list, reads=lambda name: "needed") -> pa.Schema:
                          f"({first_line(e)}). Cast the columns to one type in every file.") from None
 
 
-def check_columns(cfg: InputConfig, fs, url: str, files: list, schema: pa.Schema) -> None:
+def check_columns(cfg: InputConfig, fs, url: str, files: list, schema: pa.Schema, notes: bool = True) -> None:
     """The columns a job needs: the prompt (or chat) column in every file, the id column's type and presence, the
-    passthrough columns."""
+    passthrough columns; with notes, a warning for columns a user may mean as a row's setting that are not read."""
     names = set(schema.names)
     prompt, messages = cfg.prompt_column, cfg.messages_column
     if prompt not in names and messages not in names:
@@ -148,28 +148,42 @@ def check_columns(cfg: InputConfig, fs, url: str, files: list, schema: pa.Schema
         if not is_id_type(t):
             raise InputUsageError(f"Id column {cfg.id_column!r} in {url} has type {t}; ids must be integers "
                              f"or strings. Cast it, or name another column with --id-column.")
+    if notes:
+        say_unread_columns(cfg, url, names)
+    if isinstance(cfg.passthrough, list):
+        missing = [c for c in cfg.passthrough if c not in names]
+        if missing:
+            raise InputUsageError(f"Passthrough column {missing[0]!r} is not in {url} "
+                             f"(columns: {', '.join(schema.names)}). Fix --passthrough.")
+
+
+def say_unread_columns(cfg: InputConfig, url: str, names: set) -> None:
+    """Warn, once, of columns named as a row's setting that overnight does not read: another tool's (NOT_PER_ROW),
+    or a setting's name in another case (Top_K)."""
+    from overnight.pipeline.input.source import REQUEST_COLUMNS
+
+    log = logging.getLogger("overnight")
     unread = sorted(n for n in names if n.lower() in NOT_PER_ROW)
     if unread:
-        logging.getLogger("overnight").warning(
+        log.warning(
             f"{url}: column{'s' if len(unread) > 1 else ''} {', '.join(repr(n) for n in unread)} "
             f"{'are' if len(unread) > 1 else 'is'} not read as a row's request setting (an ordinary column, passed "
             f"through as --passthrough says). The per-row columns are max_tokens, temperature, top_p, top_k, "
             f"min_p, repetition_penalty, seed, stop, stop_token_ids, presence_penalty, frequency_penalty, "
             f"min_tokens, json_schema, response_format, regex, choice, n, logprobs and lora (README: Per-row "
             f"columns).")
-    from overnight.pipeline.input.source import REQUEST_COLUMNS
-
-    cased = sorted(n for n in names if n not in REQUEST_COLUMNS and n.lower() in REQUEST_COLUMNS
-                   and n.lower() not in names)
+    # Names that are settings only: a data column called N, Value, Priority or Stop is left unsaid, as are the
+    # columns the options name and those --passthrough lists.
+    named = {cfg.id_column, cfg.prompt_column, cfg.messages_column}
+    named |= set(cfg.passthrough) if isinstance(cfg.passthrough, list) else set()
+    settings = REQUEST_COLUMNS - {"n", "value", "priority", "deadline", "choice", "stop"}
+    cased = sorted(n for n in names - named if n not in settings and n.lower() in settings and n.lower() not in names)
     if cased:  # (Parquet's names, and overnight's, are case-sensitive)
-        logging.getLogger("overnight").warning(
-            f"{url}: column{'s' if len(cased) > 1 else ''} {', '.join(repr(n) for n in cased)} "
-            f"{'are' if len(cased) > 1 else 'is'} not read as a row's "
-            f"{', '.join(n.lower() for n in cased)} (column names are case-sensitive): rename "
-            f"{'them' if len(cased) > 1 else 'it'} to {', '.join(n.lower() for n in cased)} to have "
-            f"{'them' if len(cased) > 1 else 'it'} read per row. Passed through as --passthrough says.")
-    if isinstance(cfg.passthrough, list):
-        missing = [c for c in cfg.passthrough if c not in names]
-        if missing:
-            raise InputUsageError(f"Passthrough column {missing[0]!r} is not in {url} "
-                             f"(columns: {', '.join(schema.names)}). Fix --passthrough.")
+        many, targets = len(cased) > 1, " and ".join(sorted({n.lower() for n in cased}))
+        them = "them" if many else "it"
+        log.warning(
+            f"{url}: column{'s' if many else ''} {', '.join(repr(n) for n in cased)} {'are' if many else 'is'} not "
+            f"read as a row's {targets} (column names are case-sensitive): rename {them} to {targets} to have "
+            f"{them} read per row. As {'they are' if many else 'it is'}, "
+            f"{'they are ordinary columns' if many else 'it is an ordinary column'}, passed through as --passthrough "
+            f"says.")

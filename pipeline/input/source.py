@@ -90,6 +90,8 @@ class ParquetSource:
     # What a folder's data files end with, and how to name them in messages.
     SUFFIXES = PARQUET_SUFFIXES
     FILES = "Parquet files (*.parquet)"
+    # Whether opening it warns of columns not read as a row's setting (a Ray worker's input leaves it to the driver).
+    says_column_notes: ClassVar[bool] = True
 
     def __init__(self, cfg: InputConfig, shard: Optional[Shard] = None, split_rule: str = ROWS):
         if not cfg.path:
@@ -100,7 +102,7 @@ class ParquetSource:
         self.fs, root = url_to_fs(cfg.path)
         self.files = self._discover(root)
         self.schema = unify(self.fs, self.url, self.files, self._why_read)
-        check_columns(cfg, self.fs, self.url, self.files, self.schema)
+        check_columns(cfg, self.fs, self.url, self.files, self.schema, notes=self.says_column_notes)
         self.shard = shard
         self.selection: Optional[Selection] = split(self.files, shard, split_rule) if shard is not None else None
         self._hash_rows: Optional[int] = None
