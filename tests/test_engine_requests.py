@@ -2,7 +2,7 @@
 JSON schema, and per row a JSON schema, OpenAI's response_format, a regex or a choice; a bad schema, or a regex
 vLLM refuses, is an error row that names the problem), min_tokens (cut with max_tokens to the room the context
 leaves), penalties and stop token ids passed through to vLLM, and vLLM's top_k, min_p and repetition_penalty per
-row."""
+row (a Top_P column, in another case, is not read, and is said)."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ JOB_SCHEMA = {"type": "object", "properties": {"answer": {"type": "integer", "mi
 ROW_SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
 
 
-def test_structured_output_and_sampling_columns(tmp_path, model_path):
+def test_structured_output_and_sampling_columns(tmp_path, model_path, caplog):
     schema_file = tmp_path / "schema.json"
     schema_file.write_text(json.dumps(JOB_SCHEMA))
     n = 10
@@ -65,6 +65,9 @@ def test_structured_output_and_sampling_columns(tmp_path, model_path):
     rows["top_k"] = [None] * n + [None, 1, None, None, None]
     rows["min_p"] = [None] * n + [None, None, 1.0, None, None]
     rows["repetition_penalty"] = [None] * n + [None, None, None, 2.0, None]
+    # a setting's name in another case is not read (the control stays hot: top_p 0.01 would make it greedy), and
+    # is said
+    rows["Top_P"] = [None] * n + [None, None, None, None, 0.01]
     rows["response_format"][6] = rows["response_format"][7] = rows["response_format"][9] = \
         json.dumps({"type": "text"})
     inp = tmp_path / "in.parquet"
@@ -76,8 +79,11 @@ def test_structured_output_and_sampling_columns(tmp_path, model_path):
                    # integer, one token a digit, and the grammar's whitespace) was cut before its last quote on
                    # two machines, and a cut object is no JSON
                    "sampling": {"json_schema": str(schema_file), "max_tokens": 96, "temperature": 0}})
-    s = run_job(cfg, is_tty=False)
+    with caplog.at_level("WARNING", logger="overnight"):
+        s = run_job(cfg, is_tty=False)
     assert (s.num_ok, s.num_error) == (13, 2)
+    assert any("column 'Top_P' is not read as a row's top_p (column names are case-sensitive)" in m
+               for m in caplog.messages), caplog.messages
     con, _ = open_results(str(out))
     got = {r[0]: r[1:] for r in con.execute(
         "select id, status, text, error, output_tokens, finish_reason from results order by id").fetchall()}
