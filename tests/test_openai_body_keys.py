@@ -149,8 +149,7 @@ def test_a_request_column_in_another_case_is_said_not_read(tmp_path, cfg, write_
                          "N": [2], "Value": [1.0], "Temperature": [0.5], "Min_P": ["p"]})
     engine = Sampled()
     with caplog.at_level(logging.WARNING, logger="overnight"):
-        c = cfg(inp, tmp_path / "out", input={"passthrough": ["Temperature", "Top_K", "MAX_TOKENS", "N", "Value"]})
-        unit_source(c.input, lambda: None, lambda folder: None)
+        unit_source(cfg(inp, tmp_path / "out").input, lambda: None, lambda folder: None)
         assert not [m for m in caplog.messages if "case-sensitive" in m]  # a worker's input says nothing
         s = run_job(cfg(inp, tmp_path / "out", input={"prompt_column": "prompt", "id_column": "id"}),
                     engine_factory=given(engine), is_tty=False)
