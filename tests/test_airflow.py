@@ -1,10 +1,12 @@
 """The Airflow DAG in examples/airflow, run for real with `airflow dags test` in its own virtualenv (Airflow
 pins many packages, so it lives apart from vLLM's: `make test` builds .venv-airflow once and caches it).
 
-Two shards over the echo engine, each with a time budget too short to finish in one attempt (about 60 rows of 10
-steps of 60 ms, 4 at a time: 9 s of steps, whatever the machine's speed, in an 8 s budget): every deadline
-exit (75) leads to a retry that resumes, the job completes, and every id appears exactly once. A bad option (exit
-2) fails each shard at once, without the retries."""
+Two shards over the echo engine, each with a first attempt too short to finish (about 60 rows of 10 steps of
+60 ms, 4 at a time: 9 s of steps, whatever the machine's speed, in an 8 s budget): its deadline exit (75) leads to
+a retry that resumes, the job completes, and every id appears exactly once. Each retry's budget grows with its try
+number (OVERNIGHT_EXTRA_ARGS is a template): with one fixed budget a loaded machine, whose process start took 6-7 s
+of the 8, made no progress in some retries and ran out of them. A bad option (exit 2) fails each shard at once,
+without the retries."""
 
 from __future__ import annotations
 
@@ -44,7 +46,7 @@ def test_the_nightly_dag_retries_deadline_exits_until_every_id_is_done(tmp_path,
                 "AIRFLOW__CORE__LOAD_EXAMPLES": "False", "OVERNIGHT": overnight_cmd()[0],
                 "OVERNIGHT_CONFIG": str(config), "OVERNIGHT_OUT": str(out), "OVERNIGHT_SHARDS": "2",
                 "OVERNIGHT_INPUT": str(tmp_path / "in" / "{{ ds }}"),
-                "OVERNIGHT_EXTRA_ARGS": "--time-budget 8s", "OVERNIGHT_RETRY_DELAY_S": "1"})
+                "OVERNIGHT_EXTRA_ARGS": "--time-budget {{ 8 * ti.try_number }}s", "OVERNIGHT_RETRY_DELAY_S": "1"})
     migrate = subprocess.run([str(AIRFLOW), "db", "migrate"], env=env, capture_output=True, text=True, timeout=300)
     assert migrate.returncode == 0, migrate.stderr[-2000:]
     run = subprocess.run([str(AIRFLOW), "dags", "test", "overnight_nightly", "2026-11-22"], env=env,
@@ -52,6 +54,7 @@ def test_the_nightly_dag_retries_deadline_exits_until_every_id_is_done(tmp_path,
     log = run.stdout + run.stderr
     assert run.returncode == 0, log[-4000:]
     assert "overnight exited 75 (resumable)" in log and "Marking task as UP_FOR_RETRY" in log  # retried, resumed
+    assert "--time-budget 8s" in log and "--time-budget 16s" in log    # the template, rendered for each try
     out = out / "2026-11-22"                                     # the night's own OUT
     ids = [r[0] for r in duckdb.sql(f"select id from read_parquet('{out}/shards/*/parts/*.parquet')").fetchall()]
     assert len(ids) == len(set(ids)) == 120
