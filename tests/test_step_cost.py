@@ -212,23 +212,3 @@ def test_the_warning_waits_for_the_steps_after_the_engines_first_seconds(caplog)
     assert warned[0] == (False, False) and warned[-1] == (True, True)
     assert all(settled == was_warned for settled, was_warned in warned)
     assert sum("deadline at risk" in m for m in caplog.messages) == 1
-
-
-def test_a_miss_even_at_the_best_the_steps_allow_is_warned_before_the_engines_size_is_measured():
-    """Steps of one size only (auto's cap holds the batch at a quarter of the engine): the fit cannot tell the
-    fixed cost from the per-sequence one, yet a rest whose tokens run past the deadline even if a full engine's
-    step cost no more than the steps measured (all of it fixed, a GPU's) is a miss whatever the split, and the
-    warning may say so; one that would fit at that best may not."""
-    clock = FakeClock(0.0)
-    for deadline, trusted in ((100.0, False), (20.0, True)):
-        tracker = DeadlineTracker(deadline, 0.0, clock, max_tokens=512)
-        tracker.engine_started(64)
-        for _ in range(12):
-            tracker.steps.observe(16, 0, 0.02)
-        # 1e5 tokens at 64 sequences a 0.02 s step: 31 s at best
-        at_risk = Forecast(500.0, 1e5, 400, 200.0, deadline, True, 390)
-        assert not tracker.steps.knows_per_seq and not tracker.steps.spans(64)
-        assert tracker.steps.largest() == (16.0, pytest.approx(0.02))
-        assert tracker.trusts(at_risk) is trusted
-        tracker.steer(at_risk, Scheduler(64, 1.0, Policy.FIFO))
-        assert tracker.is_warned is trusted

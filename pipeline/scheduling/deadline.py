@@ -202,21 +202,7 @@ class DeadlineTracker:
         if not self.is_settled:
             return False
         size = min(self.inflight.max_num_seqs, max(1, f.remaining_rows))
-        cost = self.step_cost
-        return bool(cost.num_steps == 0 or cost.knows_per_seq or cost.spans(size) or self.misses_at_best(f, size))
-
-    def misses_at_best(self, f: Forecast, size: int) -> bool:
-        """Whether the rest's tokens run past the deadline itself even at the best the steps measured allow: a
-        step of ``size`` sequences costing no more than the largest one measured (all of its cost fixed, as on a
-        GPU). Then the split of a step's cost does not matter. The engine's first sizes (the probe's) may be the
-        only ones measured for many seconds, and under auto's cap near a deadline one size for minutes: the
-        warning waited for the full engine's steps (at 16-18 s of a job over 200 rows in 20 s, 1-2 rows done;
-        with this, 13-17 s, where the full engine's steps were measured at 25 s)."""
-        seqs, seconds = self.steps.largest()   # the settled steps' (the engine's first seconds run slower)
-        if not seqs or seconds <= 0 or self.deadline is None:
-            return False
-        until = max(f.time_left_s, self.deadline - self.clock())
-        return f.remaining_tokens * seconds / max(size, seqs) > until
+        return bool(self.step_cost.num_steps == 0 or self.step_cost.knows_per_seq or self.step_cost.spans(size))
 
     @property
     def step_cost(self) -> StepCost:

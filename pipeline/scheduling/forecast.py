@@ -142,13 +142,9 @@ class StepCost:
     def spans(self, num_seqs: int) -> bool:
         """Whether decode steps of at least three quarters of ``num_seqs`` sequences were measured (a fit of one
         size then costs steps of num_seqs without stretching far)."""
-        return bool(self.largest()[0] >= 0.75 * num_seqs > 0)
-
-    def largest(self) -> tuple[float, float]:
-        """(sequences, median seconds) of the largest decode step measured at least 4 times; (0, 0) before."""
-        n, t, w = self._points()
-        n, t = n[w >= 4], t[w >= 4]
-        return (float(n.max()), float(t[np.argmax(n)])) if len(n) else (0.0, 0.0)
+        n, _, w = self._points()
+        n = n[w >= 4]
+        return bool(len(n) and n.max() >= 0.75 * num_seqs)
 
     def fit(self) -> Optional[tuple[float, float, float]]:
         """(fixed s, s per sequence, s per prompt token prefilled), or None before any step."""
