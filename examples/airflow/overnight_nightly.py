@@ -20,8 +20,9 @@ Each night (each DAG run's logical date, ``ds``) writes to a folder of its own, 
 that night's run resumes it, and the next night starts a job of its own (the same folder again would find the
 last night's job done, or, with new input files, refuse: a sharded job's input must not change under it). Set
 OVERNIGHT_INPUT to read each night's own prompts; it may use Airflow's templates, e.g.
-``s3://my-bucket/prompts/{{ ds }}/``, as may OVERNIGHT_EXTRA_ARGS (``--time-budget {{ 2 * ti.try_number }}h`` gives
-each retry more time than the last). Without it, the config's input.path is read.
+``s3://my-bucket/prompts/{{ ds }}/``, as may OVERNIGHT_EXTRA_ARGS (``--time-budget {{ [2 * ti.try_number, 7] | min }}h``
+gives each retry more time than the last, up to 7 h within the task's 8 h execution_timeout). Without it, the
+config's input.path is read.
 
 The last task reads every shard's status with `overnight status OUT/<ds> --json` and returns it as the XCom
 summary.
