@@ -158,7 +158,7 @@ def test_tune_tiny_grid_writes_a_preset(warm, tmp_path):
 
 
 def test_early_warning_comes_before_five_percent_of_rows(warm, tmp_path, monkeypatch):
-    """A budget no machine meets: 200 real prompts of up to 128 tokens (about 20,000 output tokens) in 40 s. The
+    """A budget no CPU here meets: 200 real prompts of up to 128 tokens (about 20,000 output tokens) in 40 s. The
     warning must come before 10 rows (5%) are done, from the step cost and the rows running, and say how many
     rows will be left. It waits until the step cost's fit is trusted (DeadlineTracker.trusts: steps of the full
     engine measured), 17-19 s into the job here; a budget of 20 s, beside two busy loops, stopped the job before
