@@ -1,6 +1,7 @@
 """The CLI in-process (CliRunner) through the real vLLM engine with the embedded model.
 
-Every job here uses the same engine settings, so the engine starts once for the module.
+Every job here uses the same engine settings, so the engine starts once for the module; the last test's jobs, whose
+model is named by its folder (no preset), start a second.
 """
 
 import json
@@ -137,29 +138,6 @@ def test_bad_rows_become_error_rows_and_the_job_goes_on(tmp_path, model_path):
     assert [rows[i]["status"] for i in (2, 3, 4)] == ["error"] * 3
 
 
-def test_resume_and_fingerprint_refusal(tmp_path, model_path, monkeypatch):
-    import os
-
-    inp = tmp_path / "in.parquet"
-    pq.write_table(real_prompts(12), inp)
-    out = tmp_path / "out"
-    folder = os.path.realpath(model_path)   # the embedded model's folder, by its absolute path
-    invoke("run", inp, "--out", out, *FAST, "--limit", "5", "--model", folder)
-    assert parts(out).num_rows == 5
-    refused = invoke("run", inp, "--out", out, *FAST, "--temperature", "0.9", "--model", folder, ok=False)
-    assert refused.exit_code == 2   # bad usage: a rerun fails the same way
-    assert refused.output.startswith(f"Error: {out} holds results of a run with different settings "
-                                     f"(sampling.temperature: 1.0 -> 0.9). Resuming would mix outputs.")
-    # (a folder has no sampling preset; the alias's temperature is 0.2.) The same folder by a relative path, from its parent: the same model, so the run resumes
-    monkeypatch.chdir(os.path.dirname(folder))
-    result = invoke("run", inp, "--out", out, *FAST, "--model", os.path.basename(folder))
-    assert "12/12 rows (12 ok, 0 error, 5 already done)" in result.output
-    ids = parts(out).column("id").to_pylist()
-    assert len(ids) == 12 == len(set(ids)) and set(parts(out).column("model").to_pylist()) == {folder}
-    fresh = invoke("run", inp, "--out", out, *FAST, "--temperature", "0.9", "--fresh", "--limit", "3")
-    assert "3/3 rows (3 ok" in fresh.output and parts(out).num_rows == 3
-
-
 def test_memory_urls_and_yaml_config(tmp_path, model_path):
     import fsspec
     fs = fsspec.filesystem("memory")
@@ -210,3 +188,30 @@ def test_shards_of_unequal_files_split_into_equal_ranges(tmp_path, model_path):
     assert (status["state"], status["rows_done"], status["exit_code"]) == ("completed", 12, 0)
     invoke("export", out, "--output", tmp_path / "all.parquet")
     assert pq.read_table(tmp_path / "all.parquet").column("id").to_pylist() == rows.column("id").to_pylist()
+
+
+def test_resume_and_fingerprint_refusal(tmp_path, model_path, monkeypatch):
+    """Last in the module: the model by its folder has no preset, so its engine's settings are not the alias's
+    and it starts an engine of its own, which no test after it would reuse."""
+    import os
+
+    inp = tmp_path / "in.parquet"
+    pq.write_table(real_prompts(12), inp)
+    out = tmp_path / "out"
+    folder = os.path.realpath(model_path)   # the embedded model's folder, by its absolute path
+    invoke("run", inp, "--out", out, *FAST, "--limit", "5", "--model", folder)
+    assert parts(out).num_rows == 5
+    refused = invoke("run", inp, "--out", out, *FAST, "--temperature", "0.9", "--model", folder, ok=False)
+    assert refused.exit_code == 2   # bad usage: a rerun fails the same way
+    assert refused.output.startswith(f"Error: {out} holds results of a run with different settings "
+                                     f"(sampling.temperature: 1.0 -> 0.9). Resuming would mix outputs.")
+    # (a folder has no sampling preset; the alias's temperature is 0.2.) The same folder by a relative path, from
+    # its parent: the same model, so the run resumes
+    monkeypatch.chdir(os.path.dirname(folder))
+    result = invoke("run", inp, "--out", out, *FAST, "--model", os.path.basename(folder))
+    assert "12/12 rows (12 ok, 0 error, 5 already done)" in result.output
+    ids = parts(out).column("id").to_pylist()
+    assert len(ids) == 12 == len(set(ids)) and set(parts(out).column("model").to_pylist()) == {folder}
+    fresh = invoke("run", inp, "--out", out, *FAST, "--temperature", "0.9", "--fresh", "--limit", "3",
+                   "--model", os.path.basename(folder))
+    assert "3/3 rows (3 ok" in fresh.output and parts(out).num_rows == 3

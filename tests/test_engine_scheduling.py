@@ -145,18 +145,6 @@ def test_predictor_train_eval_and_run_with_it(warm, tmp_path):
     assert bad.exit_code == 2 and f"Predictor file {tmp_path / 'no.pt'} does not exist" in bad.output
 
 
-def test_tune_tiny_grid_writes_a_preset(warm, tmp_path):
-    inp, _ = warm
-    preset = tmp_path / "tuned.yaml"
-    out = invoke("tune", inp, "--seqs", "4,8", "--batched-tokens", "2048", "--sample", "8", "--max-tokens", "16",
-                 "--save", preset).output
-    assert out.count("output tok/s (KV cache") == 2
-    assert "best: max_num_batched_tokens=2048 max_num_seqs=" in out
-    from overnight.pipeline.configio import build, load_yaml
-    cfg = build(load_yaml(str(preset)), source=str(preset))
-    assert cfg.engine.max_num_seqs in (4, 8) and cfg.scheduler.tokens_per_second > 0
-
-
 def test_early_warning_comes_before_five_percent_of_rows(warm, tmp_path, monkeypatch):
     """A budget no CPU here meets: 200 real prompts of up to 128 tokens (about 20,000 output tokens) in 40 s. The
     warning must come before 10 rows (5%) are done, from the step cost and the rows running, and say how many
@@ -190,11 +178,11 @@ def test_early_warning_comes_before_five_percent_of_rows(warm, tmp_path, monkeyp
 
 
 def forecast_lines(tmp_path, *args) -> list[str]:
-    """`overnight -v run` over 120 real prompts (max_tokens 96) into tmp_path/out; its forecasts' debug lines."""
+    """`overnight -v run` over 80 real prompts (max_tokens 64) into tmp_path/out; its forecasts' debug lines."""
     import logging
 
     inp = tmp_path / "in.parquet"
-    pq.write_table(real_prompts(120), inp)
+    pq.write_table(real_prompts(80), inp)
     lines = []
 
     class Collect(logging.Handler):
@@ -205,7 +193,7 @@ def forecast_lines(tmp_path, *args) -> list[str]:
     logger = logging.getLogger("overnight")
     logger.addHandler(handler)
     try:
-        invoke("-v", "run", inp, "--out", tmp_path / "out", "--max-tokens", "96", *args)
+        invoke("-v", "run", inp, "--out", tmp_path / "out", "--max-tokens", "64", *args)
     finally:
         logger.removeHandler(handler)
         logger.setLevel(logging.INFO)
@@ -219,7 +207,7 @@ def test_forecasts_say_how_they_weighed_the_length_models(warm, tmp_path, policy
     """Real prompts. Longest predicted first: the forecast fits the square root beside the log ratio and chooses
     the drain's tail of the rows running by likelihood, and weighs nothing else (the log ratio alone). fifo: it
     weighs the log ratio, the normal and the square root, and the tail is the mixture's. Every forecast says so,
-    and the run completes with an ETA and its range in the timeline. Which shape wins on 120 short rows is the
+    and the run completes with an ETA and its range in the timeline. Which shape wins on 80 short rows is the
     data's (the square root's tail at none of 6 forecasts in one run, at some in another); tests/test_lengths.py
     checks the choices."""
     forecasts = forecast_lines(tmp_path, "--policy", policy)
@@ -231,7 +219,8 @@ def test_forecasts_say_how_they_weighed_the_length_models(warm, tmp_path, policy
         assert not normal.any() and not sqrt.any()
     else:
         assert set(tails) == {"mixture"}
-        # the log ratio alone (as above) would print 0.00 and 0.00 throughout; one run printed 0.33-0.64 and 0.11-0.26
+        # the log ratio alone (as above) would print 0.00 and 0.00 throughout; 80 rows of up to 64 tokens, beside a
+        # busy loop, printed at most 0.75 and 0.21, and 0.77 and 0.19 (120 rows of 96: 0.33-0.64 and 0.11-0.26)
         assert (normal + sqrt <= 1.005).all() and (normal + sqrt).max() > 0.2 and sqrt.max() > 0, weights
     timeline = json.loads((tmp_path / "out" / "timeline.json").read_text())
     assert any(s.get("eta_low_s") is not None and s["eta_low_s"] <= s["eta_s"] <= s["eta_high_s"] for s in timeline)
@@ -250,4 +239,18 @@ def test_a_trained_predictor_run_longest_first_is_forecast_by_the_sqrt_ratio(war
     timeline = json.loads((tmp_path / "out" / "timeline.json").read_text())
     assert any(s.get("eta_low_s") is not None and s["eta_low_s"] <= s["eta_s"] <= s["eta_high_s"] for s in timeline)
     status = json.loads((tmp_path / "out" / "status.json").read_text())
-    assert status["rows"]["done"] == 120 and status["scheduler"]["predictor"].startswith("trained")
+    assert status["rows"]["done"] == 80 and status["scheduler"]["predictor"].startswith("trained")
+
+
+def test_tune_tiny_grid_writes_a_preset(warm, tmp_path):
+    """Last in the module: tune starts an engine for each point of its grid, and the runs before reuse theirs
+    (the default policy's, then fifo's) rather than start one again after it."""
+    inp, _ = warm
+    preset = tmp_path / "tuned.yaml"
+    out = invoke("tune", inp, "--seqs", "4,8", "--batched-tokens", "2048", "--sample", "8", "--max-tokens", "16",
+                 "--save", preset).output
+    assert out.count("output tok/s (KV cache") == 2
+    assert "best: max_num_batched_tokens=2048 max_num_seqs=" in out
+    from overnight.pipeline.configio import build, load_yaml
+    cfg = build(load_yaml(str(preset)), source=str(preset))
+    assert cfg.engine.max_num_seqs in (4, 8) and cfg.scheduler.tokens_per_second > 0
