@@ -213,12 +213,11 @@ _TOKENIZERS: dict = {}
 
 def _load_tokenizer(resolved: ResolvedModel, trust_remote_code: bool):
     try:
-        if not resolved.is_hub and _names_tokenizers_backend(resolved.path):
+        backend = _tokenizers_backend() if not resolved.is_hub and _names_tokenizers_backend(resolved.path) else None
+        if backend is not None:
             # The class AutoTokenizer would pick, without AutoTokenizer's imports (torch among them): 1.3 s
             # rather than 3.5-5 s here, where the job starts no vLLM (the echo engine, plan, predictor eval).
-            from transformers import TokenizersBackend
-
-            return TokenizersBackend.from_pretrained(resolved.path)
+            return backend.from_pretrained(resolved.path)
         from transformers import AutoTokenizer
 
         return AutoTokenizer.from_pretrained(resolved.path, trust_remote_code=trust_remote_code)
@@ -241,3 +240,11 @@ def _names_tokenizers_backend(folder: str) -> bool:
     except (OSError, ValueError, AttributeError):
         return False
     return named == "TokenizersBackend" and os.path.exists(os.path.join(folder, "tokenizer.json"))
+
+
+def _tokenizers_backend():
+    try:
+        from transformers import TokenizersBackend
+    except ImportError:  # transformers before 5 has no such class (nor writes its name)
+        return None
+    return TokenizersBackend
