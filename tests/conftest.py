@@ -68,7 +68,8 @@ def write_parquet(tmp_path):
 def model_path() -> str:
     """The embedded model, prepared once (the README's setup does this; here it is a no-op then).
 
-    Only the tests that start the real engine (marked ``engine``) need it; the others take tiny_model."""
+    The tests that start the real engine (marked ``engine``) need it, and tests/test_tokenizer_load.py, which
+    compares its tokenizer with AutoTokenizer's; the others take tiny_model."""
     from overnight.pipeline.tools.models import prepare
 
     return prepare("smollm2-135m")

@@ -215,8 +215,8 @@ def _load_tokenizer(resolved: ResolvedModel, trust_remote_code: bool):
     try:
         backend = _tokenizers_backend() if not resolved.is_hub and _names_tokenizers_backend(resolved.path) else None
         if backend is not None:
-            # The class AutoTokenizer would pick, without AutoTokenizer's imports (torch among them): 1.3 s
-            # rather than 3.5-5 s here, where the job starts no vLLM (the echo engine, plan, predictor eval).
+            # The class AutoTokenizer would pick for this folder, without AutoTokenizer's imports (torch among
+            # them): 1.3 s rather than 3.5-5 s here, where the job starts no vLLM (the echo engine, plan).
             return backend.from_pretrained(resolved.path)
         from transformers import AutoTokenizer
 
@@ -231,15 +231,26 @@ def _load_tokenizer(resolved: ResolvedModel, trust_remote_code: bool):
         raise ModelError(f"Could not load the tokenizer from {resolved.path}: {e}") from None
 
 
+# Model types for which AutoTokenizer loads a folder that names TokenizersBackend as TokenizersBackend itself: it
+# registers no tokenizer class of its own for them, nor overrides the class the folder names (as it does for
+# qwen2's, say, or Mistral's). tests/test_tokenizer_load.py checks this against transformers' own tables.
+TOKENIZERS_BACKEND_MODEL_TYPES = ("llama",)
+
+
 def _names_tokenizers_backend(folder: str) -> bool:
-    """A local folder whose tokenizer_config.json names transformers' own TokenizersBackend (as the embedded model's,
-    saved by `overnight models prepare`, does)."""
+    """A local folder AutoTokenizer would load as transformers' own TokenizersBackend: its tokenizer_config.json
+    names that class and no code of its own (auto_map), and its model is of a type above (the embedded model,
+    saved by `overnight models prepare`, is)."""
     try:
         with open(os.path.join(folder, "tokenizer_config.json"), encoding="utf-8") as f:
-            named = json.load(f).get("tokenizer_class")
+            tokenizer = json.load(f)
+        with open(os.path.join(folder, "config.json"), encoding="utf-8") as f:
+            model_type = json.load(f).get("model_type")
+        named = tokenizer.get("tokenizer_class")
     except (OSError, ValueError, AttributeError):
         return False
-    return named == "TokenizersBackend" and os.path.exists(os.path.join(folder, "tokenizer.json"))
+    return (named == "TokenizersBackend" and "auto_map" not in tokenizer
+            and model_type in TOKENIZERS_BACKEND_MODEL_TYPES and os.path.exists(os.path.join(folder, "tokenizer.json")))
 
 
 def _tokenizers_backend():
