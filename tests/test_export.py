@@ -36,32 +36,6 @@ def test_one_file_in_input_order(job, tmp_path, fmt):
     assert got == ids[:30]
 
 
-def test_csv_writes_nested_values_as_json(tmp_path, cfg, write_parquet):
-    import csv
-
-    meta = [{"src": "a", "tags": ["x", "y"]}, {"src": "b", "tags": []}]
-    scores = [[0.5, float("nan"), float("-inf")], None]           # a -inf logprob, a NaN: JSON has neither
-    blobs = [[b"\x89PNG\xff"], []]
-    keyed = pa.array([[(b"\x89k", 1.5)], []], pa.map_(pa.binary(), pa.float64()))   # a map keyed by bytes
-    inp = write_parquet({"id": ["a", "b"], "prompt": ["p", "q"], "meta": meta, "stop": [["\n\n"], None],
-                         "scores": scores, "blobs": blobs, "keyed": keyed})
-    out = tmp_path / "out"
-    run_job(cfg(inp, out, input={"passthrough": ["meta", "scores", "blobs", "keyed"]}),
-            engine_factory=given(FakeEngine()), is_tty=False)
-    export(str(out), "csv", str(tmp_path / "o.csv"))
-    export(str(out), "jsonl", str(tmp_path / "o.jsonl"))
-    rows = list(csv.DictReader(open(tmp_path / "o.csv", newline="")))
-    lines = [json.loads(line) for line in open(tmp_path / "o.jsonl")]
-    assert [json.loads(r["meta"]) for r in rows] == meta            # DuckDB's own literal ({'src': a, ...}) before
-    # as jsonl writes them: NaN and infinity as null, bytes as base64 (DuckDB's to_json wrote NaN, -Infinity, raw)
-    assert json.loads(rows[0]["scores"]) == [0.5, None, None] == lines[0]["scores"] and rows[1]["scores"] == ""
-    assert json.loads(rows[0]["blobs"]) == ["iVBOR/8="] == lines[0]["blobs"] and json.loads(rows[1]["blobs"]) == []
-    assert json.loads(rows[0]["keyed"]) == lines[0]["keyed"] and rows[0]["status"] == "ok"
-    from overnight.pipeline.tools.export import _json
-    assert json.loads(_json({float("nan"): 1.0, b"k": float("inf"), 2.5: 1})) == {"nan": 1.0, "aw==": None, "2.5": 1}
-    assert rows[0]["text"] and not rows[0]["text"].startswith('"')   # text stays text
-
-
 def _stopped(out) -> set:
     """Remove OUT's last part, as if the job had been killed before it wrote it; the ids the other parts hold."""
     parts = sorted((out / "parts").glob("part-*.parquet"))

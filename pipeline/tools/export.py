@@ -84,19 +84,38 @@ def export(url: str, fmt: str, output: str, errors: Optional[str] = None) -> dic
 
 
 def _nested_as_json(con, query: str) -> str:
-    """Each nested column's value as JSON text, as jsonl writes it: DuckDB's to_json, or, where it holds floats or
-    bytes, json's own encoder (to_json writes NaN and Infinity, which JSON has not, and bytes as raw text)."""
+    """Each nested column's value as JSON text, as jsonl writes it: DuckDB's to_json, or, where it holds bytes, json's
+    own encoder (to_json writes bytes as raw text). Where it holds floats, to_json too, but for a value in which
+    to_json wrote NaN or Infinity (JSON has neither; jsonl writes null), which json's encoder writes: a Python
+    function per value is ~3.5x slower (benchmarks/export_csv.py), and only such values pay for it."""
     cells = []
     for name, kind, *_ in con.execute(f"describe ({query})").fetchall():
         if not (kind.endswith("]") or kind.startswith(("STRUCT", "MAP", "UNION"))):
             continue
+        col = _ident(name)
         if any(t in kind for t in ("FLOAT", "DOUBLE", "BLOB")):  # (a -inf logprob, a NaN score, image bytes)
             udf = f"overnight_json_{len(cells)}"
             con.create_function(udf, _json, [con.sqltype(kind)], "VARCHAR", side_effects=False)
-            cells.append(f"{udf}({_ident(name)}) as {_ident(name)}")
+            if _to_json_keeps(kind):
+                cells.append(f"case when regexp_matches(to_json({col})::varchar, '{NON_FINITE}') then {udf}({col}) "
+                             f"else to_json({col})::varchar end as {col}")
+            else:
+                cells.append(f"{udf}({col}) as {col}")
         else:
-            cells.append(f"to_json({_ident(name)}) as {_ident(name)}")
+            cells.append(f"to_json({col}) as {col}")
     return f"select * replace ({', '.join(cells)}) from ({query})" if cells else query
+
+
+# A bare NaN or Infinity in to_json's text, as a value (after [ , or :, before ] , or }). Inside a string it may
+# match too (a token "x:NaN}"); that value then only takes the slower path, to the same JSON.
+NON_FINITE = r"[\[,:](?:NaN|-?Infinity)[\],}]"
+
+
+def _to_json_keeps(kind: str) -> bool:
+    """Whether to_json writes each finite value of this type as json's encoder does in jsonl: not bytes, a time
+    (12:00:00.5 against 12:00:00.500000; a field's name with TIME in it only takes the slower path), an interval,
+    bits, or a union (tagged as an object)."""
+    return not any(t in kind for t in ("BLOB", "TIME", "INTERVAL", "BIT", "UNION"))
 
 
 def _nanoseconds_as_json(con, query: str) -> tuple[str, list]:
