@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import base64
 import decimal
+import itertools
 import json
 import math
 import os
@@ -66,44 +67,37 @@ def export(url: str, fmt: str, output: str, errors: Optional[str] = None) -> dic
         n = con.execute(f"select count(*) from ({query})").fetchone()[0]
         return {"rows": n, "in_input_order": in_order, "output": output}
     if fmt == "jsonl":
-        query, exact = _nanoseconds_as_json(con, query)
-        cur = con.execute(query)
-        names = [d[0] for d in cur.description]
-        n = 0
         with _writing(output, "--output") as f:
-            while batch := cur.fetchmany(10_000):
-                for row in batch:
-                    line = dict(zip(names, row))
-                    for name in exact:
-                        if line[name] is not None:
-                            line[name] = json.loads(line[name])
-                    f.write(_json(line) + "\n")
-                    n += 1
+            n = _write_jsonl(con, query, f)
         return {"rows": n, "in_input_order": in_order, "output": output}
     return _openai(con, manifest or {}, in_order, output, errors, url)
 
 
 def _nested_as_json(con, query: str) -> str:
-    """Each nested column's value as JSON text, as jsonl writes it: DuckDB's to_json, or, where it holds bytes, json's
-    own encoder (to_json writes bytes as raw text). Where it holds floats, to_json too, but for a value in which
-    to_json wrote NaN or Infinity (JSON has neither; jsonl writes null), which json's encoder writes: a Python
-    function per value is ~3.5x slower (benchmarks/export_csv.py), and only such values pay for it."""
-    cells = []
-    for name, kind, *_ in con.execute(f"describe ({query})").fetchall():
-        if not (kind.endswith("]") or kind.startswith(("STRUCT", "MAP", "UNION"))):
-            continue
-        col = _ident(name)
-        if any(t in kind for t in ("FLOAT", "DOUBLE", "BLOB")):  # (a -inf logprob, a NaN score, image bytes)
-            udf = f"overnight_json_{len(cells)}"
-            con.create_function(udf, _json, [con.sqltype(kind)], "VARCHAR", side_effects=False)
-            if _to_json_keeps(kind):
-                cells.append(f"case when regexp_matches(to_json({col})::varchar, '{NON_FINITE}') then {udf}({col}) "
-                             f"else to_json({col})::varchar end as {col}")
-            else:
-                cells.append(f"{udf}({col}) as {col}")
-        else:
-            cells.append(f"to_json({col}) as {col}")
+    """Each nested column's value as JSON text, the JSON jsonl writes for it (_nested_json)."""
+    cells = [f"{_nested_json(con, name, kind)}::varchar as {_ident(name)}"
+             for name, kind, *_ in con.execute(f"describe ({query})").fetchall() if _is_nested(kind)]
     return f"select * replace ({', '.join(cells)}) from ({query})" if cells else query
+
+
+def _is_nested(kind: str) -> bool:
+    return kind.endswith("]") or kind.startswith(("STRUCT", "MAP", "UNION"))
+
+
+def _nested_json(con, name: str, kind: str) -> str:
+    """SQL for a nested column's value as JSON, json's own encoder's JSON (``_json``): DuckDB's to_json where it
+    writes the same; json's encoder, a Python function DuckDB calls for each value (~4x slower,
+    benchmarks/export_formats.py), where to_json writes other JSON: bytes as raw text, a time as 12:00:00.5 (json's
+    12:00:00.500000), an interval, bits, a union (tagged); and, in a column of floats, for a value in which
+    to_json wrote NaN or Infinity, which JSON has not (json's encoder writes null)."""
+    col = _ident(name)
+    if not _to_json_keeps(kind):
+        return f"{_python_json(con, kind)}({col})::json"
+    if not _floats_to_json(kind):
+        return f"to_json({col})"
+    udf = _python_json(con, kind)
+    return f"case when regexp_matches(to_json({col})::varchar, '{NON_FINITE}') then {udf}({col})::json " \
+           f"else to_json({col}) end"
 
 
 # A bare NaN or Infinity in to_json's text, as a value (after [ , or :, before ] , or }). Inside a string it may
@@ -112,22 +106,89 @@ NON_FINITE = r"[\[,:](?:NaN|-?Infinity)[\],}]"
 
 
 def _to_json_keeps(kind: str) -> bool:
-    """Whether to_json writes each finite value of this type as json's encoder does in jsonl: not bytes, a time
-    (12:00:00.5 against 12:00:00.500000; a field's name with TIME in it only takes the slower path), an interval,
-    bits, or a union (tagged as an object)."""
-    return not any(t in kind for t in ("BLOB", "TIME", "INTERVAL", "BIT", "UNION"))
+    """Whether to_json writes each finite value of this type as json's encoder does: not bytes, a time (12:00:00.5
+    against 12:00:00.500000; a field's name with TIME in it only takes the slower path), an interval, bits, or a
+    union; nor JSON, which to_json writes as itself and Python fetches as text. (Nanosecond timestamps and times are
+    to_json's: a Python datetime drops the nanoseconds.)"""
+    return bool(_NANOSECONDS.search(kind)) or not any(t in kind for t in ("BLOB", "TIME", "INTERVAL", "BIT", "UNION",
+                                                                          "JSON"))
 
 
-def _nanoseconds_as_json(con, query: str) -> tuple[str, list]:
-    """The query with each column that holds nanosecond timestamps or times (at the top or nested) as DuckDB's
-    to_json writes it, and those columns' names: a Python datetime, as DuckDB fetches them, drops the
-    nanoseconds (csv and parquet keep them)."""
-    names = [name for name, kind, *_ in con.execute(f"describe ({query})").fetchall()
-             if re.search(r"\b(?:TIMESTAMP|TIMESTAMPTZ|TIME)_NS\b", kind)]
-    if not names:
-        return query, []
-    cells = ", ".join(f"to_json({_ident(name)})::varchar as {_ident(name)}" for name in names)
-    return f"select * replace ({cells}) from ({query})", names
+_NANOSECONDS = re.compile(r"\b(?:TIMESTAMP|TIMESTAMPTZ|TIME)_NS\b")
+# Types DuckDB writes into JSON as json's encoder writes the Python value it fetches (a DECIMAL as a number both).
+_AS_IS = re.compile(r"^(?:VARCHAR|BOOLEAN|U?(?:TINY|SMALL|BIG|HUGE)?INT(?:EGER)?|DATE|UUID|DECIMAL\(.*|ENUM\(.*|"
+                    r'"NULL")$')
+
+
+def _python_json(con, kind: str) -> str:
+    """A DuckDB function of one value of this type: json's own encoder's JSON text for it (_json)."""
+    name = f"overnight_json_{next(_FUNCTIONS)}"
+    con.create_function(name, _json, [con.sqltype(kind)], "VARCHAR", side_effects=False)
+    return name
+
+
+_FUNCTIONS = itertools.count()
+
+
+def _jsonl_cell(con, name: str, kind: str) -> str:
+    """SQL for one column's value in a jsonl line: the JSON json's own encoder writes for what DuckDB fetches."""
+    col = _ident(name)
+    if _is_nested(kind):
+        return _nested_json(con, name, kind)
+    if kind in ("FLOAT", "DOUBLE"):
+        return f"case when isfinite({col}) then {col} end"   # NaN and infinity: null
+    if kind == "BLOB":
+        return f"base64({col})"
+    if kind in ("TIMESTAMP", "TIMESTAMP_MS", "TIMESTAMP_S"):   # as Python writes a datetime
+        return (f"case when microsecond({col}) % 1000000 = 0 then strftime({col}, '%Y-%m-%d %H:%M:%S') "
+                f"else strftime({col}, '%Y-%m-%d %H:%M:%S.%f') end")
+    if kind == "JSON":
+        return f"{col}::varchar"   # text, as fetched
+    if _AS_IS.match(kind) or _NANOSECONDS.search(kind):
+        return col
+    return f"{_python_json(con, kind)}({col})::json"   # (a time, a zoned timestamp, an interval, bits)
+
+
+def _floats_to_json(kind: str) -> bool:
+    """A nested type holding floats that to_json writes as json's encoder does, but for NaN and Infinity."""
+    return _is_nested(kind) and _to_json_keeps(kind) and any(t in kind for t in ("FLOAT", "DOUBLE"))
+
+
+# Characters a JSON string may hold raw that str.splitlines() splits a line at (DuckDB writes them raw; json's
+# encoder escapes every character past ASCII). The others (\n, \r, \v, \f, \x1c-\x1e) are control characters,
+# which JSON escapes.
+_LINE_BREAKS = (("\x85", "\\u0085"), ("\u2028", "\\u2028"), ("\u2029", "\\u2029"))
+
+
+def _write_jsonl(con, query: str, f) -> int:
+    """Write the query's rows to ``f`` as JSON lines, DuckDB building each line (about 5x faster than json's
+    encoder per row: benchmarks/export_formats.py); the values are those json's encoder writes for what DuckDB
+    fetches (NaN and infinity as null, bytes as base64, a DECIMAL as a number, a timestamp as str() gives it).
+    Returns the number of lines."""
+    import pyarrow.compute as pc
+
+    cols = con.execute(f"describe ({query})").fetchall()
+
+    def line(cell) -> str:
+        return f"to_json(struct_pack({', '.join(f'{_ident(name)} := {cell(name, kind)}' for name, kind, *_ in cols)}))"
+
+    exact = line(lambda name, kind: _jsonl_cell(con, name, kind))
+    if any(_floats_to_json(kind) for _, kind, *_ in cols):
+        # to_json over those floats as they are, and the line again with json's encoder for a value only where that
+        # wrote NaN or Infinity: the JSON of a value built apart, DuckDB reads again, which would cost every line
+        fast = line(lambda name, kind: _ident(name) if _floats_to_json(kind) else _jsonl_cell(con, name, kind))
+        exact = f"case when regexp_matches({fast}::varchar, '{NON_FINITE}') then {exact} else {fast} end"
+    lines = con.sql(f"select {exact}::varchar as line from ({query})")
+    reader = lines.to_arrow_reader(50_000) if hasattr(lines, "to_arrow_reader") else lines.fetch_record_batch(50_000)
+    n = 0
+    for batch in reader:
+        lines = batch.column(0)
+        for char, escaped in _LINE_BREAKS:
+            lines = pc.replace_substring(lines, char, escaped)
+        if len(lines):
+            f.write("\n".join(lines.to_pylist()) + "\n")
+            n += len(lines)
+    return n
 
 
 def _first_line(e: Exception) -> str:

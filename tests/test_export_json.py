@@ -72,3 +72,46 @@ def test_csv_cells_of_floats_from_duckdb_and_from_json_for_nan(tmp_path, cfg, wr
     assert json.loads(rows[0]["timed"]) == [{"at": "00:00:01.500000", "x": 0.5}]   # a time: json's encoder
     assert json.loads(rows[0]["weights"]) == {"w": 1e-7, "v": 1e300} and json.loads(rows[1]["weights"]) == {"nan": None}
     assert rows[2]["lp"] == "[]" and rows[3]["lp"] == ""
+
+
+def test_jsonl_lines_are_what_jsons_encoder_writes_for_each_type(tmp_path):
+    """DuckDB builds each jsonl line; every value is what json's encoder writes for the Python value DuckDB fetches
+    (the writer before), for each type a passthrough column can have, and no line is split by str.splitlines."""
+    import duckdb
+
+    from overnight.pipeline.tools.export import _json, _write_jsonl
+
+    con = duckdb.connect()
+    con.execute("create type mood as enum ('ok', 'sad')")
+    con.execute(r"""create table t as select * from (values
+      (1, 'a' || chr(0) || chr(8232) || chr(133) || chr(8233) || chr(28) || chr(13) || 'é"\', 0.5::float, 'nan'::double,
+       1.25::decimal(5, 2), '\x89PN'::blob, '2024-01-02 03:04:05.5'::timestamp_ms, '2024-01-02 03:04:05'::timestamp,
+       '2024-01-02 03:04:05.25+00'::timestamptz, '01:02:03.5'::time, interval 1 day, '2024-01-02'::date,
+       '5cf7414c-91a9-49ef-b596-abd6ea7853c8'::uuid, 170141183460469231731687303715884105727::hugeint, true,
+       'ok'::mood, '{"k": [1, 2]}'::json, [0.5, 'nan'::double, '-inf'::double], {'b': '\xff'::blob, 'x': 2},
+       map(['w'], [1e-7]), [{'at': '2024-01-02 03:04:05.5'::timestamp, 'f': 1.5}], [[1, 2], []],
+       union_value(s := 'u')::union(s varchar, n int), '2024-01-02 03:04:05.000000001'::timestamp_ns),
+      (2, null, 'inf'::float, 1.5, null, null, null, null, null, null, null, null, null, null, null, null, null,
+       [], null, map(['k'], ['nan'::double]), [], null, null, null),
+      (3, 'finite', 1.5, 2.5, null, null, null, null, null, null, null, null, null, null, null, null, null,
+       [2.5, -0.125], null, map(['k'], [0.25]), null, null, null, null),
+      (4, 'x:NaN},[-Infinity]', null, null, null, null, null, null, null, null, null, null, null, null, null, null,
+       null, [1.0], null, null, null, null, null, null)
+    ) v("the id", s, f, d, dec, b, ms, us, tz, tm, iv, dt, u, h, bo, mood, j, lst, st, mp, ts_list, ints, un, ns)""")
+    query = "select * from t order by 1"
+    with open(tmp_path / "new.jsonl", "w", encoding="utf-8") as f:
+        assert _write_jsonl(con, query, f) == 4
+    text = (tmp_path / "new.jsonl").read_text(encoding="utf-8")
+    cur = con.execute(query)
+    names = [c[0] for c in cur.description]
+    before = [json.loads(_json(dict(zip(names, row)))) for row in cur.fetchall()]
+    got = [json.loads(line, parse_constant=lambda c: pytest.fail(f"{c} is not JSON")) for line in text.splitlines()]
+    assert len(got) == 4 and len(text.split("\n")) == 5
+    for new, old in zip(got, before):
+        assert list(new) == names
+        old["ns"] = new["ns"]   # a Python datetime drops the nanoseconds; DuckDB's keeps them
+        assert new == old
+    assert got[0]["ns"] == "2024-01-02 03:04:05.000000001" and got[0]["ms"] == "2024-01-02 03:04:05.500000"
+    assert got[0]["j"] == '{"k": [1, 2]}' and got[0]["b"] == "iVBO" and got[0]["lst"] == [0.5, None, None]
+    assert got[1]["f"] is None and got[1]["mp"] == {"k": None} and got[1]["lst"] == []
+    assert got[2]["lst"] == [2.5, -0.125] and got[2]["mp"] == {"k": 0.25} and got[3]["s"] == "x:NaN},[-Infinity]"
