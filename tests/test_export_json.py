@@ -115,3 +115,48 @@ def test_jsonl_lines_are_what_jsons_encoder_writes_for_each_type(tmp_path):
     assert got[0]["j"] == '{"k": [1, 2]}' and got[0]["b"] == "iVBO" and got[0]["lst"] == [0.5, None, None]
     assert got[1]["f"] is None and got[1]["mp"] == {"k": None} and got[1]["lst"] == []
     assert got[2]["lst"] == [2.5, -0.125] and got[2]["mp"] == {"k": 0.25} and got[3]["s"] == "x:NaN},[-Infinity]"
+
+
+@pytest.mark.parametrize("value", [
+    "'9999-12-31 23:59:59.999'::timestamp_ms", "'0001-01-01'::timestamp_ms", "'20000-01-01'::timestamp_s",
+    "'infinity'::timestamp_ms", "'-infinity'::timestamp", "'infinity'::date", "'0044-03-15 (BC)'::date",
+    "123456789012345678::decimal(18, 0)", "1.25::decimal(15, 2)", "[1::decimal(18, 0)]",
+    "map([1.5::decimal(18, 3)], [1])", "map([0.1::float], [1])", "map([[1, 2]], [1])", "map([1], ['nan'::double])",
+    "{'t': '2024-01-02 03:04:05.5'::timestamp, 'f': 'nan'::double}", "[-0.0, 5e-324, 1.7976931348623157e308]",
+    "{'t': '2024-01-02 03:04:05.123456789'::timestamp_ns, 'f': 'nan'::double}"])
+def test_jsonl_edge_values_as_before(value):
+    """Values at the edges of what DuckDB writes as Python does (a review's list): dates and times out of Python's
+    range or strftime's, wide DECIMALs, maps keyed by other than text, NaN beside nanoseconds."""
+    import io
+
+    import duckdb
+
+    from overnight.pipeline.tools.export import _json, _write_jsonl
+
+    con = duckdb.connect()
+    con.execute(f"create table t as select {value} as c, 1 as k union all select null, 2")
+    query = "select * from t order by k"
+    f = io.StringIO()
+    assert _write_jsonl(con, query, f) == 2
+    got = [json.loads(line, parse_constant=lambda c: pytest.fail(f"{c} is not JSON")) for line in
+           f.getvalue().splitlines()]
+    before = [json.loads(_json({"c": c, "k": k})) for c, k in con.execute(query).fetchall()]
+    if "timestamp_ns" in value:   # a Python datetime drops the nanoseconds
+        assert got[0]["c"]["t"] == "2024-01-02 03:04:05.123456789"
+        before[0]["c"]["t"] = got[0]["c"]["t"]
+    assert got == before and [repr(g) for g in got] == [repr(b) for b in before]   # 1.0 is not 1
+
+
+def test_jsonl_lines_over_several_batches_keep_their_order(tmp_path):
+    import duckdb
+
+    from overnight.pipeline.tools import export as ex
+
+    con = duckdb.connect()
+    rows = 3 * ex._BATCH_ROWS + 5
+    with open(tmp_path / "o.jsonl", "w", encoding="utf-8") as f:
+        assert ex._write_jsonl(con, f"select 'r' || i as id, [i * 0.5, 'nan'::double] as v from range({rows}) t(i) "
+                                    f"order by i desc", f) == rows
+    lines = [json.loads(x) for x in (tmp_path / "o.jsonl").read_text(encoding="utf-8").splitlines()]
+    assert [x["id"] for x in lines] == [f"r{i}" for i in reversed(range(rows))]
+    assert lines[-2]["v"] == [0.5, None]

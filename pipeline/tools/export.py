@@ -74,9 +74,23 @@ def export(url: str, fmt: str, output: str, errors: Optional[str] = None) -> dic
 
 
 def _nested_as_json(con, query: str) -> str:
-    """Each nested column's value as JSON text, the JSON jsonl writes for it (_nested_json)."""
-    cells = [f"{_nested_json(con, name, kind)}::varchar as {_ident(name)}"
-             for name, kind, *_ in con.execute(f"describe ({query})").fetchall() if _is_nested(kind)]
+    """Each nested column's value as JSON text, the JSON jsonl writes for it: DuckDB's to_json where it writes the
+    same as json's encoder, json's encoder (a Python function DuckDB calls for each value, ~4x slower:
+    benchmarks/export_formats.py) where it does not (``_to_json_keeps``), and for a value in which to_json wrote NaN
+    or Infinity, which JSON has not, that text read back and written again with them null (``_finite_json``)."""
+    cells = []
+    for name, kind, *_ in con.execute(f"describe ({query})").fetchall():
+        if not _is_nested(kind):
+            continue
+        col = _ident(name)
+        if not _to_json_keeps(kind):
+            cells.append(f"{_python_json(con, kind)}({col}) as {col}")
+        elif any(t in kind for t in ("FLOAT", "DOUBLE")):
+            text = f"to_json({col})::varchar"
+            cells.append(f"case when regexp_matches({text}, '{NON_FINITE}') then {_finite_json_function(con)}({text}) "
+                         f"else {text} end as {col}")
+        else:
+            cells.append(f"to_json({col}) as {col}")
     return f"select * replace ({', '.join(cells)}) from ({query})" if cells else query
 
 
@@ -84,46 +98,48 @@ def _is_nested(kind: str) -> bool:
     return kind.endswith("]") or kind.startswith(("STRUCT", "MAP", "UNION"))
 
 
-def _nested_json(con, name: str, kind: str) -> str:
-    """SQL for a nested column's value as JSON, json's own encoder's JSON (``_json``): DuckDB's to_json where it
-    writes the same; json's encoder, a Python function DuckDB calls for each value (~4x slower,
-    benchmarks/export_formats.py), where to_json writes other JSON: bytes as raw text, a time as 12:00:00.5 (json's
-    12:00:00.500000), an interval, bits, a union (tagged); and, in a column of floats, for a value in which
-    to_json wrote NaN or Infinity, which JSON has not (json's encoder writes null)."""
-    col = _ident(name)
-    if not _to_json_keeps(kind):
-        return f"{_python_json(con, kind)}({col})::json"
-    if not _floats_to_json(kind):
-        return f"to_json({col})"
-    udf = _python_json(con, kind)
-    return f"case when regexp_matches(to_json({col})::varchar, '{NON_FINITE}') then {udf}({col})::json " \
-           f"else to_json({col}) end"
-
-
 # A bare NaN or Infinity in to_json's text, as a value (after [ , or :, before ] , or }). Inside a string it may
-# match too (a token "x:NaN}"); that value then only takes the slower path, to the same JSON.
+# match too (a token "x:NaN}"); that text then only takes the slower path, to the same JSON.
 NON_FINITE = r"[\[,:](?:NaN|-?Infinity)[\],}]"
+_NANOSECONDS = re.compile(r"\b(?:TIMESTAMP|TIMESTAMPTZ|TIME)_NS\b")
+_WIDE_DECIMAL = re.compile(r"DECIMAL\((?:1[6-9]|[2-9]\d)\b")   # 16 digits or more: to_json writes 1, json 1.0
+_TEXT_KEY_MAP = re.compile(r"MAP\((?:VARCHAR|BOOLEAN|U?(?:TINY|SMALL|BIG|HUGE)?INT(?:EGER)?|UUID),")
 
 
 def _to_json_keeps(kind: str) -> bool:
-    """Whether to_json writes each finite value of this type as json's encoder does: not bytes, a time (12:00:00.5
-    against 12:00:00.500000; a field's name with TIME in it only takes the slower path), an interval, bits, or a
-    union; nor JSON, which to_json writes as itself and Python fetches as text. (Nanosecond timestamps and times are
-    to_json's: a Python datetime drops the nanoseconds.)"""
-    return bool(_NANOSECONDS.search(kind)) or not any(t in kind for t in ("BLOB", "TIME", "INTERVAL", "BIT", "UNION",
-                                                                          "JSON"))
-
-
-_NANOSECONDS = re.compile(r"\b(?:TIMESTAMP|TIMESTAMPTZ|TIME)_NS\b")
-# Types DuckDB writes into JSON as json's encoder writes the Python value it fetches (a DECIMAL as a number both).
-_AS_IS = re.compile(r"^(?:VARCHAR|BOOLEAN|U?(?:TINY|SMALL|BIG|HUGE)?INT(?:EGER)?|DATE|UUID|DECIMAL\(.*|ENUM\(.*|"
-                    r'"NULL")$')
+    """Whether to_json writes each finite value of this nested type as json's encoder does (a nanosecond timestamp
+    or time keeps its nanoseconds, which a Python datetime drops). Not: bytes (raw text), a time (12:00:00.5 against
+    12:00:00.500000; a field's name with TIME in it only takes the slower path), an interval, bits, a union
+    (tagged), JSON (itself, against text), a DECIMAL of 16 digits or more, or a map keyed by other than text, an
+    integer or a uuid (to_json writes a key of 1.50 as "1.50", json "1.5")."""
+    rest = _NANOSECONDS.sub("", kind)
+    return not (any(t in rest for t in ("BLOB", "TIME", "INTERVAL", "BIT", "UNION", "JSON"))
+                or _WIDE_DECIMAL.search(kind) or kind.count("MAP(") != len(_TEXT_KEY_MAP.findall(kind)))
 
 
 def _python_json(con, kind: str) -> str:
     """A DuckDB function of one value of this type: json's own encoder's JSON text for it (_json)."""
     name = f"overnight_json_{next(_FUNCTIONS)}"
     con.create_function(name, _json, [con.sqltype(kind)], "VARCHAR", side_effects=False)
+    return name
+
+
+def _python_str(con, kind: str) -> str:
+    """A DuckDB function of one value of this type: the text json's encoder writes for it (str(), for a date or a
+    datetime out of what strftime writes as Python does: infinity, before year 1 or after 9999)."""
+    name = f"overnight_str_{next(_FUNCTIONS)}"
+    con.create_function(name, _default, [con.sqltype(kind)], "VARCHAR", side_effects=False)
+    return name
+
+
+def _finite_json(text: str) -> str:
+    """JSON text that may hold NaN or Infinity (to_json's) with null for them, as json's encoder writes them."""
+    return json.dumps(_finite(json.loads(text)), separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+
+
+def _finite_json_function(con) -> str:
+    name = f"overnight_finite_json_{next(_FUNCTIONS)}"
+    con.create_function(name, _finite_json, ["VARCHAR"], "VARCHAR", side_effects=False)
     return name
 
 
@@ -134,60 +150,67 @@ def _jsonl_cell(con, name: str, kind: str) -> str:
     """SQL for one column's value in a jsonl line: the JSON json's own encoder writes for what DuckDB fetches."""
     col = _ident(name)
     if _is_nested(kind):
-        return _nested_json(con, name, kind)
+        # to_json's own, its NaN and Infinity made null in the whole line (_write_jsonl)
+        return col if _to_json_keeps(kind) else f"{_python_json(con, kind)}({col})::json"
     if kind in ("FLOAT", "DOUBLE"):
         return f"case when isfinite({col}) then {col} end"   # NaN and infinity: null
     if kind == "BLOB":
         return f"base64({col})"
     if kind in ("TIMESTAMP", "TIMESTAMP_MS", "TIMESTAMP_S"):   # as Python writes a datetime
-        return (f"case when microsecond({col}) % 1000000 = 0 then strftime({col}, '%Y-%m-%d %H:%M:%S') "
-                f"else strftime({col}, '%Y-%m-%d %H:%M:%S.%f') end")
+        ts = f"{col}::timestamp"
+        return (f"case when {ts} between '0001-01-01' and '9999-12-31 23:59:59.999999' then (case when "
+                f"microsecond({ts}) % 1000000 = 0 then strftime({ts}, '%Y-%m-%d %H:%M:%S') "
+                f"else strftime({ts}, '%Y-%m-%d %H:%M:%S.%f') end) else {_python_str(con, kind)}({col}) end")
+    if kind == "DATE":
+        return f"case when {col} between '0001-01-01' and '9999-12-31' then {col}::varchar " \
+               f"else {_python_str(con, kind)}({col}) end"
     if kind == "JSON":
         return f"{col}::varchar"   # text, as fetched
     if _AS_IS.match(kind) or _NANOSECONDS.search(kind):
         return col
-    return f"{_python_json(con, kind)}({col})::json"   # (a time, a zoned timestamp, an interval, bits)
+    return f"{_python_json(con, kind)}({col})::json"   # (a time, a zoned timestamp, an interval, bits, a wide DECIMAL)
 
 
-def _floats_to_json(kind: str) -> bool:
-    """A nested type holding floats that to_json writes as json's encoder does, but for NaN and Infinity."""
-    return _is_nested(kind) and _to_json_keeps(kind) and any(t in kind for t in ("FLOAT", "DOUBLE"))
-
-
+# Types DuckDB writes into JSON as json's encoder writes the Python value it fetches (a DECIMAL of up to 15 digits
+# as a number both).
+_AS_IS = re.compile(r"^(?:VARCHAR|BOOLEAN|U?(?:TINY|SMALL|BIG|HUGE)?INT(?:EGER)?|UUID|DECIMAL\((?:\d|1[0-5]),.*|"
+                    r'ENUM\(.*|"NULL")$')
 # Characters a JSON string may hold raw that str.splitlines() splits a line at (DuckDB writes them raw; json's
 # encoder escapes every character past ASCII). The others (\n, \r, \v, \f, \x1c-\x1e) are control characters,
 # which JSON escapes.
 _LINE_BREAKS = (("\x85", "\\u0085"), ("\u2028", "\\u2028"), ("\u2029", "\\u2029"))
+_BATCH_ROWS = 2048   # lines held at once (a line of 256 tokens' logprobs, top 5, is ~100 KB)
 
 
 def _write_jsonl(con, query: str, f) -> int:
-    """Write the query's rows to ``f`` as JSON lines, DuckDB building each line (about 5x faster than json's
-    encoder per row: benchmarks/export_formats.py); the values are those json's encoder writes for what DuckDB
-    fetches (NaN and infinity as null, bytes as base64, a DECIMAL as a number, a timestamp as str() gives it).
-    Returns the number of lines."""
+    """Write the query's rows to ``f`` as JSON lines, DuckDB building each line (3.9-8x faster than json's encoder
+    per row: benchmarks/export_formats.py); the values are those json's encoder writes for what DuckDB fetches
+    (NaN and infinity as null, bytes as base64, a DECIMAL as a number, a timestamp as str() gives it). A line in
+    which to_json wrote NaN or Infinity (a nested float) is read back and written again with them null. Returns the
+    number of lines."""
     import pyarrow.compute as pc
 
     cols = con.execute(f"describe ({query})").fetchall()
-
-    def line(cell) -> str:
-        return f"to_json(struct_pack({', '.join(f'{_ident(name)} := {cell(name, kind)}' for name, kind, *_ in cols)}))"
-
-    exact = line(lambda name, kind: _jsonl_cell(con, name, kind))
-    if any(_floats_to_json(kind) for _, kind, *_ in cols):
-        # to_json over those floats as they are, and the line again with json's encoder for a value only where that
-        # wrote NaN or Infinity: the JSON of a value built apart, DuckDB reads again, which would cost every line
-        fast = line(lambda name, kind: _ident(name) if _floats_to_json(kind) else _jsonl_cell(con, name, kind))
-        exact = f"case when regexp_matches({fast}::varchar, '{NON_FINITE}') then {exact} else {fast} end"
-    lines = con.sql(f"select {exact}::varchar as line from ({query})")
-    reader = lines.to_arrow_reader(50_000) if hasattr(lines, "to_arrow_reader") else lines.fetch_record_batch(50_000)
+    fields = ", ".join(f"{_ident(name)} := {_jsonl_cell(con, name, kind)}" for name, kind, *_ in cols)
+    line = f"to_json(struct_pack({fields}))::varchar"
+    if any(_is_nested(kind) and _to_json_keeps(kind) and ("FLOAT" in kind or "DOUBLE" in kind) for _, kind, *_ in cols):
+        line = f"case when regexp_matches({line}, '{NON_FINITE}') then {_finite_json_function(con)}({line}) " \
+               f"else {line} end"
+    try:   # a batch's text may pass 2 GiB (Arrow's offsets in a plain string array)
+        con.execute("set arrow_large_buffer_size = true")
+    except Exception:  # noqa: BLE001 (a DuckDB without the setting)
+        pass
+    lines = con.sql(f"select {line} as line from ({query})")
+    reader = lines.to_arrow_reader(_BATCH_ROWS) if hasattr(lines, "to_arrow_reader") else lines.fetch_record_batch(
+        _BATCH_ROWS)
     n = 0
     for batch in reader:
-        lines = batch.column(0)
+        text = batch.column(0)
         for char, escaped in _LINE_BREAKS:
-            lines = pc.replace_substring(lines, char, escaped)
-        if len(lines):
-            f.write("\n".join(lines.to_pylist()) + "\n")
-            n += len(lines)
+            text = pc.replace_substring(text, char, escaped)
+        if len(text):
+            f.write("\n".join(text.to_pylist()) + "\n")
+            n += len(text)
     return n
 
 
