@@ -361,3 +361,19 @@ def test_openai_export_of_a_running_job_is_refused(job, tmp_path):
         assert export(str(out), "jsonl", str(tmp_path / "so-far.jsonl"))["rows"] == 30
     finally:
         lock.release()
+
+
+def test_openai_line_ids_are_random_hex_and_a_forked_child_draws_its_own():
+    import os
+
+    from overnight.pipeline.tools.openai_lines import new_id
+
+    ids = [new_id() for _ in range(10_000)]   # more than one pool of 4096
+    assert len(set(ids)) == len(ids) and all(len(i) == 32 and int(i, 16) >= 0 for i in ids)
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.write(w, new_id().encode())
+        os._exit(0)
+    os.waitpid(pid, 0)
+    assert os.read(r, 64).decode() != new_id()
