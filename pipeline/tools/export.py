@@ -183,7 +183,7 @@ _BATCH_ROWS = 2048   # lines held at once (a line of 256 tokens' logprobs, top 5
 
 
 def _write_jsonl(con, query: str, f) -> int:
-    """Write the query's rows to ``f`` as JSON lines, DuckDB building each line (3.9-8x faster than json's encoder
+    """Write the query's rows to ``f`` as JSON lines, DuckDB building each line (10-12x faster than json's encoder
     per row: benchmarks/export_formats.py); the values are those json's encoder writes for what DuckDB fetches
     (NaN and infinity as null, bytes as base64, a DECIMAL as a number, a timestamp as str() gives it). A line in
     which to_json wrote NaN or Infinity (a nested float) is read back and written again with them null. Returns the
