@@ -110,10 +110,11 @@ def _to_json_keeps(kind: str) -> bool:
     """Whether to_json writes each finite value of this nested type as json's encoder does (a nanosecond timestamp
     or time keeps its nanoseconds, which a Python datetime drops). Not: bytes (raw text), a time (12:00:00.5 against
     12:00:00.500000; a field's name with TIME in it only takes the slower path), an interval, bits, a union
-    (tagged), JSON (itself, against text), a DECIMAL of 16 digits or more, or a map keyed by other than text, an
-    integer or a uuid (to_json writes a key of 1.50 as "1.50", json "1.5")."""
+    (tagged), JSON (itself, against text), a VARIANT or GEOMETRY (whatever they hold), a DECIMAL of 16 digits or
+    more, or a map keyed by other than text, an integer or a uuid (to_json writes a key of 1.50 as "1.50", json
+    "1.5"). Such a type with nanoseconds in it too goes through json's encoder, and loses them."""
     rest = _NANOSECONDS.sub("", kind)
-    return not (any(t in rest for t in ("BLOB", "TIME", "INTERVAL", "BIT", "UNION", "JSON"))
+    return not (any(t in rest for t in ("BLOB", "TIME", "INTERVAL", "BIT", "UNION", "JSON", "VARIANT", "GEOMETRY"))
                 or _WIDE_DECIMAL.search(kind) or kind.count("MAP(") != len(_TEXT_KEY_MAP.findall(kind)))
 
 

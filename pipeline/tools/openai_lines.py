@@ -5,6 +5,7 @@ never run (``batch_expired``)."""
 from __future__ import annotations
 
 import os
+import threading
 
 EXPIRED = "This request could not be executed before the completion window expired."
 
@@ -30,7 +31,11 @@ os.register_at_fork(after_in_child=_fresh_ids)
 
 
 def new_id() -> str:
-    return next(_IDS)
+    with _DRAWING:   # (a generator is not to be drawn from two threads at once)
+        return next(_IDS)
+
+
+_DRAWING = threading.Lock()
 
 
 def choice(text, finish, index, logprobs) -> dict:
