@@ -364,11 +364,12 @@ def test_openai_export_of_a_running_job_is_refused(job, tmp_path):
 
 
 def test_openai_line_ids_are_random_hex_and_a_forked_child_draws_its_own():
+    """(Ids drawn from a pool would repeat the parent's in a forked child.)"""
     import os
 
     from overnight.pipeline.tools.openai_lines import new_id
 
-    ids = [new_id() for _ in range(10_000)]   # more than one pool of 4096
+    ids = [new_id() for _ in range(10_000)]
     assert len(set(ids)) == len(ids) and all(len(i) == 32 and int(i, 16) >= 0 for i in ids)
     r, w = os.pipe()
     pid = os.fork()
