@@ -48,7 +48,8 @@ def plain_table(rows: int) -> pa.Table:
     n = np.arange(rows)
     return pa.table({
         "id": pa.array([f"row-{i}" for i in range(rows)]),
-        "text": pa.array(["An answer of a typical length, about a hundred characters, with words and more words."] * rows),
+        "text": pa.array(["An answer of a typical length, about a hundred characters, with words and more words."]
+                         * rows),
         "finish_reason": pa.array(["stop"] * rows), "prompt_tokens": pa.array(100 + n % 50, pa.int32()),
         "output_tokens": pa.array(200 + n % 300, pa.int32()), "predicted_tokens": pa.array(180 + n % 7, pa.int32()),
         "bucket": pa.array(n % 4, pa.int16()), "queued_at": pa.array(ms), "first_token_at": pa.array(ms),

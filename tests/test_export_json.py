@@ -84,7 +84,8 @@ def test_jsonl_lines_are_what_jsons_encoder_writes_for_each_type(tmp_path):
     con = duckdb.connect()
     con.execute("create type mood as enum ('ok', 'sad')")
     con.execute(r"""create table t as select * from (values
-      (1, 'a' || chr(0) || chr(8232) || chr(133) || chr(8233) || chr(28) || chr(13) || 'é"\', 0.5::float, 'nan'::double,
+      (1, 'a' || chr(0) || chr(8232) || chr(133) || chr(8233) || chr(28) || chr(13) || 'é"\',
+       0.5::float, 'nan'::double,
        1.25::decimal(5, 2), '\x89PN'::blob, '2024-01-02 03:04:05.5'::timestamp_ms, '2024-01-02 03:04:05'::timestamp,
        '2024-01-02 03:04:05.25+00'::timestamptz, '01:02:03.5'::time, interval 1 day, '2024-01-02'::date,
        '5cf7414c-91a9-49ef-b596-abd6ea7853c8'::uuid, 170141183460469231731687303715884105727::hugeint, true,
