@@ -85,7 +85,7 @@ def _nested_as_json(con, query: str) -> str:
         col = _ident(name)
         if not _to_json_keeps(kind):
             cells.append(f"{_python_json(con, kind)}({col}) as {col}")
-        elif any(t in kind for t in ("FLOAT", "DOUBLE")):
+        elif _holds_floats(kind):
             text = f"to_json({col})::varchar"
             cells.append(f"case when regexp_matches({text}, '{NON_FINITE}') then {_finite_json_function(con)}({text}) "
                          f"else {text} end as {col}")
@@ -96,6 +96,11 @@ def _nested_as_json(con, query: str) -> str:
 
 def _is_nested(kind: str) -> bool:
     return kind.endswith("]") or kind.startswith(("STRUCT", "MAP", "UNION"))
+
+
+def _holds_floats(kind: str) -> bool:
+    """A type with floats in it, in which to_json may write NaN or Infinity."""
+    return "FLOAT" in kind or "DOUBLE" in kind
 
 
 # A bare NaN or Infinity in to_json's text, as a value (after [ , or :, before ] , or }). Inside a string it may
@@ -194,7 +199,7 @@ def _write_jsonl(con, query: str, f) -> int:
     cols = con.execute(f"describe ({query})").fetchall()
     fields = ", ".join(f"{_ident(name)} := {_jsonl_cell(con, name, kind)}" for name, kind, *_ in cols)
     line = f"to_json(struct_pack({fields}))::varchar"
-    if any(_is_nested(kind) and _to_json_keeps(kind) and ("FLOAT" in kind or "DOUBLE" in kind) for _, kind, *_ in cols):
+    if any(_is_nested(kind) and _to_json_keeps(kind) and _holds_floats(kind) for _, kind, *_ in cols):
         line = f"case when regexp_matches({line}, '{NON_FINITE}') then {_finite_json_function(con)}({line}) " \
                f"else {line} end"
     try:   # a batch's text may pass 2 GiB (Arrow's offsets in a plain string array)
