@@ -49,20 +49,45 @@ def workload(data_dir: str, n_gsm: int, n_mt: int, n_vic: int, seed: int):
     return table.slice(0, half), table.slice(half)
 
 
+def copied(table, copies: int):
+    """Each half `copies` times over (ids suffixed), shuffled again: enough rows to queue far past a GPU's
+    max_num_seqs. A half's copies stay in that half, so the predictor never sees half B's prompts."""
+    import numpy as np
+    import pyarrow as pa
+
+    if copies <= 1:
+        return table
+    parts = [table.set_column(0, "id", pa.array([f"{i}#{c}" for i in table.column("id").to_pylist()]))
+             for c in range(copies)]
+    out = pa.concat_tables(parts)
+    return out.take(np.random.default_rng(copies).permutation(out.num_rows))
+
+
 def deadline_goodput(args, ours, job, pb_path: str, budget: float, trained_path: str):
     print(f"\ndeadline goodput on half B: time budget {budget:.1f} s ({args.deadline_share:.0%} of the "
           f"LLM.generate makespan); rows completed by the deadline:")
     done: dict[str, list[int]] = {"auto": [], "fifo": []}
-    for r in range(args.repeats):
+    for r in range(args.deadline_repeats or args.repeats):
         for pol in (["auto", "fifo"] if r % 2 == 0 else ["fifo", "auto"]):
             extra = {"predictor": trained_path} if pol == "auto" else {}
             _, summ = ours(job(pb_path, f"b-deadline-{pol}", scheduler={"policy": pol, "time_budget": f"{budget}s",
                                                                         "on_deadline": "abort"}, buckets=extra))
             done[pol].append(summ.num_done)
-            print(f"  rep {r} {pol:5s}: {summ.num_done:4d} rows ({summ.state}, exit {summ.exit_code})", flush=True)
+            caps = sorted({s.get("cap") for s in _timeline(os.path.join(args.root, f"b-deadline-{pol}"))}, key=str)
+            print(f"  rep {r} {pol:5s}: {summ.num_done:4d} rows ({summ.state}, exit {summ.exit_code}); "
+                  f"caps in its timeline: {caps}", flush=True)
     ratios = [x / max(1, y) for x, y in zip(done["auto"], done["fifo"])]
     print(f"  auto / fifo: {', '.join(f'{x:.2f}x' for x in ratios)} (median {statistics.median(ratios):.2f}x)")
     return done, budget
+
+
+def _timeline(out: str) -> list:
+    try:
+        with open(os.path.join(out, "timeline.json")) as f:
+            data = json.load(f)
+    except (OSError, ValueError):
+        return []
+    return data if isinstance(data, list) else data.get("samples", [])
 
 
 def main() -> None:
@@ -74,6 +99,9 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--deadline-share", type=float, default=0.3)
     ap.add_argument("--seed", type=int, default=7)
+    ap.add_argument("--copies", type=int, default=1,
+                    help="Each half this many times over (a GPU's engine holds the default 200 rows at once).")
+    ap.add_argument("--deadline-repeats", type=int, default=None, help="Deadline pairs (default: --repeats).")
     ap.add_argument("--out", default=None, help="Folder for the runs' outputs (default: a temporary one).")
     ap.add_argument("--deadline-only", nargs=2, metavar=("BUDGET_S", "PREDICTOR"), default=None,
                     help="Run only the deadline comparison, with this time budget and the predictor file an "
@@ -93,6 +121,8 @@ def main() -> None:
     root = args.out or tempfile.mkdtemp(prefix="overnight-sched-")
     os.makedirs(root, exist_ok=True)
     a, b = workload(args.data, args.gsm8k, args.mt, args.vicuna, args.seed)
+    a, b = copied(a, args.copies), copied(b, args.copies)
+    args.root = root
     pa_path, pb_path = os.path.join(root, "a.parquet"), os.path.join(root, "b.parquet")
     pq.write_table(a, pa_path)
     pq.write_table(b, pb_path)
