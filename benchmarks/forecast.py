@@ -81,8 +81,12 @@ def run(inp: str, out: str, policy: str, extra: list[str]) -> tuple[float, float
 
 def first_row_after(out: str, t0: float) -> float:
     """Seconds from the command's start to the first row's admission (its queued_at)."""
+    import glob
+
     import duckdb
 
+    if not glob.glob(f"{out}/**/parts/*.parquet", recursive=True):  # a budget spent before the engine was ready
+        return float("nan")
     q = duckdb.sql(f"select epoch(min(queued_at)) from read_parquet('{out}/**/parts/*.parquet')").fetchall()
     return q[0][0] - t0 if q and q[0][0] is not None else float("nan")
 

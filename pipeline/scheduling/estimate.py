@@ -145,9 +145,11 @@ def model_forecast(t, scheduler, lengths, counts, unread: int, mean_predicted: f
     # deadline, where the rows in flight drain to it (--on-deadline drain); by the stop, where they are aborted.
     until = max(left, t.deadline - t.clock()) if t.drains and t.stop_at is not None else left
 
-    def eta(shift: float, tail: bool, slots: int = max_num_seqs):
+    def eta(shift: float, tail: bool, slots: int = max_num_seqs, share: float = 1.0):
+        # share: of the time to the deadline, what the steps get; the rest goes to the prefills of rows starting
         step = a + b * slots
-        within, start_by = ((until / step, left / step) if step > 0 and left < math.inf else (math.inf, math.inf))
+        within, start_by = ((share * until / step, share * left / step) if step > 0 and left < math.inf
+                            else (math.inf, math.inf))
         run_e = model.expected(run_p, run_g, shift)
         fill_e, fill_k = chunks(expected_fill(shift), fill_n)
         group_p = chunks(fill, fill_n)[0] if tail else None
@@ -159,7 +161,15 @@ def model_forecast(t, scheduler, lengths, counts, unread: int, mean_predicted: f
     # deadline, and the rest at the cap (a few rows at once) would read as an hour where a rerun takes minutes;
     # it is also what tells auto the deadline is safe again. The rows done by the deadline are the cap's.
     eta_s, d = eta(0.0, True)
-    rows_by = d.rows_by if cap is None else eta(0.0, False, cap)[1].rows_by
+    capped = None if cap is None else eta(0.0, False, cap)
+    rows_by = d.rows_by if capped is None else capped[1].rows_by
+    if t.stop_at is not None and c * prefill > 0:
+        # The rows that start before the deadline spend part of it in their prefills: on a GPU the step cost's
+        # fit gave those half of the time, and a deadline counted as all steps said "297 of 873 rows left" where
+        # 503 were. Rows start evenly over the rest, so the steps get of the deadline their share of the rest.
+        whole = eta_s if capped is None else capped[0]
+        share = max(0.0, 1.0 - c * prefill / whole) if whole > 0 else 1.0
+        rows_by = eta(0.0, False, max_num_seqs if cap is None else cap, share)[1].rows_by
     spread = Z80 * model.mu_stderr
     low, _ = eta(-spread, False)
     high, _ = eta(spread, False)
