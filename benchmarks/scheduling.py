@@ -67,13 +67,14 @@ def deadline_goodput(args, ours, job, pb_path: str, budget: float, trained_path:
     print(f"\ndeadline goodput on half B: time budget {budget:.1f} s ({args.deadline_share:.0%} of the "
           f"LLM.generate makespan); rows completed by the deadline:")
     done: dict[str, list[int]] = {"auto": [], "fifo": []}
-    for r in range(args.deadline_repeats or args.repeats):
+    for r in range(args.repeats if args.deadline_repeats is None else args.deadline_repeats):
         for pol in (["auto", "fifo"] if r % 2 == 0 else ["fifo", "auto"]):
             extra = {"predictor": trained_path} if pol == "auto" else {}
             _, summ = ours(job(pb_path, f"b-deadline-{pol}", scheduler={"policy": pol, "time_budget": f"{budget}s",
                                                                         "on_deadline": "abort"}, buckets=extra))
             done[pol].append(summ.num_done)
-            caps = sorted({s.get("cap") for s in _timeline(os.path.join(args.root, f"b-deadline-{pol}"))}, key=str)
+            caps = sorted({s["cap"] for s in _timeline(os.path.join(args.root, f"b-deadline-{pol}"))
+                           if s.get("cap") is not None})  # the forecasts' (none before the first)
             print(f"  rep {r} {pol:5s}: {summ.num_done:4d} rows ({summ.state}, exit {summ.exit_code}); "
                   f"caps in its timeline: {caps}", flush=True)
     ratios = [x / max(1, y) for x, y in zip(done["auto"], done["fifo"])]

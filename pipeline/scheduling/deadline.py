@@ -285,8 +285,10 @@ class DeadlineTracker:
     def at_risk_message(self, f: Forecast) -> str:
         from overnight.pipeline.report import EXIT_PARTIAL, iso
 
+        # the rate the ETA holds, the batch's emptying at the end included
+        rate = f.remaining_tokens / f.eta_s if f.eta_s else f.tokens_per_s
         return (f"deadline at risk: the remaining ~{f.remaining_tokens:.0f} output tokens need "
-                f"{fmt_duration(f.eta_s)} (about {f.tokens_per_s:.0f} tok/s), but only {fmt_duration(f.time_left_s)} "
+                f"{fmt_duration(f.eta_s)} (about {rate:.0f} tok/s), but only {fmt_duration(f.time_left_s)} "
                 f"remain before "
                 f"{iso(self.stop_at)}; expect about {f.rows_expected_left} of {f.remaining_rows} remaining rows to "
                 f"be left undone (the job will stop in time and exit {EXIT_PARTIAL}; rerun it to continue)")

@@ -26,6 +26,7 @@ from overnight.pipeline.scheduling.scheduler import Mode
 log = logging.getLogger("overnight")
 
 Z80 = 1.2816  # the normal quantile of a two-sided 80% range
+FIXED_POINT_ROUNDS = 2  # the prefills of the rows started by the deadline: its drains (each ~ a forecast's)
 
 
 def samples_per_row(scheduler) -> float:
@@ -39,7 +40,7 @@ def samples_per_row(scheduler) -> float:
 
 @dataclass
 class Forecast:
-    # The output rate the forecast expects: the measured one, then the remaining tokens over the ETA.
+    # The output rate: the measured one, then the engine's while full, prefills included (not the tail's).
     tokens_per_s: float
     # Predicted output tokens still to generate (in flight, pending, not yet read).
     remaining_tokens: float
@@ -146,11 +147,11 @@ def model_forecast(t, scheduler, lengths, counts, unread: int, mean_predicted: f
     # deadline, where the rows in flight drain to it (--on-deadline drain); by the stop, where they are aborted.
     until = max(left, t.deadline - t.clock()) if t.drains and t.stop_at is not None else left
 
-    def eta(shift: float, tail: bool, slots: int = max_num_seqs, share: float = 1.0):
-        # share: of the time to the deadline, what the steps get; the rest goes to the prefills of rows starting
+    def eta(shift: float, tail: bool, slots: int = max_num_seqs, prefill_s: float = 0.0):
+        # prefill_s: of the time to the deadline, what the prefills of the rows that start in it take from the steps
         step = a + b * slots
-        within, start_by = ((share * until / step, share * left / step) if step > 0 and left < math.inf
-                            else (math.inf, math.inf))
+        within, start_by = ((max(0.0, until - prefill_s) / step, max(0.0, left - prefill_s) / step)
+                            if step > 0 and left < math.inf else (math.inf, math.inf))
         run_e = model.expected(run_p, run_g, shift)
         fill_e, fill_k = chunks(expected_fill(shift), fill_n)
         group_p = chunks(fill, fill_n)[0] if tail else None
@@ -167,10 +168,15 @@ def model_forecast(t, scheduler, lengths, counts, unread: int, mean_predicted: f
     if t.stop_at is not None and c * prefill > 0:
         # The rows that start before the deadline spend part of it in their prefills: on a GPU the step cost's
         # fit gave those half of the time, and a deadline counted as all steps said "297 of 873 rows left" where
-        # 503 were. Rows start evenly over the rest, so the steps get of the deadline their share of the rest.
-        whole = eta_s if capped is None else capped[0]
-        share = max(0.0, 1.0 - c * prefill / whole) if whole > 0 else 1.0
-        rows_by = eta(0.0, False, max_num_seqs if cap is None else cap, share)[1].rows_by
+        # 503 were. The prefills of the rows that start by then, which start sooner the shorter they run
+        # (shortest first), found as a fixed point from their share of the whole rest's, halfway each time.
+        slots = max_num_seqs if cap is None else cap
+        whole = eta_s - a * d.tail_steps if capped is None else capped[0]  # the rest's, without the tail
+        pre = c * prefill * min(1.0, left / whole) if whole > 0 else 0.0
+        for _ in range(FIXED_POINT_ROUNDS):
+            started = eta(0.0, False, slots, pre)[1].started_by
+            pre = 0.5 * (pre + c * t.inflight.mean_prompt_tokens * started / per_row)
+        rows_by = eta(0.0, False, slots, pre)[1].rows_by
     spread = Z80 * model.mu_stderr
     low, _ = eta(-spread, False)
     high, _ = eta(spread, False)
@@ -186,9 +192,13 @@ def model_forecast(t, scheduler, lengths, counts, unread: int, mean_predicted: f
     if drift > 0:
         low = max(0.0, eta_s - math.hypot(max(0.0, eta_s - low), eta_s * -math.expm1(-drift)))
         high = eta_s + math.hypot(max(0.0, high - eta_s), eta_s * math.expm1(drift))
-    # the rate the ETA holds, prefills and the batch's emptying at the end included (the warning's "need 14s
-    # (about 24012 tok/s)" for 245,301 tokens was a full step's rate, which the rest never runs at on a GPU)
-    tokens_per_s = d.tokens / eta_s if eta_s > 0 else (max_num_seqs / step_full if step_full > 0 else 0.0)
+    # the engine's rate while full, with the prefills of the rows that start as others end (a step's alone was
+    # 24k tok/s on a GPU whose runs went at 12k): what the Ray driver gives a worker's spare time
+    seconds = step_full
+    if c > 0 and fill_n.sum() > 0:
+        mean_len = float(expected_fill(0.0) @ fill_n / fill_n.sum())
+        seconds += c * t.inflight.mean_prompt_tokens * max_num_seqs / max(per_row * mean_len, 1.0)
+    tokens_per_s = max_num_seqs / seconds if seconds > 0 else 0.0
     left_rows = max(0, round(rows - rows_by / per_row)) if t.stop_at is not None else 0
     # past the stop, and rows left: rows that would start after it, or an ETA past the deadline itself (every row
     # started by the stop, and the last still running at the deadline); an ETA within the drain, every row started

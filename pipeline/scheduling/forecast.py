@@ -273,6 +273,7 @@ class Drain:
     prefill_tokens: float  # prompt tokens still to prefill
     rows_by: int  # rows finished within `within_steps`
     tail_steps: float  # steps the spread of the last rows' lengths adds beyond their expected ends
+    started_by: int = 0  # rows still to start that start in time (drain's `began`)
 
 
 def drain(slots: int, running: np.ndarray, lengths: np.ndarray, counts: np.ndarray, within_steps: float = math.inf,
@@ -295,14 +296,14 @@ def drain(slots: int, running: np.ndarray, lengths: np.ndarray, counts: np.ndarr
     last_start = np.zeros(k)
     last_group = np.full(k, -1)
     last_start[:n] = 0.0
-    tokens = float(np.sum(running))
-    rows_by = int(np.sum(running <= within_steps))
+    tokens, rows_by = float(np.sum(running)), int(np.sum(running <= within_steps))
     start_by = within_steps if start_by is None else min(start_by, within_steps)
     free = np.zeros(len(lengths), bool)  # a group of rows already admitted: not bound by start_by
     origin = np.arange(len(lengths))  # each group's in the caller's groups (a group split keeps its index)
     if admitted > 0 and start_by < within_steps and len(lengths):
         lengths, counts, free, origin = _split_admitted(np.asarray(lengths, np.float64),
                                                         np.asarray(counts, np.float64), admitted)
+    began = 0  # rows still to start that start by start_by (rows queued in the engine: by within_steps)
     for gi, (length, count) in enumerate(zip(lengths, counts)):
         count = int(count)
         if count <= 0:
@@ -314,8 +315,10 @@ def drain(slots: int, running: np.ndarray, lengths: np.ndarray, counts: np.ndarr
                 # rows of slot j start at load_j + length * (i - 1) and finish at load_j + length * i, i = 1..rounds
                 span = max(length, 1e-9)
                 ends = np.floor((within_steps - load) / span)
-                starts = ends if free[gi] else np.floor((start_by - load) / span) + 1
+                first = np.floor(((within_steps if free[gi] else start_by) - load) / span) + 1  # rows started
+                starts = ends if free[gi] else first
                 rows_by += int(np.clip(np.minimum(ends, starts), 0, rounds).sum())
+                began += int(np.clip(first, 0, rounds).sum())
             last_start = load + length * (rounds - 1)
             last_group[:] = origin[gi]
             load = load + length * rounds
@@ -324,13 +327,14 @@ def drain(slots: int, running: np.ndarray, lengths: np.ndarray, counts: np.ndarr
             last_start[order] = load[order]
             last_group[order] = origin[gi]
             started = load[order] <= (math.inf if free[gi] else start_by)
+            began += int(np.sum(load[order] <= (within_steps if free[gi] else start_by)))
             load[order] += length
             rows_by += int(np.sum((load[order] <= within_steps) & started))
     steps = float(load.max()) if len(load) else 0.0
     tail_steps = 0.0
     if tail is not None and steps > 0:
         tail_steps = _tail_steps(tail, load, last_start, last_group, running, n, steps)
-    return Drain(steps, tokens, 0.0, rows_by, tail_steps)
+    return Drain(steps, tokens, 0.0, rows_by, tail_steps, began)
 
 
 def _split_admitted(lengths: np.ndarray, counts: np.ndarray, admitted: float):
