@@ -46,8 +46,9 @@ for step in ${RUNS:-sched}; do
   sched)  # makespan, deadline goodput (auto against fifo) and prediction, one engine for every side
     python3 benchmarks/scheduling.py --data "$DATA" --copies "${COPIES:-5}" --repeats 1 \
       --deadline-repeats "${DEADLINE_REPEATS:-3}" --out /tmp/sched 2>&1 | quiet | tee "$OUT/sched.log"
-    for d in /tmp/sched/b-deadline-*; do
-      [ -d "$d" ] && cp "$d/timeline.json" "$OUT/$(basename "$d").timeline.json"
+    for d in /tmp/sched/b-*; do  # the last run of each side: its forecasts, and the step cost it fitted
+      [ -d "$d" ] && cp "$d/timeline.json" "$OUT/$(basename "$d").timeline.json" \
+        && cp "$d/status.json" "$OUT/$(basename "$d").status.json"
     done
     cp /tmp/sched/results.json "$OUT/" 2>/dev/null ;;
   cli)  # the command as a user runs it, GSM8K's 1,319 prompts: its ETA over time is in the timeline
