@@ -26,7 +26,7 @@ from overnight.pipeline.scheduling.scheduler import Mode
 log = logging.getLogger("overnight")
 
 Z80 = 1.2816  # the normal quantile of a two-sided 80% range
-FIXED_POINT_ROUNDS = 2  # the prefills of the rows started by the deadline: its drains (each ~ a forecast's)
+FIXED_POINT_ROUNDS = 1  # the prefills of the rows started by the deadline: a round is a drain (~1.5 ms)
 
 
 def samples_per_row(scheduler) -> float:
@@ -169,7 +169,8 @@ def model_forecast(t, scheduler, lengths, counts, unread: int, mean_predicted: f
         # The rows that start before the deadline spend part of it in their prefills: on a GPU the step cost's
         # fit gave those half of the time, and a deadline counted as all steps said "297 of 873 rows left" where
         # 503 were. The prefills of the rows that start by then, which start sooner the shorter they run
-        # (shortest first), found as a fixed point from their share of the whole rest's, halfway each time.
+        # (shortest first): from their share of the whole rest's, a round halfway to those of the rows it starts
+        # (a fixed point; a second round moved the counts by about 1%).
         slots = max_num_seqs if cap is None else cap
         whole = eta_s - a * d.tail_steps if capped is None else capped[0]  # the rest's, without the tail
         pre = c * prefill * min(1.0, left / whole) if whole > 0 else 0.0
