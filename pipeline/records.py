@@ -32,6 +32,9 @@ class Row:
     # Predicted output tokens and its bucket (filled by buckets/; None when no predictor ran).
     predicted_tokens: Optional[int] = None
     bucket: Optional[int] = None
+    # The prediction at admission in the forecast's currency (Scheduler.forecast_scale): what the deadline
+    # tracker learns from and forecasts with.
+    forecast_tokens: Optional[float] = None
     # Per-row `priority` column: lower runs sooner, as in vLLM's priority scheduling.
     priority: int = 0
     # Per-row `value` column: what completing the row is worth (auto's deadline mode maximises value per token).

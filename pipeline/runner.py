@@ -265,7 +265,7 @@ class Runner(Clockwork):
             except Exception as e:  # the engine died between steps (vLLM's EngineDeadError): as a failed step
                 self._on_engine_failure(e)
                 return
-            self.tracker.admitted(a.request_id, a.row.predicted_tokens, a.row.num_prompt_tokens,
+            self.tracker.admitted(a.request_id, a.row.forecast_tokens, a.row.num_prompt_tokens,
                                   a.row.sampling.get("n", 1), a.row.sampling.get("max_tokens"))
             if self.tally.first_admitted_at is None:
                 self.tally.first_admitted_at = time.time()
@@ -324,7 +324,7 @@ class Runner(Clockwork):
                 lengths.append(f.num_output_tokens if n == 1 else round(f.num_output_tokens / n))
             reasons = [r.finish_reason for r in results]
             self.annotator.observe(rows, lengths, reasons)
-            self.tracker.finished([r.predicted_tokens for r in rows], lengths, reasons)
+            self.tracker.finished([r.forecast_tokens for r in rows], lengths, reasons)
             self._record(results)
         self.writer.maybe_flush()
 

@@ -104,7 +104,7 @@ def test_in_flight_emulates_vllm_queue():
 # -- a simulated run ---------------------------------------------------------------------------------
 def simulate(policy, cost, n_rows=600, m=64, deadline_share=None, makespan=None, seed=3, probe=True, n_samples=1,
              blind=False, drift=0.0, sqrt=False, calibrated=False, rows=None, loops=0.0, row_max_tokens=512,
-             margin=0.0, prefill=0.0):
+             margin=0.0, prefill=0.0, repredict=None):
     """Runs the real Scheduler and DeadlineTracker against a simulated engine; returns the story. With n_samples
     > 1 each row asks for that many completions, which the engine runs as as many sequences (vLLM's parallel
     sampling), each of its own length around the row's. blind: lengths normal, whatever the predictions. drift: a
@@ -116,7 +116,8 @@ def simulate(policy, cost, n_rows=600, m=64, deadline_share=None, makespan=None,
     rows: (predicted, actual) given instead of drawn (benchmarks/forecast_floor.py: the labelled lengths).
     row_max_tokens: each row's own max_tokens (the job's, the tracker's, stays 512); lengths are cut there.
     margin: admission stops this long before the deadline, and the rows in flight drain to it. prefill: seconds a
-    step spends per prompt token of the rows that start in it (each row has 50)."""
+    step spends per prompt token of the rows that start in it (each row has 50). repredict: (rows done, new
+    predictions of every row): then the pending rows get theirs, as at the online predictor's refresh."""
     rng = np.random.default_rng(seed)
     speed_rng, speed, steps = np.random.default_rng(seed + 100), 1.0, 0
     predicted, actual = lognormal_rows(n_rows, 0.0, 0.55, rng)
@@ -169,7 +170,7 @@ def simulate(policy, cost, n_rows=600, m=64, deadline_share=None, makespan=None,
             caps.append(sched.cap)
         for adm in sched.schedule(clock.t):
             waiting.append(adm.request_id)
-            tracker.admitted(adm.request_id, adm.row.predicted_tokens, 50, n_samples, adm.row.max_tokens)
+            tracker.admitted(adm.request_id, adm.row.forecast_tokens, 50, n_samples, adm.row.max_tokens)
         tracker.before_step()
         # a sample that is done frees its slot (vLLM runs each as its own sequence); the row ends with its last
         live = sum(int(np.count_nonzero(v > 0)) for v in running.values())
@@ -193,10 +194,13 @@ def simulate(policy, cost, n_rows=600, m=64, deadline_share=None, makespan=None,
         tracker.after_step(dt, fin)
         if fin:
             finished_rows = [sched.finish(r) for r in fin]
-            tracker.finished([r.predicted_tokens for r in finished_rows],
+            tracker.finished([r.forecast_tokens for r in finished_rows],
                              [float(lengths[r.id].mean()) for r in finished_rows],
                              ["length" if lengths[r.id].max() >= row_max_tokens else "stop" for r in finished_rows])
             done += len(fin)
+        if repredict and done >= repredict[0]:
+            pool, new, repredict = sched.pending_entries(), repredict[1], None
+            sched.repredict(pool, [int(new[e.row.id]) for e in pool], [0] * len(pool))
     return SimpleNamespace(end=clock.t, done=done, samples=samples, caps=caps, n=n_rows, weights=weights,
                            rates=rates, tails=tails, mean_length=float(lengths.mean()))
 

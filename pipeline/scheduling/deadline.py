@@ -217,14 +217,17 @@ class DeadlineTracker:
         # Rows not read yet, less those an earlier attempt finished (not met yet in this pass).
         unread = max(0, tally.num_rows - tally.num_read - (num_done_before - tally.num_resumed))
         lengths, counts = scheduler.pending_in_run_order()
+        # in the currency of the rows the length models learned from (Scheduler.forecast_scale)
+        lengths = np.asarray(lengths, dtype=np.float64) * scheduler.forecast_scale
+        mean_predicted = tally.mean_predicted * scheduler.forecast_scale
         if self.step_cost.num_steps >= MIN_STEPS and self.inflight.max_num_seqs > 0:
-            f = model_forecast(self, scheduler, lengths, counts, unread, tally.mean_predicted, max_num_seqs)
+            f = model_forecast(self, scheduler, lengths, counts, unread, mean_predicted, max_num_seqs)
             self.last = f
         else:
             # a row of n samples generates n times the tokens predicted (mean_predicted and lengths are per sequence)
             k = samples_per_row(scheduler)
-            f = self.forecast(scheduler.running_predicted / 2, scheduler.num_running,
-                              np.asarray(lengths, dtype=np.float64) * k, unread, tally.mean_predicted * k, counts)
+            f = self.forecast(scheduler.running_predicted / 2, scheduler.num_running, lengths * k, unread,
+                              mean_predicted * k, counts)
         if f.tokens_per_s and scheduler.num_running:
             # a running sequence's own rate (per-row deadlines): under the model, a step of the sequences running
             # now (fewer under auto's cap, each faster); before it, the rate shared among them

@@ -124,6 +124,7 @@ def model_forecast(t, scheduler, lengths, counts, unread: int, mean_predicted: f
     # expected to run the mean of what each prediction expects, not what the mean prediction expects: with
     # lengths cut at max_tokens that is less (Jensen), and the mean's would over-count them.
     hist_p, hist_n = (np.asarray(x, dtype=np.float64) for x in scheduler.pending_lengths())
+    hist_p = hist_p * scheduler.forecast_scale
     blind = [len(queued_p)] if len(pend_p) == 1 and len(hist_p) > 1 else []
     if unread:
         mean_p = float(fill @ fill_n / fill_n.sum()) if fill_n.sum() else (mean_predicted or 1.0)

@@ -82,7 +82,12 @@ class Scheduler:
         self.has_values = has_values
         self.mode = Mode.THROUGHPUT
         self.running: dict[str, Row] = {}
-        self.running_predicted = 0  # predicted output tokens of the running rows (n times for n samples)
+        # The forecast's currency: predicted tokens times this are what the deadline tracker's length models were
+        # fitted in. A re-prediction (the online predictor's) moves the pool's predictions; this moves the other
+        # way by the ratio of their sums, so the rows finished under the old predictions and the rows pending
+        # under the new are compared alike (see repredict). 1 for predictors that never re-predict.
+        self.forecast_scale = 1.0
+        self.running_predicted = 0.0  # running rows' forecast_tokens (n times for n samples)
         # Sequences: a row that asks for n samples runs as n of them in the engine (what the forecast counts).
         self.running_samples = 0
         self.pending_samples = 0
@@ -195,7 +200,8 @@ class Scheduler:
             self._next_request += 1
             self.running[request_id] = entry.row
             n = entry.row.sampling.get("n", 1)
-            self.running_predicted += (entry.row.predicted_tokens or 0) * n
+            entry.row.forecast_tokens = (entry.row.predicted_tokens or 0) * self.forecast_scale
+            self.running_predicted += entry.row.forecast_tokens * n
             self.running_samples += n
             priority = URGENT_PRIORITY if reason != "policy" else self._engine_priority(entry)
             out.append(Admission(request_id, entry.row, priority, reason))
@@ -280,7 +286,7 @@ class Scheduler:
     def finish(self, request_id: str) -> Row:
         row = self.running.pop(request_id)
         n = row.sampling.get("n", 1)
-        self.running_predicted -= (row.predicted_tokens or 0) * n
+        self.running_predicted -= (row.forecast_tokens or 0.0) * n
         self.running_samples -= n
         return row
 
@@ -315,14 +321,20 @@ class Scheduler:
 
     def repredict(self, entries: list[_Entry], tokens, buckets) -> int:
         """New predictions for a snapshot from pending_entries(); rows admitted since keep theirs (the engine
-        has them). Re-orders the pool; returns how many rows changed."""
+        has them). Re-orders the pool; returns how many rows changed. The forecast's scale moves by the ratio of
+        the old predictions' sum to the new ones': a re-prediction re-orders the rows and changes their spread,
+        and the level the forecast expects of them stays the one the tracker fitted on the rows finished. (An
+        online predictor that learned the level from those rows would otherwise be corrected for it twice: on
+        the GPU's GSM8K run the remaining tokens came out 1.3-1.5 times too many.)"""
         lengths = self._lengths
-        n = 0
+        n, old_sum, new_sum = 0, 0, 0
         for e, t, b in zip(entries, tokens, buckets):
             if e.is_taken:
                 continue
             row = e.row
             old = row.predicted_tokens or 0
+            if old > 0 and t > 0:
+                old_sum, new_sum = old_sum + old, new_sum + t
             if t != old:
                 lengths[old] -= 1
                 lengths[t] = lengths.get(t, 0) + 1
@@ -333,6 +345,8 @@ class Scheduler:
             row.bucket = b
         if n:
             self.rekey()
+        if old_sum and new_sum:
+            self.forecast_scale *= old_sum / new_sum
         return n
 
     def pending_in_run_order(self) -> tuple[list[float], list[int]]:
