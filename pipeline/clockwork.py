@@ -26,6 +26,16 @@ TICK_S, FORECAST_S = 1.0, 2.0  # how often the loop measures, and how often it f
 FINISH_S = 3.0
 
 
+def forecast_spacing(cpu_s: float, time_left: float = math.inf) -> float:
+    """Seconds until the next forecast, after one that took cpu_s of the loop's CPU time. A forecast takes a few ms
+    (the drain simulation); it may take at most 0.2% of the loop's time. Its own CPU time, not the wall clock's: on
+    a busy machine one forecast preempted for 40 ms would otherwise put the next 20 s off (samples 24 s apart on a
+    2-core machine running the engine beside it). With a deadline, at most a tenth of the time left (never under
+    FORECAST_S): on a GPU a forecast of 1,300 pending rows took 12 ms, so the next came 6 s later, when a 45 s
+    budget had 14 s left and a third of the rows were done (docs/BENCHMARKS.md, "First runs on a GPU")."""
+    return min(max(FORECAST_S, 500 * cpu_s), max(FORECAST_S, 0.1 * time_left))
+
+
 class Clockwork:
     """The Runner's tick and stops; the Runner holds the state they use (job, tracker, scheduler, signals,
     progress, reporter, stopping, hard_stop_at)."""
@@ -68,10 +78,7 @@ class Clockwork:
             self._last_forecast = now
             t0 = time.thread_time()
             self._forecast()
-            # a forecast takes a few ms (the drain simulation); it may take at most 0.2% of the loop's time. Its
-            # own CPU time, not the wall clock's: on a busy machine one forecast preempted for 40 ms would
-            # otherwise put the next 20 s off (samples 24 s apart on a 2-core machine running the engine beside it)
-            self._forecast_every = max(FORECAST_S, 500 * (time.thread_time() - t0))
+            self._forecast_every = forecast_spacing(time.thread_time() - t0, self.tracker.time_left())
 
     def _lock_lost(self) -> bool:
         return self.job.lock is not None and self.job.lock.lost
