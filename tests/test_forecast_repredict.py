@@ -40,3 +40,5 @@ def test_a_refresh_that_only_moves_the_level_leaves_the_forecast_as_it_was(polic
     doubled = simulate(policy, GPU, rows=(heuristic, actual), repredict=(150, heuristic * 2))
     for share in (0.25, 0.50):
         assert eta_error(doubled, share)[0] == pytest.approx(eta_error(plain, share)[0], abs=0.02)
+    # what status.json calls the calibration is actual over the predictions as they are now: half, once doubled
+    assert eta_error(doubled, 0.5)[1].calibration == pytest.approx(eta_error(plain, 0.5)[1].calibration / 2, rel=0.05)

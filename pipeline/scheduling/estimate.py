@@ -210,7 +210,9 @@ def model_forecast(t, scheduler, lengths, counts, unread: int, mean_predicted: f
         left_rows = max(1, left_rows)  # by a few seconds still leaves a row ("expect about 0 of 375 rows" it said)
     if cap is not None:
         cap = max(1, int(cap / per_row))  # the scheduler caps rows
-    calibration = math.exp(model.mu + model.sigma ** 2 / 2)  # before max_tokens cuts the longest
+    # actual over the pool's predictions as they are now (the models' are the first ones: forecast_scale), before
+    # max_tokens cuts the longest
+    calibration = math.exp(model.mu + model.sigma ** 2 / 2) * scheduler.forecast_scale
     log.debug("forecast: step %.4f + %.5f/seq + %.2e/prompt token; %d steps + %.0f tail, %.0f tokens, %.0f "
               "prompt tokens over %d slots (rows capped at %s); lengths mu %.3f sigma %.3f from %.1f rows; "
               "step cost drift %.3f; ETA %.1f s (%.1f-%.1f); lengths weighed %.2f normal, %.2f square root; "
