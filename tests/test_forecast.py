@@ -11,7 +11,7 @@ from fakes import FakeClock
 from overnight.pipeline.config import Policy
 from overnight.pipeline.records import Row
 from overnight.pipeline.scheduling.deadline import DeadlineTracker
-from overnight.pipeline.scheduling.forecast import InFlight, drain
+from overnight.pipeline.scheduling.forecast import drain
 from overnight.pipeline.scheduling.lengths import LengthModel
 from overnight.pipeline.scheduling.scheduler import Scheduler
 
@@ -88,19 +88,6 @@ def test_drain_tail_adds_the_spread_of_the_last_rows():
     assert flat.tail_steps == 0 and d.tail_steps > 50  # the longest of 8 runs well past the mean
 
 
-def test_in_flight_emulates_vllm_queue():
-    f = InFlight(2)
-    for i in range(3):
-        f.admit(str(i), 100, 10)
-    assert f.before_step() == (2, 20)
-    f.after_step([])
-    assert f.before_step() == (2, 0)
-    f.after_step(["0"])
-    assert f.before_step() == (2, 10)  # row 2 starts when row 0 is done
-    p, g = f.running()
-    assert sorted(g) == [0, 2]
-
-
 # -- a simulated run ---------------------------------------------------------------------------------
 def simulate(policy, cost, n_rows=600, m=64, deadline_share=None, makespan=None, seed=3, probe=True, n_samples=1,
              blind=False, drift=0.0, sqrt=False, calibrated=False, rows=None, loops=0.0, row_max_tokens=512,
@@ -143,8 +130,7 @@ def simulate(policy, cost, n_rows=600, m=64, deadline_share=None, makespan=None,
     tracker.engine_started(m)
     tracker.start(sched)
     rows = [Row(id=i, prompt_token_ids=[1] * 50, sampling={"max_tokens": row_max_tokens, "n": n_samples},
-                passthrough={},
-                origin=str(i), predicted_tokens=int(p)) for i, p in enumerate(predicted)]
+                passthrough={}, origin=str(i), predicted_tokens=int(p)) for i, p in enumerate(predicted)]
     sched.add(rows, 0.0)
     tally = SimpleNamespace(num_rows=n_rows, num_read=n_rows, num_resumed=0, mean_predicted=float(predicted.mean()))
     waiting, running = [], {}  # running: request -> tokens left of each of its sequences
@@ -198,7 +184,7 @@ def simulate(policy, cost, n_rows=600, m=64, deadline_share=None, makespan=None,
                              [float(lengths[r.id].mean()) for r in finished_rows],
                              ["length" if lengths[r.id].max() >= row_max_tokens else "stop" for r in finished_rows])
             done += len(fin)
-        if repredict and done >= repredict[0]:
+        if repredict and done >= repredict[0]:  # the pool's new predictions, once
             pool, new, repredict = sched.pending_entries(), repredict[1], None
             sched.repredict(pool, [int(new[e.row.id]) for e in pool], [0] * len(pool))
     return SimpleNamespace(end=clock.t, done=done, samples=samples, caps=caps, n=n_rows, weights=weights,

@@ -9,7 +9,7 @@ import pytest
 from fakes import FakeClock
 from overnight.pipeline.config import Policy
 from overnight.pipeline.scheduling.deadline import MIN_STEPS, DeadlineTracker, Forecast
-from overnight.pipeline.scheduling.forecast import StepCost
+from overnight.pipeline.scheduling.forecast import InFlight, StepCost
 from overnight.pipeline.scheduling.scheduler import Scheduler
 
 
@@ -212,3 +212,16 @@ def test_the_warning_waits_for_the_steps_after_the_engines_first_seconds(caplog)
     assert warned[0] == (False, False) and warned[-1] == (True, True)
     assert all(settled == was_warned for settled, was_warned in warned)
     assert sum("deadline at risk" in m for m in caplog.messages) == 1
+
+
+def test_in_flight_emulates_vllm_queue():
+    f = InFlight(2)
+    for i in range(3):
+        f.admit(str(i), 100, 10)
+    assert f.before_step() == (2, 20)
+    f.after_step([])
+    assert f.before_step() == (2, 0)
+    f.after_step(["0"])
+    assert f.before_step() == (2, 10)  # row 2 starts when row 0 is done
+    p, g = f.running()
+    assert sorted(g) == [0, 2]
