@@ -59,8 +59,8 @@ def plan(input_path, out, config_file, as_json, **options):
         else:
             start = ""
         if p.calibration is not None:
-            start += (f"; the predictions times {p.calibration:.2f}, the actual over predicted output tokens of the "
-                      f"{p.calibration_rows} rows done in --out")
+            start += (f"; the predictions times {p.calibration:.2f}, the actual over predicted output tokens of "
+                      f"{p.calibration_rows} rows done in --out, as this plan predicts them")
         click.echo(f"ETA: {fmt_duration(p.eta_s)} at {p.tokens_per_s:.0f} output tok/s ({p.throughput_source})"
                    f"{start}")
     else:

@@ -110,6 +110,9 @@ def test_plan_uses_measured_throughput_and_judges_the_deadline(warm):
     # and the predictions scaled by the actual over predicted output tokens of the 40 rows done there
     assert p["calibration_rows"] == 40 and p["calibration"] > 0
     assert abs(p["eta_s"] - (p["predicted_tokens"] * p["calibration"] / measured + started)) < 1e-6
+    # with another predictor than the run's, plan predicts those 40 rows again with it (here the online's prior)
+    h = json.loads(invoke("plan", grown, "--out", first, "--predictor", "heuristic", "--json").output)
+    assert h["calibration_rows"] == 40 and abs(h["calibration"] - p["calibration"]) < 1e-9
 
 
 def test_predictor_train_eval_and_run_with_it(warm, tmp_path):

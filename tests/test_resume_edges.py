@@ -191,10 +191,32 @@ def test_plan_scales_the_predictions_by_the_rows_done_in_out(tmp_path, cfg, writ
     assert p.num_todo == 30 and p.calibration_rows == 30 and p.calibration == pytest.approx(actual / predicted)
     assert p.eta_s == pytest.approx(p.predicted_tokens * p.calibration / 100.0 + p.startup_s)
     assert p.is_feasible and p.rows_left == 0 and p.tokens_left == 0
-    # another predictor than the runs there used: their error is not this one's
+    # another predictor than the runs there used: plan predicts the rows done with its own, and scales by that
     other = make_plan(cfg(inp, out, buckets={"predictor": "heuristic"}), out=str(out), throughput=100.0)
-    assert (other.calibration, other.calibration_rows) == (None, 0)
-    assert other.eta_s == pytest.approx(other.predicted_tokens / 100.0 + other.startup_s)
+    assert other.calibration_rows == 30 and other.calibration == pytest.approx(p.calibration)  # (the online's prior)
+    assert other.eta_s == pytest.approx(other.predicted_tokens * other.calibration / 100.0 + other.startup_s)
+
+
+def test_plans_factor_is_over_its_own_predictions_not_those_the_run_recorded(tmp_path, cfg, write_parquet):
+    """The online predictor records its prior's predictions for a run's first rows and its refits' after; plan
+    predicts with the prior. Its factor went by the recorded ones: on GSM8K 1.18x, where the rows ran 1.57x the
+    prior's. Here the recorded predictions are tripled, as a refit might, and the factor must not move."""
+    import pyarrow.compute as pc
+
+    from overnight.pipeline.scheduling.plan import make_plan
+
+    out = tmp_path / "out"
+    inp = write_parquet({"prompt": [f"question {i} " + "word " * (i % 9) for i in range(60)]})  # ids: file#row
+    run_job(cfg(inp, out, input={"limit": 30}), engine_factory=given(FakeEngine()), is_tty=False)
+    before = make_plan(cfg(inp, out), out=str(out), throughput=100.0)
+    assert before.num_todo == 30 and before.calibration_rows == 30
+    for part in (out / "parts").glob("*.parquet"):
+        t = pq.read_table(part)
+        i = t.schema.get_field_index("predicted_tokens")
+        pq.write_table(t.set_column(i, "predicted_tokens", pc.multiply(t.column(i), 3)), part)
+    after = make_plan(cfg(inp, out), out=str(out), throughput=100.0)
+    assert after.calibration_rows == 30 and after.calibration == pytest.approx(before.calibration)
+    assert after.eta_s == pytest.approx(before.eta_s)
 
 
 def test_plans_scaled_rows_never_run_past_their_max_tokens(tmp_path, cfg, write_parquet, monkeypatch):
@@ -205,7 +227,7 @@ def test_plans_scaled_rows_never_run_past_their_max_tokens(tmp_path, cfg, write_
                          "max_tokens": [5, None] * 10})
     run_job(cfg(inp, out, input={"limit": 10}, sampling={"max_tokens": 64}), engine_factory=given(FakeEngine()),
             is_tty=False)
-    monkeypatch.setattr(planmod, "measured_calibration", lambda url, predictor: (1000.0, 10))
+    monkeypatch.setattr(planmod, "measured_calibration", lambda *args: (1000.0, 10))
     p = planmod.make_plan(cfg(inp, out, sampling={"max_tokens": 64}), out=str(out), throughput=10.0)
     assert p.num_todo == 10 and p.eta_s == pytest.approx((5 * 5 + 5 * 64) / 10.0 + p.startup_s)
 

@@ -264,3 +264,19 @@ def test_resume_state_stays_small_at_a_million_ids(tmp_path):
     assert f.seen.nbytes / len(new) < 40
     f.report_removed(limited=False)
     assert f.tally.num_removed == 0
+
+
+def test_done_rows_are_the_first_row_of_each_done_id_up_to_the_limit(tmp_path):
+    """plan's second pass (DoneRows): the rows OUT holds, in input order, each id once, at most `limit`."""
+    from overnight.pipeline.input.resume import DoneRows
+
+    out = written(tmp_path, "out", [ok("a"), ok("b"), ok("c"), ok("d")])
+    scan = out.scan("id")
+    ResumeFilter(scan, Tally(0), out.url)  # (plan's first pass sets flags of its own on the same scan)
+    rows = DoneRows(scan, limit=3)
+    batches = [batch({"id": ["n", "b", "a", "b", None], "prompt": ["p"] * 5}),
+               batch({"id": ["a", "d", "c", "x"], "prompt": ["p"] * 4}, start=5)]
+    kept = [(sb.row_number(i), v) for sb in rows.filter_batches(batches, InputConfig())
+            for i, v in enumerate(sb.batch.column(0).to_pylist())]
+    assert kept == [(1, "b"), (2, "a"), (6, "d")] and rows.num_taken == 3
+    assert list(DoneRows(Scan(), limit=3).filter_batches(batches, InputConfig())) == []

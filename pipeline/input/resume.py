@@ -249,3 +249,41 @@ class ResumeFilter:
         else:
             numbers = pa.array(np.asarray(sb.row_numbers, dtype=np.int64)[rows])
         return pc.binary_join_element_wise(f"{sb.file.name}#", pc.cast(numbers, pa.string()), "")
+
+
+class DoneRows:
+    """The inverse of the ResumeFilter, for `plan`'s second pass over the input: the rows that a part in OUT holds
+    (the first row of each id), in input order, up to ``limit`` of them, so that plan can predict them again.
+
+    scan: the Scan the ResumeFilter went by (a bit of its flags marks the ids taken)."""
+
+    TAKEN = 2
+
+    def __init__(self, scan: Scan, limit: int):
+        self.done = scan.done
+        self.limit = limit
+        self.num_taken = 0
+
+    def filter_batches(self, batches: Iterable[SourceBatch], cfg) -> Iterator[SourceBatch]:
+        if not len(self.done):
+            return
+        for sb in batches:
+            if self.num_taken >= self.limit:
+                return
+            n = sb.batch.num_rows
+            names = sb.batch.schema.names
+            ids = sb.batch.column(cfg.id_column) if cfg.id_column in names else ResumeFilter._origins(sb, np.arange(n))
+            keys, checks, valid = keys_of(ids)
+            slots = self.done.find(keys, checks)
+            idx = np.flatnonzero(valid & (slots >= 0))
+            idx = idx[(self.done.flags_at(slots[idx]) & self.TAKEN) == 0]
+            idx = idx[first_of_each(keys[idx], checks[idx])][:self.limit - self.num_taken]
+            if not len(idx):
+                continue
+            self.done.set_flags(slots[idx], self.TAKEN)
+            self.num_taken += len(idx)
+            yield sb if len(idx) == n else SourceBatch(sb.file, sb.start, sb.batch.take(pa.array(idx)),
+                                                       [sb.row_number(int(i)) for i in idx])
+
+    def report_removed(self, limited: bool) -> None:
+        """(Nothing to report: the ResumeFilter's pass did.)"""

@@ -15,7 +15,7 @@ from overnight.pipeline.output.checkpoint import Scan
 from overnight.pipeline.output import manifest as mf
 from overnight.pipeline.output.layout import job_dirs
 from overnight.pipeline.config import JobConfig, Policy
-from overnight.pipeline.input.resume import ResumeFilter
+from overnight.pipeline.input.resume import DoneRows, ResumeFilter
 from overnight.pipeline.input.source import open_source
 from overnight.pipeline.input.stage import open_model, prepare
 from overnight.pipeline.job import resolve_deadline
@@ -53,14 +53,15 @@ class Plan:
     # Seconds from the command's start to its first row in the engine, as the last run in --out measured them
     # (in eta_s, and taken from the deadline's work time); None: not known, and not counted.
     startup_s: Optional[float] = None
-    # Actual over predicted output tokens of the rows done in --out (and how many), by which the ETA and the rows
-    # a deadline leaves scale the predictions, as a run's forecast scales them by the rows it finished; None: fewer
-    # than CALIBRATION_ROWS rows there.
+    # Actual over predicted output tokens of the rows done in --out (and how many), plan's own predictions of them,
+    # by which the ETA and the rows a deadline leaves scale the predictions, as a run's forecast scales them by the
+    # rows it finished; None: fewer than CALIBRATION_ROWS ok rows there.
     calibration: Optional[float] = None
     calibration_rows: int = 0
 
 
-CALIBRATION_ROWS = 10
+CALIBRATION_ROWS = 10  # ok rows done in OUT that plan's factor needs
+CALIBRATION_SAMPLE = 2048  # done rows plan predicts again for it
 
 def measured_throughput(out_url: str, kind: str = "vllm") -> Optional[float]:
     """Output tokens/s a previous run of this job measured (its status.json; a sharded job's shards together), on
@@ -79,28 +80,43 @@ def measured_startup(out_url: str) -> Optional[float]:
     return max((float(t) for t in times if t is not None), default=None)
 
 
-def measured_calibration(out_url: str, predictor: str) -> tuple[Optional[float], int]:
-    """Actual over predicted output tokens of the ok rows done in OUT (every shard's or worker's), and how many
-    rows: the run's predictions were 32-41% short on new work (docs/BENCHMARKS.md), and so were the plan's. Only
-    where the last run in every folder predicted with this predictor (it is not among the settings a resume
-    checks; a manifest keeps its last attempt's config)."""
+def measured_calibration(cfg: JobConfig, source, model, annotator: LengthAnnotator, done: Scan,
+                         out_url: str) -> tuple[Optional[float], int]:
+    """Actual over predicted output tokens of ok rows done in OUT (every shard's or worker's), and how many rows:
+    the predictions run short on work the predictor has not seen (32-41% on new work, docs/BENCHMARKS.md).
+
+    Plan predicts those rows again, the first CALIBRATION_SAMPLE of them in input order, with its own predictor
+    (the job's, from its prior: the online predictor's refits in the run are not there to go by), so the factor
+    is this predictor's error whichever predictions the run recorded: a run of the online predictor recorded the
+    prior's for its first rows and its refits' after (their sum put GSM8K at 1.18x where its first rows ran 1.57x
+    the prior's), and another predictor's are not this one's at all."""
+    import pyarrow as pa
+
     from overnight.pipeline.tools.inspection import open_results
 
-    if any((((d.out.read_manifest() or {}).get("config") or {}).get("buckets") or {}).get("predictor") != predictor
-           for d in job_dirs(out_url)):
-        return None, 0
+    sample = DoneRows(done, CALIBRATION_SAMPLE)
+    ids, predicted = [], []
+    for batch in prepare(cfg, source, model, annotator, sample):
+        ids.extend(r.id for r in batch.rows)
+        predicted.extend(r.predicted_tokens for r in batch.rows)
+    if len(ids) < CALIBRATION_ROWS:
+        return None, len(ids)
     con, _ = open_results(out_url)
     try:
         cols = {r[0] for r in con.execute("describe results").fetchall()}
-        if not {"status", "output_tokens", "predicted_tokens"} <= cols:
+        id_col = cfg.input.id_column
+        if not {"status", "output_tokens", id_col} <= cols:
             return None, 0
-        n, actual, predicted = con.execute("select count(*), sum(output_tokens), sum(predicted_tokens) from "
-                                           "results where status = 'ok' and predicted_tokens > 0").fetchone()
+        con.register("_planned", pa.table({"id": pa.array(ids), "predicted": pa.array(predicted, pa.float64())}))
+        quoted = '"' + id_col.replace('"', '""') + '"'
+        n, actual, pred = con.execute(  # a row of n completions: n results, each its completion's prediction
+            f"select count(distinct p.id), sum(r.output_tokens), sum(p.predicted) from results r join _planned p "
+            f"on r.{quoted} = p.id where r.status = 'ok'").fetchone()
     finally:
         con.close()
-    if n < CALIBRATION_ROWS or not predicted:
+    if n < CALIBRATION_ROWS or not pred:
         return None, n
-    return float(actual) / float(predicted), n
+    return float(actual) / float(pred), n
 
 
 def run_order(policy, work: np.ndarray, priorities: list) -> np.ndarray:
@@ -170,8 +186,8 @@ def make_plan(cfg: JobConfig, out: Optional[str] = None, throughput: Optional[fl
         tps, source_name = measured_throughput(out, cfg.engine.kind), f"measured by the last run in {out}"
     total = float(work.sum())
     startup = measured_startup(out) if out and len(pred) else None
-    factor, factor_rows = (measured_calibration(out, cfg.buckets.predictor) if out and done.num_parts and len(pred)
-                           else (None, 0))
+    factor, factor_rows = (measured_calibration(cfg, source, model, annotator, done, out)
+                           if out and done.num_parts and len(pred) else (None, 0))
     if factor is not None:  # a row's scaled work is never more than its max_tokens allows
         work = np.minimum(work * factor, np.asarray(caps, dtype=np.float64) * np.asarray(samples, dtype=np.float64))
     plan = Plan(num_rows=source.num_rows, num_done=num_done, num_errors=num_errors, num_todo=len(pred),
