@@ -32,6 +32,7 @@ REFRESH_S = 5.0
 # Finished rows are handed to the predictor in batches of this many: one step per row would cost more than
 # it teaches.
 LEARN_BATCH = 256
+_UNBOUND = object()  # (no tokenizer bound yet)
 
 
 class LengthAnnotator:
@@ -65,10 +66,15 @@ class LengthAnnotator:
         self._thread: Optional[threading.Thread] = None
         # Started with the first finished row, so an annotator that never learns costs no thread.
         self._background = background and predictor.learns
+        self._bound: object = _UNBOUND  # the tokenizer bound
 
     # -- the input thread ----------------------------------------------------------------------
     def bind(self, tokenizer) -> None:
-        """The job's tokenizer, for a predictor that reads token ids (a trained file with a token model)."""
+        """The job's tokenizer, for a predictor that reads token ids (a trained file with a token model). Once per
+        tokenizer (plan's second pass over the input binds it again)."""
+        if self._bound is tokenizer:
+            return
+        self._bound = tokenizer
         bind = getattr(self.predictor, "bind", None)
         why_not = bind(tokenizer) if bind is not None else None
         if why_not:
