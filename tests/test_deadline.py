@@ -146,3 +146,27 @@ def test_a_revised_at_risk_warning_comes_a_minute_apart_and_for_a_real_move(capl
     said = [r.getMessage() for r in caplog.records]
     assert len(said) == 3 and "expect about 100 of 400" in said[0]
     assert "now expecting about 160 of 400" in said[1] and "now expecting about 100 of 400" in said[2]
+
+
+def test_on_a_short_budget_a_revision_waits_a_fifth_of_the_time_left_not_a_minute(caplog):
+    """A GPU's deadline run had 15 s: its first count (2.5 times the rows left) was corrected by the next forecast
+    and never said again, a revision waiting a minute. It waits a fifth of the time left at the first warning
+    (3 s at the least)."""
+    from overnight.pipeline.scheduling.estimate import Forecast
+    from overnight.pipeline.scheduling.scheduler import Scheduler
+
+    said = []
+    for budget, revised_at in ((30.0, (5.0, 7.5)), (12.0, (2.0, 4.5))):
+        clock = FakeClock()
+        t = DeadlineTracker(clock.t + budget, margin_s=0, clock=clock)
+        sched = Scheduler(8, 1.0, "fifo")
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="overnight"):
+            start = clock.t
+            for seconds, left in ((1.5, 900), ) + tuple((s, 400) for s in revised_at):
+                clock.t = start + seconds
+                t.steer(Forecast(100.0, 1e5, 1000, 90.0, budget - seconds, True, left), sched)
+        said.append([r.getMessage() for r in caplog.records])
+    # 28.5 s left at the first warning: a revision 5.7 s after it (not at 5 s, at 7.5 s); 10.5 s: 3 s after
+    assert len(said[0]) == 2 and "now expecting about 400 of 1000" in said[0][1]
+    assert len(said[1]) == 2 and "now expecting about 400 of 1000" in said[1][1]

@@ -37,8 +37,12 @@ MODE_MESSAGES = {Mode.DEADLINE: "auto: deadline at risk, now running the most ro
 # auto goes back to throughput-first only when the ETA is under this fraction of the time left: without the
 # gap, a forecast hovering at the deadline would switch the order back and forth.
 SAFE_ETA_FRACTION = 0.8
-# A revised at-risk warning comes at most this often (seconds).
+# A revised at-risk warning comes at most every REWARN_SHARE of the time that was left at the first warning, and
+# at most every REWARN_S, at least REWARN_MIN_S apart (seconds): a minute on a short budget was past the deadline
+# (a GPU's 15 s: the first count, 2.5 times the rows left, was never said again).
 REWARN_S = 60.0
+REWARN_SHARE = 0.2
+REWARN_MIN_S = 3.0
 # The step-cost probe at the start of a run: the first rows go in at a quarter, then half of the engine's
 # sequences, for this many steps each, so that the fixed and per-sequence costs of a step can be told apart (a
 # full engine runs one size of step only). With SETTLE_S before it, it ends about 6 s after the first row here.
@@ -78,6 +82,7 @@ class DeadlineTracker:
         self.is_warned = False  # the at-risk warning was given (and the deadline is not back on track)
         self.warned_left = 0  # the rows the last warning expected to be left undone
         self.warned_at = -math.inf  # when (the clock's)
+        self.rewarn_s = REWARN_S  # how long a revision waits after the last warning
         self.steps = StepCost()
         self.early_steps = StepCost()  # the engine's first seconds (settle_s): the forecast's until steps has some
         self.inflight = InFlight(1)
@@ -259,13 +264,14 @@ class DeadlineTracker:
         if f.will_miss and not self.is_warned and self.trusts(f):
             self.is_warned = True
             self.warned_left, self.warned_at = f.rows_expected_left, self.clock()
+            self.rewarn_s = min(REWARN_S, max(REWARN_MIN_S, REWARN_SHARE * f.time_left_s))
             log.warning(self.at_risk_message(f))
-        elif (f.will_miss and self.is_warned and self.clock() - self.warned_at >= REWARN_S
+        elif (f.will_miss and self.is_warned and self.clock() - self.warned_at >= self.rewarn_s
               and abs(f.rows_expected_left - self.warned_left) > max(0.2 * self.warned_left,
                                                                     0.05 * f.remaining_rows, 10)):
             # what the first minutes taught the forecast moved its estimate: say so once it moves by a fifth (of
-            # the rows it expected left, and by more than a twentieth of the rows left), a minute apart at most
-            # (every few seconds, it said so 10 times in 3 minutes)
+            # the rows it expected left, and by more than a twentieth of the rows left), a minute apart at most, or a
+            # fifth of the time there was at the first warning (every few seconds, it said so 10 times in 3 minutes)
             self.warned_left, self.warned_at = f.rows_expected_left, self.clock()
             log.warning(f"deadline at risk: now expecting about {f.rows_expected_left} of {f.remaining_rows} "
                         f"remaining rows to be left undone (ETA {fmt_duration(f.eta_s)}, "
