@@ -46,14 +46,17 @@ def run(inp: Path, out: Path, args, budget: float | None) -> dict:
     wall = time.monotonic() - t0
     summary = json.loads(done.stdout)
     lines = [json.loads(ln) for ln in done.stderr.splitlines() if ln.startswith("{")]
-    rows_done, warning = 0, None
+    rows_done, warning, revisions = 0, None, []
     for ln in lines:
         if "counters" in ln:
             rows_done = ln["counters"].get("rows_done", rows_done)
         m = re.search(r"deadline at risk: .*expect about (\d+) of (\d+) remaining rows", ln["message"])
         if m and warning is None:
             warning = (rows_done, int(m.group(1)))
-    return {"wall": wall, "summary": summary, "warning": warning}
+        m = re.search(r"deadline at risk: now expecting about (\d+) of (\d+) remaining rows", ln["message"])
+        if m:  # a revision of the count
+            revisions.append((rows_done, int(m.group(1))))
+    return {"wall": wall, "summary": summary, "warning": warning, "revisions": revisions}
 
 
 def main() -> None:
@@ -76,6 +79,7 @@ def main() -> None:
             left = s["num_rows"] - s["num_done"]
             said = ("no warning" if r["warning"] is None else
                     f"warned at {100 * r['warning'][0] / args.rows:.1f}% of rows, expecting {r['warning'][1]} left")
+            said += "".join(f"; revised at {100 * done / args.rows:.1f}%: {n}" for done, n in r["revisions"])
             print(f"  budget {share:.2f} W ({share * w:.1f} s): {s['state']}, {left} rows left; {said}")
 
 
