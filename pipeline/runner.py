@@ -24,6 +24,7 @@ from overnight.buckets.annotate import LengthAnnotator
 from overnight.buckets.predictors import make_predictor
 from overnight.pipeline.clockwork import FORECAST_S, TICK_S, Clockwork
 from overnight.pipeline.engine import EngineError
+from overnight.pipeline.input.done_rows import after_warm_start
 from overnight.pipeline.input.prefetch import PREFETCH_DEPTH, Prefetcher
 from overnight.pipeline.input.resume import ResumeFilter
 from overnight.pipeline.input.source import InputError
@@ -105,8 +106,10 @@ class Runner(Clockwork):
                 model = model.with_context(self._start_engine().max_model_len)  # a guessed context: ask the engine
                 if self.signals.first:  # it came while the engine started: no row is run (it said "stopped")
                     self.stopping = f"interrupted by {self.signals.first} while the engine started"
-            self.reader = Prefetcher(prepare(cfg, self.job.source, model, self.annotator, self.resume,
-                                             self.job.source.passthrough_columns(), self.tally),
+            batches = prepare(cfg, self.job.source, model, self.annotator, self.resume,
+                              self.job.source.passthrough_columns(), self.tally)
+            self.reader = Prefetcher(after_warm_start(batches, cfg, self.job.source, model, self.annotator,
+                                                      self.job.scan, self.job.out.url),
                                      depth=getattr(self.job.source, "prefetch_depth", PREFETCH_DEPTH))
             if not self.signals.first and not self.stopping and (self.engine is not None or self._has_work()):
                 if self.engine is not None or not self._too_late():

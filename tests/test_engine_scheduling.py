@@ -115,6 +115,23 @@ def test_plan_uses_measured_throughput_and_judges_the_deadline(warm):
     assert h["calibration_rows"] == 40 and abs(h["calibration"] - p["calibration"]) < 1e-9
 
 
+def test_a_resumed_run_learns_lengths_from_the_rows_done_before(warm, tmp_path):
+    """The online predictor refits after 256 finished rows, and a resumed run started from the prior again. Now
+    it learns from the rows done before: short answers the heuristic puts at the cap are predicted short."""
+    asks = ["Say yes.", "Answer with one word: yes or no. Is water wet?", "Reply only with the number 7.",
+            "Say hello.", "What is 2 + 2? Answer with the number only."]
+    inp = tmp_path / "short.parquet"
+    pq.write_table(pa.table({"id": [f"s{i}" for i in range(300)], "prompt": [asks[i % 5] for i in range(300)]}), inp)
+    out = tmp_path / "out"
+    invoke("run", inp, "--out", out, "--limit", "270", "--max-tokens", "64")
+    resumed = invoke("run", inp, "--out", out, "--max-tokens", "64").output
+    assert "the length predictor learned from 270 rows done before" in resumed
+    t = pq.read_table(out / "parts").to_pydict()
+    prior = [p for i, p in zip(t["id"], t["predicted_tokens"]) if int(i[1:]) < 256]  # before the run's refit
+    learned = [p for i, p in zip(t["id"], t["predicted_tokens"]) if int(i[1:]) >= 270]
+    assert len(learned) == 30 and np.mean(learned) < 0.5 * np.mean(prior), (np.mean(learned), np.mean(prior))
+
+
 def test_predictor_train_eval_and_run_with_it(warm, tmp_path):
     inp, first = warm
     model = tmp_path / "lengths.pt"

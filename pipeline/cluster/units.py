@@ -75,6 +75,7 @@ class UnitSource(ParquetSource):
     # Batches the worker's input thread prepares ahead of its engine loop (one engine's: 4). A unit smaller than a
     # batch is a batch: four ahead held four units that a worker with a free engine would have taken.
     prefetch_depth = 1
+    hands_out_work = True  # reading it asks the driver for units (a second pass over it would take theirs)
     says_column_notes = False  # (the driver's opening of the input said them once)
 
     def __init__(self, cfg, next_unit: Callable[[], Optional[Unit]], id_column_of: Callable[[str], object]):

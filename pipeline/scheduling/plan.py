@@ -15,7 +15,8 @@ from overnight.pipeline.output.checkpoint import Scan
 from overnight.pipeline.output import manifest as mf
 from overnight.pipeline.output.layout import job_dirs
 from overnight.pipeline.config import JobConfig, Policy
-from overnight.pipeline.input.resume import DoneRows, ResumeFilter
+from overnight.pipeline.input.done_rows import done_lengths, predicted_done_rows
+from overnight.pipeline.input.resume import ResumeFilter
 from overnight.pipeline.input.source import open_source
 from overnight.pipeline.input.stage import open_model, prepare
 from overnight.pipeline.job import resolve_deadline
@@ -88,35 +89,19 @@ def measured_calibration(cfg: JobConfig, source, model, annotator: LengthAnnotat
     Plan predicts those rows again, the first CALIBRATION_SAMPLE of them in input order, with its own predictor
     (the job's, from its prior: the online predictor's refits in the run are not there to go by), so the factor
     is this predictor's error whichever predictions the run recorded: a run of the online predictor recorded the
-    prior's for its first rows and its refits' after (their sum put GSM8K at 1.18x where its first rows ran 1.57x
-    the prior's), and another predictor's are not this one's at all."""
-    import pyarrow as pa
-
-    from overnight.pipeline.tools.inspection import open_results
-
-    sample = DoneRows(done, CALIBRATION_SAMPLE)
-    ids, predicted = [], []
-    for batch in prepare(cfg, source, model, annotator, sample):
-        ids.extend(r.id for r in batch.rows)
-        predicted.extend(r.predicted_tokens for r in batch.rows)
-    if len(ids) < CALIBRATION_ROWS:
-        return None, len(ids)
-    con, _ = open_results(out_url)
-    try:
-        cols = {r[0] for r in con.execute("describe results").fetchall()}
-        id_col = cfg.input.id_column
-        if not {"status", "output_tokens", id_col} <= cols:
-            return None, 0
-        con.register("_planned", pa.table({"id": pa.array(ids), "predicted": pa.array(predicted, pa.float64())}))
-        quoted = '"' + id_col.replace('"', '""') + '"'
-        n, actual, pred = con.execute(  # a row of n completions: n results, each its completion's prediction
-            f"select count(distinct p.id), sum(r.output_tokens), sum(p.predicted) from results r join _planned p "
-            f"on r.{quoted} = p.id where r.status = 'ok'").fetchone()
-    finally:
-        con.close()
-    if n < CALIBRATION_ROWS or not pred:
+    prior's for its first rows and its refits' after (on 800 GSM8K rows their sum gave 1.19, where the prior's
+    predictions of the same rows give 1.55 and the rest ran 1.57), and another predictor's are not this one's."""
+    rows = predicted_done_rows(cfg, source, model, annotator, done, CALIBRATION_SAMPLE)
+    if len(rows) < CALIBRATION_ROWS:
+        return None, len(rows)
+    got = done_lengths(out_url, cfg.input.id_column, [r.id for r in rows])
+    n = 0 if got is None else len(got.index)
+    if got is None or n < CALIBRATION_ROWS:
         return None, n
-    return float(actual) / float(pred), n
+    # a row of n completions: n results, each its completion's prediction
+    predicted = float(np.asarray([rows[i].predicted_tokens for i in got.index], dtype=np.float64) @ got.completions)
+    actual = float(got.mean_tokens @ got.completions)
+    return (actual / predicted, n) if predicted > 0 else (None, n)
 
 
 def run_order(policy, work: np.ndarray, priorities: list) -> np.ndarray:

@@ -1,0 +1,105 @@
+"""The rows done in OUT, predicted again and matched with their lengths there.
+
+    rows = predicted_done_rows(cfg, source, model, annotator, scan, limit)  # parsed, tokenized, predicted
+    got = done_lengths(out_url, cfg.input.id_column, [r.id for r in rows])   # their ok results' lengths
+
+`plan --out` scales its predictions by actual over its own predictions of these rows, and a resumed run's online
+predictor learns from them (``warm_start``) before its first row: the predictions a run recorded are not the ones
+a fresh predictor makes (under `online`, the prior's for the first rows and the refitted model's after).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+
+from overnight.pipeline.input.resume import DoneRows
+from overnight.pipeline.input.stage import prepare
+
+log = logging.getLogger("overnight")
+
+# Done rows a resumed run's online predictor learns from: its window (buckets/predictors.py).
+WARM_ROWS = 1024
+
+
+def predicted_done_rows(cfg, source, model, annotator, scan, limit: int) -> list:
+    """The first ``limit`` rows of the input that OUT holds (one per id), as the input stage prepares them."""
+    rows: list = []
+    for batch in prepare(cfg, source, model, annotator, DoneRows(scan, limit)):
+        rows.extend(batch.rows)
+    return rows
+
+
+@dataclass
+class DoneLengths:
+    index: np.ndarray        # positions (in the ids asked for) of the rows with ok results
+    completions: np.ndarray  # results of each (a row asking for n samples has n)
+    mean_tokens: np.ndarray  # output tokens of a completion, on average
+    hit_cap: np.ndarray      # a completion ran to max_tokens
+
+
+def done_lengths(out_url: str, id_column: str, ids: list) -> Optional[DoneLengths]:
+    """The ok results in OUT of these ids (every shard's or worker's); None where OUT's results lack the columns."""
+    import pyarrow as pa
+
+    from overnight.pipeline.tools.inspection import open_results
+
+    con, _ = open_results(out_url)
+    try:
+        cols = {r[0] for r in con.execute("describe results").fetchall()}
+        if not ids or not {"status", "output_tokens", "finish_reason", id_column} <= cols:
+            return None
+        con.register("_asked", pa.table({"pos": pa.array(np.arange(len(ids), dtype=np.int64)), "id": pa.array(ids)}))
+        quoted = '"' + id_column.replace('"', '""') + '"'
+        got = con.execute(f"select a.pos, count(*), avg(r.output_tokens), bool_or(r.finish_reason = 'length') "
+                          f"from results r join _asked a on r.{quoted} = a.id where r.status = 'ok' "
+                          f"group by a.pos order by a.pos").fetchall()
+    finally:
+        con.close()
+    cols = list(zip(*got)) if got else [(), (), (), ()]
+    return DoneLengths(np.asarray(cols[0], dtype=np.int64), np.asarray(cols[1], dtype=np.float64),
+                       np.asarray(cols[2], dtype=np.float64), np.asarray(cols[3], dtype=bool))
+
+
+def warm_start(cfg, source, model, annotator, scan, out_url: str, limit: int = WARM_ROWS) -> int:
+    """A resumed run's online predictor learns from the rows done before (the first ``limit`` in input order), as
+    it would have from rows finished in this run, so that the order and the forecast go by what it learned from
+    the first row, not from the prior until 256 more rows finish. Returns the rows it learned from.
+
+    Not for a Ray worker's input, which is handed out unit by unit: reading it again would ask for units."""
+    from overnight.buckets.annotate import LengthAnnotator
+    from overnight.buckets.features import stack
+
+    if not annotator.predictor.learns or not scan.num_ok or getattr(source, "hands_out_work", False):
+        return 0
+    # its own annotator: the job's takes its buckets' bounds from the first rows it runs
+    rows = predicted_done_rows(cfg, source, model, LengthAnnotator(annotator.predictor, cfg.sampling.max_tokens),
+                               scan, limit)
+    got = done_lengths(out_url, cfg.input.id_column, [r.id for r in rows])
+    if got is None or not len(got.index):
+        return 0
+    # predictions are per sequence: a row of n samples teaches its mean sample's length, as in the run
+    annotator.predictor.observe(stack([rows[i].features for i in got.index]), np.rint(got.mean_tokens),
+                                got.hit_cap)
+    return len(got.index)
+
+
+def after_warm_start(batches, cfg, source, model, annotator, scan, out_url: str):
+    """The input stage's ``batches``, once a resumed run's online predictor has learned from the rows done before
+    (in the reader's thread, before the first row is read: the engine loop waits on it only for rows)."""
+    if scan.num_ok and annotator.predictor.learns:
+        t0 = time.perf_counter()
+        try:
+            learned = warm_start(cfg, source, model, annotator, scan, out_url)
+        except Exception as e:  # learning is an aid: the run goes on from the prior's predictions
+            log.warning(f"the length predictor could not learn from the rows done before ({type(e).__name__}: "
+                        f"{e}); it starts from its prior, as in a new run")
+        else:
+            if learned:
+                log.info(f"the length predictor learned from {learned} rows done before "
+                         f"({time.perf_counter() - t0:.1f} s)")
+    yield from batches
