@@ -96,6 +96,15 @@ class LengthAnnotator:
             row.bucket = int(b)
         self.seconds += time.perf_counter() - t0
 
+    def predict_again(self, rows: list) -> None:
+        """Predict these annotated rows again with what the predictor knows now (their buckets by the same bounds)."""
+        if not rows:
+            return
+        pred = self.predictor.predict(stack([r.features for r in rows]))
+        for row, tokens, b in zip(rows, pred.tokens, assign(pred.tokens, self.bounds)):
+            row.predicted_tokens = int(round(tokens))
+            row.bucket = int(b)
+
     # -- the engine loop -----------------------------------------------------------------------
     def observe(self, rows: list, actual: list[int], finish_reasons: list) -> None:
         """Finished rows: the online predictor learns from their actual lengths."""

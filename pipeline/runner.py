@@ -109,7 +109,7 @@ class Runner(Clockwork):
             batches = prepare(cfg, self.job.source, model, self.annotator, self.resume,
                               self.job.source.passthrough_columns(), self.tally)
             self.reader = Prefetcher(after_warm_start(batches, cfg, self.job.source, model, self.annotator,
-                                                      self.job.scan, self.job.out.url),
+                                                      self.job.scan, self.job.out.url, self.tally),
                                      depth=getattr(self.job.source, "prefetch_depth", PREFETCH_DEPTH))
             if not self.signals.first and not self.stopping and (self.engine is not None or self._has_work()):
                 if self.engine is not None or not self._too_late():

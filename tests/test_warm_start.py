@@ -51,3 +51,23 @@ def test_a_run_that_cannot_learn_from_the_rows_done_goes_on_from_the_prior(tmp_p
     assert s.num_ok == 40 and s.num_resumed == 20
     assert ("the length predictor could not learn from the rows done before (OSError: the parts cannot be read); "
             "it starts from its prior") in caplog.text
+
+
+def test_a_rerun_that_finds_every_row_done_does_not_learn(tmp_path, cfg, write_parquet, caplog, monkeypatch):
+    """The rows done are learned from only once a row is left to answer: at 10M rows done, the query over their
+    parts would slow a rerun that has nothing to do."""
+    import os
+
+    from overnight.pipeline.input import done_rows
+
+    inp = write_parquet({"id": list(range(30)), "prompt": [f"question {i}" for i in range(30)]})
+    out = tmp_path / "out"
+    run_job(cfg(inp, out), engine_factory=given(FakeEngine()), is_tty=False)
+    asked = []
+    monkeypatch.setattr(done_rows, "warm_start", lambda *args, **kwargs: asked.append(1) or 0)
+    os.utime(inp, (1, 1))  # not the stamp it ran on: the rerun reads the parts and the input
+    s = run_job(cfg(inp, out), engine_factory=given(FakeEngine()), is_tty=False)
+    assert s.num_resumed == 30 and not asked
+    run_job(cfg(write_parquet({"id": list(range(31)), "prompt": [f"question {i}" for i in range(31)]}), out),
+            engine_factory=given(FakeEngine()), is_tty=False)
+    assert asked == [1]  # one row left: now it learns

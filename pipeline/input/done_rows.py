@@ -88,18 +88,30 @@ def warm_start(cfg, source, model, annotator, scan, out_url: str, limit: int = W
     return len(got.index)
 
 
-def after_warm_start(batches, cfg, source, model, annotator, scan, out_url: str):
-    """The input stage's ``batches``, once a resumed run's online predictor has learned from the rows done before
-    (in the reader's thread, before the first row is read: the engine loop waits on it only for rows)."""
-    if scan.num_ok and annotator.predictor.learns:
-        t0 = time.perf_counter()
-        try:
-            learned = warm_start(cfg, source, model, annotator, scan, out_url)
-        except Exception as e:  # learning is an aid: the run goes on from the prior's predictions
-            log.warning(f"the length predictor could not learn from the rows done before ({type(e).__name__}: "
-                        f"{e}); it starts from its prior, as in a new run")
-        else:
-            if learned:
-                log.info(f"the length predictor learned from {learned} rows done before "
-                         f"({time.perf_counter() - t0:.1f} s)")
-    yield from batches
+def after_warm_start(batches, cfg, source, model, annotator, scan, out_url: str, tally=None):
+    """The input stage's ``batches``; on a resume, once the first row left to answer is read, the online predictor
+    first learns from the rows done before (in the reader's thread), and that batch's rows are predicted again. A
+    rerun that finds every row done does not pay for it (at 10M rows done, a query over all their parts)."""
+    pending = bool(scan.num_ok) and annotator.predictor.learns
+    for batch in batches:
+        if pending and batch.rows:
+            pending = False
+            if _learn(cfg, source, model, annotator, scan, out_url):
+                before = sum(r.predicted_tokens or 0 for r in batch.rows)
+                annotator.predict_again(batch.rows)
+                if tally is not None:  # (it counted the batch's predictions before)
+                    tally.predicted_tokens += sum(r.predicted_tokens or 0 for r in batch.rows) - before
+        yield batch
+
+
+def _learn(cfg, source, model, annotator, scan, out_url: str) -> int:
+    t0 = time.perf_counter()
+    try:
+        learned = warm_start(cfg, source, model, annotator, scan, out_url)
+    except Exception as e:  # learning is an aid: the run goes on from the prior's predictions
+        log.warning(f"the length predictor could not learn from the rows done before ({type(e).__name__}: {e}); "
+                    f"it starts from its prior, as in a new run")
+        return 0
+    if learned:
+        log.info(f"the length predictor learned from {learned} rows done before ({time.perf_counter() - t0:.1f} s)")
+    return learned
