@@ -127,9 +127,14 @@ def test_a_resumed_run_learns_lengths_from_the_rows_done_before(warm, tmp_path):
     resumed = invoke("run", inp, "--out", out, "--max-tokens", "64").output
     assert "the length predictor learned from 270 rows done before" in resumed
     t = pq.read_table(out / "parts").to_pydict()
-    prior = [p for i, p in zip(t["id"], t["predicted_tokens"]) if int(i[1:]) < 256]  # before the run's refit
-    learned = [p for i, p in zip(t["id"], t["predicted_tokens"]) if int(i[1:]) >= 270]
-    assert len(learned) == 30 and np.mean(learned) < 0.5 * np.mean(prior), (np.mean(learned), np.mean(prior))
+    k = np.asarray([int(i[1:]) for i in t["id"]])
+    actual, predicted = np.asarray(t["output_tokens"], float), np.asarray(t["predicted_tokens"], float)
+    # each ask's mean answer, against its predictions: the prior's (the first 256 rows, before the first run's
+    # refit) and the resumed run's (rows 270-299); on the first try 28 tokens off on average, and 3.5
+    typical = np.asarray([actual[k % 5 == a].mean() for a in range(5)])
+    off = {name: np.mean([abs(predicted[rows & (k % 5 == a)].mean() - typical[a]) for a in range(5)])
+           for name, rows in (("prior", k < 256), ("learned", k >= 270))}
+    assert off["learned"] < 0.5 * off["prior"], off
 
 
 def test_predictor_train_eval_and_run_with_it(warm, tmp_path):
