@@ -74,9 +74,9 @@ class LengthAnnotator:
         tokenizer (plan's second pass over the input binds it again)."""
         if self._bound is tokenizer:
             return
-        self._bound = tokenizer
         bind = getattr(self.predictor, "bind", None)
         why_not = bind(tokenizer) if bind is not None else None
+        self._bound = tokenizer
         if why_not:
             log.warning(f"predictor: {why_not}")
 

@@ -246,3 +246,20 @@ def test_plan_counts_a_ray_workers_start_up(tmp_path, cfg, write_parquet):
     st["startup"]["first_row_s"] = 33.0
     (tmp_path / "out" / "workers" / os.path.basename(w0) / "status.json").write_text(json.dumps(st))
     assert make_plan(cfg(inp, out), out=str(out), throughput=100.0).startup_s == 33.0
+
+
+def test_plan_goes_on_unscaled_when_the_rows_done_cannot_be_matched(tmp_path, cfg, write_parquet, monkeypatch,
+                                                                    caplog):
+    from overnight.pipeline.scheduling import plan as planmod
+
+    def broken(*args):
+        raise ValueError("Binder Error: cannot compare VARCHAR and BIGINT")
+
+    out = tmp_path / "out"
+    inp = write_parquet({"id": list(range(40)), "prompt": [f"question {i}" for i in range(40)]})
+    run_job(cfg(inp, out, input={"limit": 20}), engine_factory=given(FakeEngine()), is_tty=False)
+    monkeypatch.setattr(planmod, "done_lengths", broken)
+    with caplog.at_level(logging.WARNING, logger="overnight"):
+        p = planmod.make_plan(cfg(inp, out), out=str(out), throughput=10.0)
+    assert p.num_todo == 20 and (p.calibration, p.calibration_rows) == (None, 0)
+    assert "could not be matched with their results (ValueError: Binder Error" in caplog.text

@@ -280,3 +280,18 @@ def test_done_rows_are_the_first_row_of_each_done_id_up_to_the_limit(tmp_path):
             for i, v in enumerate(sb.batch.column(0).to_pylist())]
     assert kept == [(1, "b"), (2, "a"), (6, "d")] and rows.num_taken == 3
     assert list(DoneRows(Scan(), limit=3).filter_batches(batches, InputConfig())) == []
+
+
+def test_done_rows_read_no_further_once_every_done_id_is_taken(tmp_path):
+    """A resume of a few rows done must not read the whole input a second time before its first row."""
+    from overnight.pipeline.input.resume import DoneRows
+
+    out = written(tmp_path, "out", [ok("a"), ok("b")])
+
+    def batches():
+        yield batch({"id": ["a", "x", "b"], "prompt": ["p"] * 3})
+        raise AssertionError("read past the last id done")
+
+    rows = DoneRows(out.scan("id"), limit=1024)
+    assert [v for sb in rows.filter_batches(batches(), InputConfig()) for v in sb.batch.column(0).to_pylist()] == [
+        "a", "b"]

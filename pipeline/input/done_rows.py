@@ -96,22 +96,22 @@ def after_warm_start(batches, cfg, source, model, annotator, scan, out_url: str,
     for batch in batches:
         if pending and batch.rows:
             pending = False
-            if _learn(cfg, source, model, annotator, scan, out_url):
-                before = sum(r.predicted_tokens or 0 for r in batch.rows)
-                annotator.predict_again(batch.rows)
-                if tally is not None:  # (it counted the batch's predictions before)
-                    tally.predicted_tokens += sum(r.predicted_tokens or 0 for r in batch.rows) - before
+            _learn(cfg, source, model, annotator, scan, out_url, batch.rows, tally)
         yield batch
 
 
-def _learn(cfg, source, model, annotator, scan, out_url: str) -> int:
+def _learn(cfg, source, model, annotator, scan, out_url: str, rows: list, tally) -> None:
     t0 = time.perf_counter()
     try:
         learned = warm_start(cfg, source, model, annotator, scan, out_url)
+        if learned:
+            before = sum(r.predicted_tokens or 0 for r in rows)
+            annotator.predict_again(rows)
+            if tally is not None:  # (it counted the batch's predictions before)
+                tally.predicted_tokens += sum(r.predicted_tokens or 0 for r in rows) - before
     except Exception as e:  # learning is an aid: the run goes on from the prior's predictions
         log.warning(f"the length predictor could not learn from the rows done before ({type(e).__name__}: {e}); "
                     f"it starts from its prior, as in a new run")
-        return 0
+        return
     if learned:
         log.info(f"the length predictor learned from {learned} rows done before ({time.perf_counter() - t0:.1f} s)")
-    return learned

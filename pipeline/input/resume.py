@@ -252,8 +252,9 @@ class ResumeFilter:
 
 
 class DoneRows:
-    """The inverse of the ResumeFilter, for `plan`'s second pass over the input: the rows that a part in OUT holds
-    (the first row of each id), in input order, up to ``limit`` of them, so that plan can predict them again.
+    """The inverse of the ResumeFilter, for a second pass over the input (plan's factor, a resumed run's warm
+    start: pipeline/input/done_rows.py): the rows that a part in OUT holds (the first row of each id), in input
+    order, up to ``limit`` of them, reading no further once it has them or every id done.
 
     scan: the Scan the ResumeFilter went by (a bit of its flags marks the ids taken)."""
 
@@ -265,11 +266,10 @@ class DoneRows:
         self.num_taken = 0
 
     def filter_batches(self, batches: Iterable[SourceBatch], cfg) -> Iterator[SourceBatch]:
-        if not len(self.done):
+        want = min(self.limit, len(self.done))  # (not a second pass over the whole input for a few done ids)
+        if not want:
             return
         for sb in batches:
-            if self.num_taken >= self.limit:
-                return
             n = sb.batch.num_rows
             names = sb.batch.schema.names
             ids = sb.batch.column(cfg.id_column) if cfg.id_column in names else ResumeFilter._origins(sb, np.arange(n))
@@ -277,13 +277,14 @@ class DoneRows:
             slots = self.done.find(keys, checks)
             idx = np.flatnonzero(valid & (slots >= 0))
             idx = idx[(self.done.flags_at(slots[idx]) & self.TAKEN) == 0]
-            idx = idx[first_of_each(keys[idx], checks[idx])][:self.limit - self.num_taken]
-            if not len(idx):
-                continue
-            self.done.set_flags(slots[idx], self.TAKEN)
-            self.num_taken += len(idx)
-            yield sb if len(idx) == n else SourceBatch(sb.file, sb.start, sb.batch.take(pa.array(idx)),
-                                                       [sb.row_number(int(i)) for i in idx])
+            idx = idx[first_of_each(keys[idx], checks[idx])][:want - self.num_taken]
+            if len(idx):
+                self.done.set_flags(slots[idx], self.TAKEN)
+                self.num_taken += len(idx)
+                yield sb if len(idx) == n else SourceBatch(sb.file, sb.start, sb.batch.take(pa.array(idx)),
+                                                           [sb.row_number(int(i)) for i in idx])
+            if self.num_taken >= want:  # read no further
+                return
 
     def report_removed(self, limited: bool) -> None:
         """(Nothing to report: the ResumeFilter's pass did.)"""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Optional
@@ -21,6 +22,8 @@ from overnight.pipeline.input.source import open_source
 from overnight.pipeline.input.stage import open_model, prepare
 from overnight.pipeline.job import resolve_deadline
 from overnight.pipeline.tally import Tally
+
+log = logging.getLogger("overnight")
 
 
 @dataclass
@@ -94,7 +97,12 @@ def measured_calibration(cfg: JobConfig, source, model, annotator: LengthAnnotat
     rows = predicted_done_rows(cfg, source, model, annotator, done, CALIBRATION_SAMPLE)
     if len(rows) < CALIBRATION_ROWS:
         return None, len(rows)
-    got = done_lengths(out_url, cfg.input.id_column, [r.id for r in rows])
+    try:
+        got = done_lengths(out_url, cfg.input.id_column, [r.id for r in rows])
+    except Exception as e:  # (parts whose ids are of two kinds) the factor is an aid: the plan goes on without it
+        log.warning(f"the rows done in {out_url} could not be matched with their results ({type(e).__name__}: {e}); "
+                    f"the predictions are not scaled by them")
+        return None, 0
     n = 0 if got is None else len(got.index)
     if got is None or n < CALIBRATION_ROWS:
         return None, n
