@@ -249,6 +249,19 @@ def test_a_lock_removed_while_held_is_lost(tmp_path):
     assert not (out / ".overnight.lock").exists()   # not written again
 
 
+def test_a_lock_written_over_with_garbage_while_held_is_lost_and_says_so(tmp_path, caplog):
+    out = tmp_path / "out"
+    lock = RunLock(OutputDir(str(out)))
+    lock.acquire()
+    (out / ".overnight.lock").write_text("{not json")
+    lock.last_beat = 0.0
+    assert not lock.confirm() and lock.lost
+    assert lock.taken_by() == "a lock file this run cannot read (not JSON), written over its own"
+    assert "host None" not in caplog.text
+    lock.release()
+    assert (out / ".overnight.lock").read_text() == "{not json"   # not ours to remove
+
+
 def test_watching_a_lock_survives_read_errors_and_takes_a_corrupt_one(tmp_path, monkeypatch):
     out = tmp_path / "out"
     clock, sleep = fake_time()

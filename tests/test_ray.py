@@ -4,6 +4,7 @@ an actor killed mid-run, the deadline, SIGTERM to the driver."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import signal
 import subprocess
@@ -125,8 +126,10 @@ def test_a_driver_whose_lock_another_run_took_stops_every_worker(tmp_path, cfg, 
             time.sleep(0.1)
         lock = json.loads((out / ".overnight.lock").read_text())
         theirs = json.dumps(dict(lock, host="other-host", pid=99, token="theirs"))
+        tmp = out / ".overnight.lock.theirs"
         while not done.wait(0.05):  # as the other run's heartbeat would (a beat of the driver's thread may read
-            (out / ".overnight.lock").write_text(theirs)  # the lock just before a write of ours, and write after)
+            tmp.write_text(theirs)  # the lock just before a write of ours, and write after); written whole and
+            os.replace(tmp, out / ".overnight.lock")  # renamed, as a run writes its lock (a read never sees half)
 
     t = threading.Thread(target=take_over, daemon=True)
     t.start()

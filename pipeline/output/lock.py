@@ -299,10 +299,11 @@ class RunLock:
                           "writes nothing more there", self.out.url)
                 return
             if mine.get("token") != self.token:
-                self.lose(f"host {mine.get('host')}, pid {mine.get('pid')}, started {mine.get('started_at')}")
-                log.error("another run took over the lock on %s (host %s, pid %s, started %s): this run stops "
-                          "and writes nothing more there", self.out.url, mine.get("host"), mine.get("pid"),
-                          mine.get("started_at"))
+                whose = ("a lock file this run cannot read (not JSON), written over its own" if mine.get("corrupt")
+                         else f"host {mine.get('host')}, pid {mine.get('pid')}, started {mine.get('started_at')}")
+                self.lose(whose)
+                log.error("another run took over the lock on %s (%s): this run stops and writes nothing more "
+                          "there", self.out.url, whose)
                 return
             self._write(exclusive=False)
         except OSError as e:  # a missed heartbeat is not worth failing the job for
