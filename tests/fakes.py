@@ -103,4 +103,6 @@ def write_lock(out, **info):
     base = {"host": socket.gethostname(), "pid": os.getpid(), "started_at": "2026-11-22T01:00:00+00:00",
             "run_id": "run-x", "token": "t", "heartbeat": time.time()}
     base.update(info)
-    (out / ".overnight.lock").write_text(json.dumps(base))
+    tmp = out / ".overnight.lock.writing"  # written whole, then renamed, as a run writes it: a heartbeat's read of
+    tmp.write_text(json.dumps(base))  # the lock meanwhile (another thread) never sees it half written
+    os.replace(tmp, out / ".overnight.lock")
