@@ -50,6 +50,8 @@ class OpenJob:
     # get no unit): a rerun with nothing left starts no engine. A first attempt starts it at once, while the
     # input is read.
     lazy_engine: bool = False
+    # Where the results of the rows done before are read (a resume's warm start): out's, or a Ray worker's OUT root
+    results_url: Optional[str] = None
 
     @property
     def run_id(self) -> str:

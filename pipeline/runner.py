@@ -17,6 +17,7 @@ from __future__ import annotations
 import inspect
 import logging
 import sys
+import threading
 import time
 from typing import Callable, Optional
 
@@ -42,7 +43,6 @@ from overnight.pipeline.signals import StopRequests
 from overnight.pipeline.tally import Tally
 
 log = logging.getLogger("overnight")
-
 
 
 class Runner(Clockwork):
@@ -90,6 +90,7 @@ class Runner(Clockwork):
         self._last_tick = self._last_forecast = -1e18
         self._forecast_every = FORECAST_S
         self._last_step_end: Optional[float] = None  # for the loop's cycle per engine step
+        self._work_ahead = threading.Event()  # a resume's reader holds a row to answer (it learns before handing it)
 
     def run(self) -> Summary:
         state, message = RunState.FAILED, None
@@ -109,7 +110,8 @@ class Runner(Clockwork):
             batches = prepare(cfg, self.job.source, model, self.annotator, self.resume,
                               self.job.source.passthrough_columns(), self.tally)
             self.reader = Prefetcher(after_warm_start(batches, cfg, self.job.source, model, self.annotator,
-                                                      self.job.scan, self.job.out.url, self.tally),
+                                                      self.job.scan, self.job.results_url or self.job.out.url,
+                                                      self.tally, self._work_ahead.set),
                                      depth=getattr(self.job.source, "prefetch_depth", PREFETCH_DEPTH))
             if not self.signals.first and not self.stopping and (self.engine is not None or self._has_work()):
                 if self.engine is not None or not self._too_late():
@@ -189,9 +191,9 @@ class Runner(Clockwork):
         return self.stopping is not None
 
     def _has_work(self) -> bool:
-        """On a resume, read until a row is left to answer: a rerun that finds all done starts no engine. The
-        lock's heartbeat goes on meanwhile, and a signal or the deadline ends the wait."""
-        while not self.scheduler.num_pending:
+        """On a resume, read until a row is left to answer (or the reader holds one): a rerun that finds all done
+        starts no engine. The lock's heartbeat goes on meanwhile, and a signal or the deadline ends the wait."""
+        while not self.scheduler.num_pending and not self._work_ahead.is_set():
             batch = self._read(block=True, timeout=TICK_S)
             if self.job.lock is not None:
                 self.job.lock.heartbeat()

@@ -72,6 +72,29 @@ def test_a_worker_whose_folder_completed_resumes_from_its_parts(tmp_path, cfg, l
     assert set(parts) <= {p.name for p in (out / "workers" / "w00000" / "parts").glob("part-*.parquet")}
 
 
+def test_resumed_workers_predict_lengths_learned_from_the_rows_any_worker_did_before(tmp_path, cfg, local_ray):
+    """Each worker's online predictor learns from the rows done before, in every worker's folder, as one engine's
+    does (pipeline/input/done_rows.py). It reads the input itself for them, not unit by unit: it takes no unit
+    from another worker. Before, a resumed worker went by the prior, far over the echo's answers."""
+    inp = tmp_path / "in"
+    inp.mkdir()
+    pq.write_table(pa.table({"id": [f"r{i}" for i in range(420)],
+                             "prompt": [f"question {i} " + "word " * (i % 9) for i in range(420)]}),
+                   inp / "part-0.parquet", row_group_size=30)
+    out = tmp_path / "out"
+    engine = {"kind": "echo", "echo_step_ms": 1, "max_num_seqs": 8}
+    first = run_on_ray(cfg(inp, out, engine=engine, input={"limit": 300}), False, 2, is_tty=False)
+    assert first.num_done == 300
+    s = run_on_ray(cfg(inp, out, engine=engine), False, 2, is_tty=False)
+    assert (s.state, s.num_resumed, s.num_done) == ("completed", 300, 420)
+    ids = ids_in(out)
+    assert len(ids) == len(set(ids)) == 420   # each id once: the second pass over the input took no unit
+    later = duckdb.sql(f"select sum(output_tokens) / sum(predicted_tokens) from "
+                       f"read_parquet('{out}/workers/*/parts/*.parquet') "
+                       f"where cast(substr(id, 2) as int) >= 300").fetchall()[0][0]
+    assert 0.5 < later < 2.0, later
+
+
 def test_a_rerun_with_other_settings_is_refused_before_any_worker_starts(tmp_path, cfg, local_ray):
     from overnight.pipeline.output.checkpoint import OutputError
 

@@ -71,3 +71,28 @@ def test_a_rerun_that_finds_every_row_done_does_not_learn(tmp_path, cfg, write_p
     run_job(cfg(write_parquet({"id": list(range(31)), "prompt": [f"question {i}" for i in range(31)]}), out),
             engine_factory=given(FakeEngine()), is_tty=False)
     assert asked == [1]  # one row left: now it learns
+
+
+def test_the_engine_starts_while_the_predictor_learns(tmp_path, cfg, write_parquet, monkeypatch):
+    """The learning (at 10M rows done, a query over all their parts) runs in the reader's thread beside the
+    engine's start, not before it: here it holds on until the engine has started, and would wait in vain if the
+    engine started only after it."""
+    import threading
+
+    from overnight.pipeline.input import done_rows
+
+    inp = write_parquet({"id": list(range(40)), "prompt": [f"question {i}" for i in range(40)]})
+    out = tmp_path / "out"
+    run_job(cfg(inp, out, input={"limit": 20}), engine_factory=given(FakeEngine()), is_tty=False)
+    started, overlapped = threading.Event(), []
+    learn = done_rows.warm_start
+    monkeypatch.setattr(done_rows, "warm_start",
+                        lambda *a, **k: overlapped.append(started.wait(timeout=10)) or learn(*a, **k))
+
+    def factory(job):
+        started.set()
+        return FakeEngine()
+
+    s = run_job(cfg(inp, out), engine_factory=factory, is_tty=False)
+    assert s.num_ok == 40 and s.num_resumed == 20
+    assert overlapped == [True]

@@ -288,6 +288,7 @@ class Worker:
         job = jobmod._open_locked(cfg, False, source, out, model, fields, WorkerLock(out, self.coordinator, self.index),
                                   deadline_at, margin, shortcut=False)
         job.lazy_engine = True  # a worker may get no unit, or only rows already done
+        job.results_url = cfg.output.path  # the rows done before, in every worker's folder (a resume's warm start)
         own = job.scan
         merged = Scan()
         for d in job_dirs(cfg.output.path):

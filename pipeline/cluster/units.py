@@ -75,7 +75,6 @@ class UnitSource(ParquetSource):
     # Batches the worker's input thread prepares ahead of its engine loop (one engine's: 4). A unit smaller than a
     # batch is a batch: four ahead held four units that a worker with a free engine would have taken.
     prefetch_depth = 1
-    hands_out_work = True  # reading it asks the driver for units (a second pass over it would take theirs)
     says_column_notes = False  # (the driver's opening of the input said them once)
 
     def __init__(self, cfg, next_unit: Callable[[], Optional[Unit]], id_column_of: Callable[[str], object]):
@@ -90,6 +89,11 @@ class UnitSource(ParquetSource):
     @property
     def num_rows(self) -> int:
         return self.rows_taken
+
+    def second_pass(self) -> "_WholeInput":
+        """The whole input from its first row, read directly: reading this source again would ask the driver
+        for units, and take other workers' work."""
+        return _WholeInput(self)
 
     def batches(self) -> Iterator[SourceBatch]:
         columns = self.read_columns()
@@ -116,6 +120,19 @@ class UnitSource(ParquetSource):
 
 class JsonlUnitSource(UnitSource, OpenAIBatchSource):
     """A worker's units of OpenAI Batch request lines (units are chunks of lines, or slices of them)."""
+
+
+class _WholeInput:
+    """A worker's input read whole, in input order (the driver's listing, up to --limit rows), as one engine's
+    source reads it."""
+
+    sees_every_row = True
+
+    def __init__(self, units: UnitSource):
+        self.units = units
+
+    def batches(self) -> Iterator[SourceBatch]:
+        return ParquetSource.batches(self.units)
 
 
 def unit_source(cfg, next_unit: Callable[[], Optional[Unit]], id_column_of: Callable[[str], object]) -> UnitSource:

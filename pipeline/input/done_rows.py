@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import numpy as np
 
@@ -70,15 +70,16 @@ def warm_start(cfg, source, model, annotator, scan, out_url: str, limit: int = W
     it would have from rows finished in this run, so that the order and the forecast go by what it learned from
     the first row, not from the prior until 256 more rows finish. Returns the rows it learned from.
 
-    Not for a Ray worker's input, which is handed out unit by unit: reading it again would ask for units."""
+    ``scan``: every id done in OUT (a Ray worker's: every worker folder's); ``out_url``: the folder whose results
+    hold them (a Ray worker's: OUT's root)."""
     from overnight.buckets.annotate import LengthAnnotator
     from overnight.buckets.features import stack
 
-    if not annotator.predictor.learns or not scan.num_ok or getattr(source, "hands_out_work", False):
+    if not annotator.predictor.learns or not len(scan.done):
         return 0
     # its own annotator: the job's takes its buckets' bounds from the first rows it runs
-    rows = predicted_done_rows(cfg, source, model, LengthAnnotator(annotator.predictor, cfg.sampling.max_tokens),
-                               scan, limit)
+    rows = predicted_done_rows(cfg, source.second_pass(), model,
+                               LengthAnnotator(annotator.predictor, cfg.sampling.max_tokens), scan, limit)
     got = done_lengths(out_url, cfg.input.id_column, [r.id for r in rows])
     if got is None or not len(got.index):
         return 0
@@ -88,14 +89,17 @@ def warm_start(cfg, source, model, annotator, scan, out_url: str, limit: int = W
     return len(got.index)
 
 
-def after_warm_start(batches, cfg, source, model, annotator, scan, out_url: str, tally=None):
+def after_warm_start(batches, cfg, source, model, annotator, scan, out_url: str, tally=None,
+                     on_work: Callable[[], None] = lambda: None):
     """The input stage's ``batches``; on a resume, once the first row left to answer is read, the online predictor
     first learns from the rows done before (in the reader's thread), and that batch's rows are predicted again. A
-    rerun that finds every row done does not pay for it (at 10M rows done, a query over all their parts)."""
-    pending = bool(scan.num_ok) and annotator.predictor.learns
+    rerun that finds every row done does not pay for it (at 10M rows done, a query over all their parts).
+    ``on_work`` hears of that first row before the learning begins: the engine may start meanwhile."""
+    pending = bool(len(scan.done)) and annotator.predictor.learns
     for batch in batches:
         if pending and batch.rows:
             pending = False
+            on_work()
             _learn(cfg, source, model, annotator, scan, out_url, batch.rows, tally)
         yield batch
 

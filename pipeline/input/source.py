@@ -227,6 +227,11 @@ class ParquetSource:
         return [n for n in self.schema.names if n in wanted]
 
     # -- reading -----------------------------------------------------------------------------
+    def second_pass(self) -> "ParquetSource":
+        """What a second pass over this job's input reads (the rows done before: pipeline/input/done_rows.py):
+        the source itself, whose batches() starts again from its first row."""
+        return self
+
     def batches(self) -> Iterator[SourceBatch]:
         """Record batches in input order, up to --limit rows, each with its file and row offset.
 
