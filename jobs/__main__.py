@@ -1,4 +1,4 @@
-from overnight.jobs.cli import main
+from overnight.jobs.entry import main
 
 if __name__ == "__main__":
     main()

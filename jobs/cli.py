@@ -16,6 +16,7 @@ from overnight.jobs.report import report
 from overnight.jobs.run import run
 from overnight.jobs.status import status
 from overnight.jobs.tune import tune
+from overnight.pipeline.signals import release_from_start
 
 
 class OvernightGroup(click.Group):
@@ -25,6 +26,8 @@ class OvernightGroup(click.Group):
 
     def invoke(self, ctx: click.Context):
         args = [*ctx._protected_args, *ctx.args]
+        if args[:1] != ["run"]:  # only a run handles signals itself (jobs/entry.py)
+            release_from_start()
         try:
             return super().invoke(ctx)
         except click.ClickException as e:

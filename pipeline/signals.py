@@ -14,12 +14,37 @@ that aborts; a person pressing Ctrl-C again a moment later does abort.
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
 import time
 from typing import Callable, Optional
 
 SAME_STOP_S = 0.5
+
+# The signals recorded from the process's start (the console script's, ``record_from_start``), until a command
+# takes the record over (the run's StopRequests) or gives it back (``release_from_start``).
+_from_start: Optional["StopRequests"] = None
+
+
+def record_from_start() -> None:
+    """The console script's first act: SIGTERM / SIGINT are recorded, not fatal, while the command's modules load
+    and its options are read (before, the signal's default ended a run in its first half second with 143, not
+    75). A run takes the record over as it installs its own handlers; another command gives it back."""
+    global _from_start
+    if _from_start is None:
+        _from_start = StopRequests().install()
+
+
+def release_from_start() -> None:
+    """For a command that handles no signal itself: the handlers from before the process's start back, and a
+    signal that came meanwhile delivered again, to end the command as it would have."""
+    global _from_start
+    early, _from_start = _from_start, None
+    if early is not None:
+        early.restore()
+        if early.first is not None:
+            os.kill(os.getpid(), signal.Signals[early.first].value)
 
 
 class StopRequests:
@@ -52,10 +77,19 @@ class StopRequests:
         self._handle(signal.Signals[name].value, None)
 
     def install(self) -> "StopRequests":
-        """Record SIGTERM and SIGINT from now on (once: installed again, it keeps the handlers it replaced)."""
+        """Record SIGTERM and SIGINT from now on (once: installed again, it keeps the handlers it replaced). It
+        takes over the record kept from the process's start, if any: what came then counts as come now."""
+        global _from_start
         if not self._previous and threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGTERM, signal.SIGINT):
                 self._previous[sig] = signal.signal(sig, self._handle)
+            early, _from_start = _from_start, None
+            if early is not None:  # restoring ours then puts back what was there before the process's record
+                self._previous, early._previous = early._previous, {}
+                if early.first is not None:
+                    if self.first is None:
+                        self.first, self._first_at = early.first, early._first_at
+                    self.count += early.count
         return self
 
     def restore(self) -> None:
