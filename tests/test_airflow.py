@@ -56,7 +56,7 @@ def test_the_nightly_dag_retries_deadline_exits_until_every_id_is_done(tmp_path,
     assert "overnight exited 75 (resumable)" in log and "Marking task as UP_FOR_RETRY" in log  # retried, resumed
     assert "--time-budget 8s" in log and "--time-budget 16s" in log    # the template, rendered for each try
     out = out / "2026-11-22"                                     # the night's own OUT
-    ids = [r[0] for r in duckdb.sql(f"select id from read_parquet('{out}/shards/*/parts/*.parquet')").fetchall()]
+    ids = [r[0] for r in duckdb.sql(f"select id from read_parquet('{out}/shards/*/parts/part-*.parquet')").fetchall()]
     assert len(ids) == len(set(ids)) == 120
     attempts = [json.loads((d / "manifest.json").read_text())["attempts"] for d in sorted((out / "shards").iterdir())]
     assert any(len(a) >= 2 and a[0]["state"] == "partial" and a[-1]["state"] == "completed" for a in attempts)

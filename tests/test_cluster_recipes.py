@@ -48,7 +48,7 @@ def env_with_overnight() -> dict:
 
 
 def assert_every_id_once(out: Path, n: int) -> None:
-    ids = duckdb.sql(f"select id from read_parquet('{out}/shards/*/parts/*.parquet')").fetchall()
+    ids = duckdb.sql(f"select id from read_parquet('{out}/shards/*/parts/part-*.parquet')").fetchall()
     assert len(ids) == len(set(ids)) == n
     status = json.loads(subprocess.run([*overnight_cmd(), "status", str(out), "--json"], capture_output=True,
                                        text=True, check=True).stdout)
@@ -123,7 +123,7 @@ def start_slurm_task(tmp_path: Path, tiny_model: str, restarts: int) -> tuple[su
 def wait_for_a_part(proc: subprocess.Popen, shard: Path, before: int = 0) -> None:
     """Until this run has written a part: its engine is running and the script's traps are set."""
     deadline = time.monotonic() + 120
-    while len(list(shard.glob("parts/*.parquet"))) <= before:
+    while len(list(shard.glob("parts/part-*.parquet"))) <= before:
         assert proc.poll() is None, proc.communicate()[1][-2000:]
         assert time.monotonic() < deadline, "no part was written in 2 minutes"
         time.sleep(0.1)
@@ -147,7 +147,7 @@ def test_the_slurm_script_requeues_at_the_time_limit_only(tmp_path, tiny_model):
     # 2. scancel: SIGTERM to every process of the job (the script passes it on too: one stop, twice at once):
     #    the same drain, nothing aborted, exit 75, no requeue
     calls.unlink()
-    parts = len(list(shard.glob("parts/*.parquet")))
+    parts = len(list(shard.glob("parts/part-*.parquet")))
     proc, shard, calls = start_slurm_task(tmp_path, tiny_model, restarts=1)
     wait_for_a_part(proc, shard, parts)
     os.killpg(proc.pid, signal.SIGTERM)
@@ -157,7 +157,7 @@ def test_the_slurm_script_requeues_at_the_time_limit_only(tmp_path, tiny_model):
     status = json.loads((shard / "status.json").read_text())
     assert status["rows"]["aborted"] == 0 and "aborting" not in err
     # 3. the time limit again, with the requeues spent: exit 75, no requeue
-    parts = len(list(shard.glob("parts/*.parquet")))
+    parts = len(list(shard.glob("parts/part-*.parquet")))
     proc, shard, calls = start_slurm_task(tmp_path, tiny_model, restarts=3)
     wait_for_a_part(proc, shard, parts)
     proc.send_signal(signal.SIGUSR1)
@@ -167,5 +167,5 @@ def test_the_slurm_script_requeues_at_the_time_limit_only(tmp_path, tiny_model):
     proc, shard, calls = start_slurm_task(tmp_path, tiny_model, restarts=3)
     _, err = proc.communicate(timeout=300)
     assert proc.returncode == 0 and not calls.exists(), err[-2000:]
-    ids = duckdb.sql(f"select id from read_parquet('{shard}/parts/*.parquet')").fetchall()
+    ids = duckdb.sql(f"select id from read_parquet('{shard}/parts/part-*.parquet')").fetchall()
     assert len(ids) == len(set(ids)) == 400

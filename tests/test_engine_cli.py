@@ -181,7 +181,7 @@ def test_shards_of_unequal_files_split_into_equal_ranges(tmp_path, model_path):
     done = [json.loads((out / "shards" / f"0000{k}-of-00002" / "manifest.json").read_text()) for k in range(2)]
     assert [m["counts"]["num_ok"] for m in done] == [6, 6]
     assert {m["input"]["split_rule"] for m in done} == {"rows"}
-    t = pq.read_table([str(p) for p in sorted(out.glob("shards/*/parts/*.parquet"))]).to_pylist()
+    t = pq.read_table([str(p) for p in sorted(out.glob("shards/*/parts/part-*.parquet"))]).to_pylist()
     assert sorted(r["id"] for r in t) == sorted(rows.column("id").to_pylist())
     assert all(r["status"] == "ok" and r["text"].strip() for r in t)
     status = json.loads(invoke("status", out, "--json").output)

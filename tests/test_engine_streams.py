@@ -48,7 +48,7 @@ def test_json_stdout_and_quiet_stderr_with_the_real_engine(tmp_path, model_path)
     assert report.returncode == 0, report.stderr
     assert (tmp_path / "r.html").read_text().count("data:image/png;base64,") == 6
     # each row's share of the engine's time, and the job's engine-hours and cost
-    shares = [r[0] for r in duckdb.sql(f"select engine_seconds from read_parquet('{tmp_path}/a/parts/*.parquet')"
+    shares = [r[0] for r in duckdb.sql(f"select engine_seconds from read_parquet('{tmp_path}/a/parts/part-*.parquet')"
                                        ).fetchall()]
     assert len(shares) == 6 and all(x > 0 for x in shares) and sum(shares) <= summary["elapsed_s"]
     costed = subprocess.run([*overnight_cmd(), "inspect", str(tmp_path / "a"), "--price-per-hour", "2"],

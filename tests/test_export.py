@@ -40,7 +40,7 @@ def _stopped(out) -> set:
     """Remove OUT's last part, as if the job had been killed before it wrote it; the ids the other parts hold."""
     parts = sorted((out / "parts").glob("part-*.parquet"))
     parts[-1].unlink()
-    return {r[0] for r in duckdb.sql(f"select id from read_parquet('{out}/parts/*.parquet')").fetchall()}
+    return {r[0] for r in duckdb.sql(f"select id from read_parquet('{out}/parts/part-*.parquet')").fetchall()}
 
 
 def test_openai_batch_output_parses_with_openai_types(job, tmp_path):
@@ -88,7 +88,7 @@ def test_a_jsonl_jobs_rows_come_in_line_order(tmp_path, cfg):
     path.write_text("\n".join(lines) + "\n")
     out = tmp_path / "out"
     run_job(cfg(path, out, input={"limit": 30}), engine_factory=given(FakeEngine()), is_tty=False)  # 30 of 40
-    finished = [r[0] for r in duckdb.sql(f"select id from read_parquet('{out}/parts/*.parquet')").fetchall()]
+    finished = [r[0] for r in duckdb.sql(f"select id from read_parquet('{out}/parts/part-*.parquet')").fetchall()]
     assert finished != [i for n, i in enumerate(ids[:30]) if n != 7] + [None]  # the parts hold finish order
 
     ok_path, err_path = tmp_path / "results.jsonl", tmp_path / "errors.jsonl"

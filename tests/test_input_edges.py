@@ -20,7 +20,7 @@ from overnight.pipeline.input.source import InputError
 
 
 def _parts(out) -> pa.Table:
-    return pa.concat_tables([pq.read_table(p) for p in sorted(glob.glob(f"{out}/parts/*.parquet"))])
+    return pa.concat_tables([pq.read_table(p) for p in sorted(glob.glob(f"{out}/parts/part-*.parquet"))])
 
 
 def test_a_column_that_cannot_take_the_shared_type_names_file_and_column(tmp_path, cfg):

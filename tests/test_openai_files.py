@@ -157,7 +157,7 @@ def test_shards_split_the_lines_and_answer_each_once(tmp_path, cfg, monkeypatch,
         s = run_job(c, engine_factory=given(FakeEngine()), is_tty=False)
         counts.append(s.num_rows)
     assert how in open_source(c.input, Shard(0, 2), rule).selection.how
-    ids = [r[0] for r in duckdb.sql(f"select coalesce(id, error) from read_parquet('{out}/shards/*/parts/*.parquet')"
+    ids = [r[0] for r in duckdb.sql(f"select coalesce(id, error) from read_parquet('{out}/shards/*/parts/part-*.parquet')"
                                     ).fetchall()]
     assert sum(counts) == 11 and len(ids) == len(set(ids)) == 11 and min(counts) > 0
     if rule == ROWS:
@@ -173,6 +173,7 @@ def test_plan_reads_request_lines(tmp_path, cfg):
 
 
 @pytest.mark.slow
+@pytest.mark.serial  # a Ray cluster: after the others, alone (tests/conftest.py)
 def test_ray_workers_share_the_lines_and_answer_each_once(tmp_path, cfg, monkeypatch):
     ray = pytest.importorskip("ray")
     from overnight.pipeline.cluster.ray_job import run_on_ray
@@ -187,7 +188,7 @@ def test_ray_workers_share_the_lines_and_answer_each_once(tmp_path, cfg, monkeyp
     finally:
         ray.shutdown()
     assert (s.state, s.num_done, s.num_rows) == ("completed", 301, 301)
-    got = duckdb.sql(f"select id, error from read_parquet('{out}/workers/*/parts/*.parquet')").fetchall()
+    got = duckdb.sql(f"select id, error from read_parquet('{out}/workers/*/parts/part-*.parquet')").fetchall()
     ids = [i for i, _ in got if i is not None]
     assert len(got) == 301 and sorted(ids) == sorted(f"r{i}" for i in range(300))
     assert [e for i, e in got if i is None][0].startswith("requests.jsonl#301: line 301 is not valid JSON")

@@ -108,7 +108,7 @@ def test_report_counts_rows_not_samples(tmp_path, cfg, write_parquet):
             engine_factory=given(FakeEngine()), is_tty=False)
     summary = dict(build(str(out)).summary)
     assert summary["rows"] == "5 done of 5 (5 ok, 0 error)"
-    seconds = duckdb.sql(f"select sum(engine_seconds) from read_parquet('{out}/parts/*.parquet')").fetchall()[0][0]
+    seconds = duckdb.sql(f"select sum(engine_seconds) from read_parquet('{out}/parts/part-*.parquet')").fetchall()[0][0]
     assert summary["cost"].endswith(f", {1000 * seconds / 5:.4f} per 1,000 rows")
 
 
@@ -138,7 +138,7 @@ def test_a_remote_folder_input_is_read_in_order_with_rows_not_done_expired(tmp_p
         order = ["r04", "r03", "r02", "r01", "r00", "r14", "r13"]
         parts = sorted((out / "parts").glob("part-*.parquet"))
         parts[-1].unlink()                                     # a job killed before its last part
-        done = {r[0] for r in duckdb.sql(f"select id from read_parquet('{out}/parts/*.parquet')").fetchall()}
+        done = {r[0] for r in duckdb.sql(f"select id from read_parquet('{out}/parts/part-*.parquet')").fetchall()}
         info = export(str(out), "openai", str(tmp_path / "o.jsonl"), str(tmp_path / "e.jsonl"))
         assert info["in_input_order"] and info["ok"] == len(done)
         assert _ids(tmp_path / "o.jsonl") == [i for i in order if i in done]
@@ -275,7 +275,7 @@ def test_status_counts_the_part_a_killed_run_wrote_before_its_manifest(tmp_path,
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == -9, r.stderr[-2000:]
     in_parts = duckdb.connect().execute(
-        f"select count(distinct id) from read_parquet('{out}/parts/*.parquet')").fetchone()[0]
+        f"select count(distinct id) from read_parquet('{out}/parts/part-*.parquet')").fetchone()[0]
     assert json.loads((out / "manifest.json").read_text())["counts"]["num_done"] < in_parts
     s = job_status(str(out))
     assert (s["state"], s["rows_done"], s["rows_left"]) == ("stopped", in_parts, 30 - in_parts)

@@ -199,3 +199,33 @@ def test_a_worker_that_fails_while_the_others_answer_every_row_leaves_the_job_co
     assert len(ids) == len(set(ids)) == 400
     st = json.loads((out / "status.json").read_text())
     assert (st["state"], st["exit_code"], st["rows"]["remaining"]) == ("completed", 0, 0)
+
+
+def test_a_worker_still_starting_when_the_only_other_fails_is_waited_for(tmp_path, cfg, local_ray, monkeypatch):
+    """One worker fails at once while the other's process is still starting (a node that pulls its environment
+    first). Before, the driver took the starting one for a worker the cluster had no room for (none placed was
+    left) and killed it: the job failed with every row left. Now one not started is waited for a minute."""
+    import overnight.pipeline.cluster.ray_job as ray_job
+    from overnight.pipeline.cluster.actors import Worker
+
+    class SlowNodeAndBadNode(Worker):   # (a local class: Ray pickles it by value to its worker processes)
+        def __init__(self, cfg, index, *args):
+            if index == 0:
+                time.sleep(6)   # its hello comes only after this
+            super().__init__(cfg, index, *args)
+
+        def run(self):
+            if self.index == 1:
+                from overnight.pipeline.engine import EngineError
+                raise EngineError("CUDA out of memory on this node")
+            return super().run()
+
+    monkeypatch.setattr(ray_job, "Worker", SlowNodeAndBadNode)
+    inp = write_input(tmp_path / "in", 1, 200, 50)
+    out = tmp_path / "out"
+    s = run_on_ray(cfg(inp, out, engine={"kind": "echo", "echo_step_ms": 5, "max_num_seqs": 8},
+                       sampling={"max_tokens": 4}), False, 2, is_tty=False)
+    assert (s.state, s.exit_code, s.num_done) == ("completed", 0, 200), s.message
+    assert s.extra["failures"] == {"w1": "CUDA out of memory on this node"}
+    ids = ids_in(out)
+    assert len(ids) == len(set(ids)) == 200

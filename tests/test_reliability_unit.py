@@ -155,7 +155,7 @@ def test_a_signal_during_the_deadlines_drain_gets_its_grace(data, tmp_path, cfg,
 def test_a_second_signal_aborts_at_once_and_leaves_a_consistent_checkpoint(data, tmp_path, cfg):
     out = tmp_path / "out"
     eng = FakeEngine(max_num_seqs=2, step_sleep=0.05, length_of=lambda ids: 200)
-    steps_at = signal_when(eng, 10, signal.SIGINT, times=2, gap=0.7)   # (a person's second Ctrl-C)
+    steps_at = signal_when(eng, 10, signal.SIGINT, times=2, gap=1.5)   # (a person's second Ctrl-C)
     s = run_job(cfg(data, out, scheduler={"grace_s": 60}), engine_factory=given(eng), is_tty=False)
     aborted = json.loads((out / "status.json").read_text())["rows"]["aborted"]
     assert s.state == "interrupted" and s.exit_code == 75 and len(eng.aborted) == aborted > 0

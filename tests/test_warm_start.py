@@ -87,7 +87,7 @@ def test_the_engine_starts_while_the_predictor_learns(tmp_path, cfg, write_parqu
     started, overlapped = threading.Event(), []
     learn = done_rows.warm_start
     monkeypatch.setattr(done_rows, "warm_start",
-                        lambda *a, **k: overlapped.append(started.wait(timeout=10)) or learn(*a, **k))
+                        lambda *a, **k: overlapped.append(started.wait(timeout=120)) or learn(*a, **k))
 
     def factory(job):
         started.set()

@@ -38,6 +38,7 @@ log = logging.getLogger("overnight")
 
 POLL_S = 1.0          # how often the driver looks at its workers
 MAX_ACTOR_RESTARTS = 3
+UNPLACED_S = 60  # a worker not started by then is one the cluster has no room for
 
 
 def run_on_ray(cfg: JobConfig, fresh: bool, workers: int, address: Optional[str] = None,
@@ -210,14 +211,16 @@ class Driver:
         placed_running = len(calls) - len(waiting)
         stopped = self.signals or self.ray.get(self.coordinator.stop_state.remote())[0] or (
             self.deadline_at is not None and time.time() >= self.deadline_at)
-        # Wait for them while work is left and the job still runs (a placed worker at it, or none placed yet);
-        # not after a stop.
-        keep_waiting = not stopped and bool(pending or held) and bool(placed_running or not started)
+        # Wait for them while work is left and the job still runs (a placed worker at it, or none placed yet, or
+        # none has been waited for a minute: a worker whose process is still starting has not said hello either,
+        # and another that failed at once leaves no placed worker); not after a stop.
+        placed_soon = time.time() - self.started < UNPLACED_S
+        keep_waiting = not stopped and bool(pending or held) and bool(placed_running or not started or placed_soon)
         if not waiting or keep_waiting:
-            if waiting and time.time() - self.started > 60 and not self.warned_unplaced:
+            if waiting and not placed_soon and not self.warned_unplaced:
                 self.warned_unplaced = True
-                log.warning(f"{len(waiting)} of {self.num_workers} workers have not started after 60 s: the Ray "
-                            f"cluster has no room for them ({self.ray.cluster_resources()}); the others go on")
+                log.warning(f"{len(waiting)} of {self.num_workers} workers have not started after {UNPLACED_S} s: the "
+                            f"Ray cluster has no room for them ({self.ray.cluster_resources()}); the others go on")
             return
         for ref in waiting:
             i = calls.pop(ref)
