@@ -26,8 +26,8 @@ def test_two_ray_workers_with_the_real_engine(tmp_path, model_path):
     assert done.returncode == 0, done.stderr[-3000:]
     summary = json.loads(done.stdout[done.stdout.index("{"):])
     assert (summary["state"], summary["num_done"], summary["num_ok"]) == ("completed", 20, 20)
-    rows = duckdb.sql(f"select id, text, output_tokens, status from read_parquet('{out}/workers/*/parts/part-*.parquet')"
-                      ).fetchall()
+    parts = f"{out}/workers/*/parts/part-*.parquet"
+    rows = duckdb.sql(f"select id, text, output_tokens, status from read_parquet('{parts}')").fetchall()
     assert len(rows) == len({r[0] for r in rows}) == 20
     assert all(r[3] == "ok" and r[1] and 0 < r[2] <= 24 for r in rows)
     assert sorted(p.name for p in (out / "workers").iterdir()) == ["w00000", "w00001"]

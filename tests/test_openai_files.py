@@ -157,8 +157,8 @@ def test_shards_split_the_lines_and_answer_each_once(tmp_path, cfg, monkeypatch,
         s = run_job(c, engine_factory=given(FakeEngine()), is_tty=False)
         counts.append(s.num_rows)
     assert how in open_source(c.input, Shard(0, 2), rule).selection.how
-    ids = [r[0] for r in duckdb.sql(f"select coalesce(id, error) from read_parquet('{out}/shards/*/parts/part-*.parquet')"
-                                    ).fetchall()]
+    parts = f"{out}/shards/*/parts/part-*.parquet"
+    ids = [r[0] for r in duckdb.sql(f"select coalesce(id, error) from read_parquet('{parts}')").fetchall()]
     assert sum(counts) == 11 and len(ids) == len(set(ids)) == 11 and min(counts) > 0
     if rule == ROWS:
         assert counts == [5, 6]
