@@ -178,21 +178,7 @@ def test_a_worker_that_fails_while_the_others_answer_every_row_leaves_the_job_co
                                                                                         monkeypatch):
     """One worker's engine fails (a bad GPU on one node); the other takes its units and answers every row. The
     job is complete, exit 0, with a warning (it said failed, exit 69, "0 rows not done")."""
-    import overnight.pipeline.cluster.ray_job as ray_job
-    from overnight.pipeline.cluster.actors import Worker
-
-    class OneBadNode(Worker):   # (a local class: Ray pickles it by value to its worker processes)
-        def run(self):
-            if self.index == 1:
-                from overnight.pipeline.engine import EngineError
-                raise EngineError("CUDA out of memory on this node")
-            return super().run()
-
-    monkeypatch.setattr(ray_job, "Worker", OneBadNode)
-    inp = write_input(tmp_path / "in", 2, 200, 50)
-    out = tmp_path / "out"
-    s = run_on_ray(cfg(inp, out, engine={"kind": "echo", "echo_step_ms": 5, "max_num_seqs": 8},
-                       sampling={"max_tokens": 4}), False, 2, is_tty=False)
+    s, out = run_with_a_bad_node(tmp_path, cfg, monkeypatch, 2)
     assert (s.state, s.exit_code, s.num_done, s.message) == ("completed", 0, 400, None)
     assert s.extra["failures"] == {"w1": "CUDA out of memory on this node"}
     ids = ids_in(out)
@@ -205,13 +191,23 @@ def test_a_worker_still_starting_when_the_only_other_fails_is_waited_for(tmp_pat
     """One worker fails at once while the other's process is still starting (a node that pulls its environment
     first). Before, the driver took the starting one for a worker the cluster had no room for (none placed was
     left) and killed it: the job failed with every row left. Now one not started is waited for a minute."""
+    s, out = run_with_a_bad_node(tmp_path, cfg, monkeypatch, 1, slow_start_s=6)   # (its hello after that)
+    assert (s.state, s.exit_code, s.num_done) == ("completed", 0, 200), s.message
+    assert s.extra["failures"] == {"w1": "CUDA out of memory on this node"}
+    ids = ids_in(out)
+    assert len(ids) == len(set(ids)) == 200
+
+
+def run_with_a_bad_node(tmp_path, cfg, monkeypatch, files: int, slow_start_s: float = 0.0):
+    """A Ray job of two workers over ``files`` files of 200 rows, whose worker 1's engine fails at once (a bad GPU
+    on one node); worker 0's process takes ``slow_start_s`` more to start. Returns the summary and OUT."""
     import overnight.pipeline.cluster.ray_job as ray_job
     from overnight.pipeline.cluster.actors import Worker
 
-    class SlowNodeAndBadNode(Worker):   # (a local class: Ray pickles it by value to its worker processes)
+    class OneBadNode(Worker):   # (a local class: Ray pickles it by value to its worker processes)
         def __init__(self, cfg, index, *args):
             if index == 0:
-                time.sleep(6)   # its hello comes only after this
+                time.sleep(slow_start_s)
             super().__init__(cfg, index, *args)
 
         def run(self):
@@ -220,12 +216,8 @@ def test_a_worker_still_starting_when_the_only_other_fails_is_waited_for(tmp_pat
                 raise EngineError("CUDA out of memory on this node")
             return super().run()
 
-    monkeypatch.setattr(ray_job, "Worker", SlowNodeAndBadNode)
-    inp = write_input(tmp_path / "in", 1, 200, 50)
+    monkeypatch.setattr(ray_job, "Worker", OneBadNode)
+    inp = write_input(tmp_path / "in", files, 200, 50)
     out = tmp_path / "out"
-    s = run_on_ray(cfg(inp, out, engine={"kind": "echo", "echo_step_ms": 5, "max_num_seqs": 8},
-                       sampling={"max_tokens": 4}), False, 2, is_tty=False)
-    assert (s.state, s.exit_code, s.num_done) == ("completed", 0, 200), s.message
-    assert s.extra["failures"] == {"w1": "CUDA out of memory on this node"}
-    ids = ids_in(out)
-    assert len(ids) == len(set(ids)) == 200
+    return run_on_ray(cfg(inp, out, engine={"kind": "echo", "echo_step_ms": 5, "max_num_seqs": 8},
+                          sampling={"max_tokens": 4}), False, 2, is_tty=False), out
