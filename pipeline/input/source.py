@@ -227,9 +227,7 @@ class ParquetSource:
         return [n for n in self.schema.names if n in wanted]
 
     # -- reading -----------------------------------------------------------------------------
-    def second_pass(self) -> "ParquetSource":
-        """What a second pass over this job's input reads (the rows done before: pipeline/input/done_rows.py):
-        the source itself, whose batches() starts again from its first row."""
+    def second_pass(self) -> "ParquetSource":  # what a second pass over the input reads (done_rows.py): itself
         return self
 
     def batches(self) -> Iterator[SourceBatch]:
