@@ -235,11 +235,12 @@ def test_a_killed_worker_loses_nothing(tmp_path, cfg, local_ray):
 def test_the_deadline_stops_every_worker_then_a_rerun_completes(tmp_path, cfg, local_ray, caplog):
     inp = write_input(tmp_path / "in", 2, 600, 50)
     out = tmp_path / "out"
-    # two workers do about 13 rows/s: 1200 rows need 90 s, and the budget (which counts Ray's and the workers'
-    # start, 5-20 s on 2 busy cores, and must leave the driver time to warn) is 40 s
-    slow = {"kind": "echo", "echo_step_ms": 30, "max_num_seqs": 4}
+    # two workers do about 9 rows/s: 1200 rows need 135 s, and the budget (which counts Ray's and the workers'
+    # start: 5-20 s on 2 quiet cores, and over 40 s beside two busy loops; it must leave the driver time to warn)
+    # is 60 s
+    slow = {"kind": "echo", "echo_step_ms": 45, "max_num_seqs": 4}
     with caplog.at_level("WARNING", logger="overnight"):
-        s = run_on_ray(cfg(inp, out, engine=slow, sampling={"max_tokens": 20}, scheduler={"time_budget": "40s"}),
+        s = run_on_ray(cfg(inp, out, engine=slow, sampling={"max_tokens": 20}, scheduler={"time_budget": "60s"}),
                        False, 2, is_tty=False)
     assert (s.state, s.exit_code) == ("partial", 75)
     first = ids_in(out)
