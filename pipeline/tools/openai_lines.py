@@ -5,6 +5,7 @@ never run (``batch_expired``)."""
 from __future__ import annotations
 
 import os
+import re
 
 EXPIRED = "This request could not be executed before the completion window expired."
 
@@ -64,6 +65,38 @@ def ok_line(rid, choices, ptok, otok, finished, model, text: bool = False) -> di
                 "choices": choices,
                 "usage": {"prompt_tokens": ptok or 0, "completion_tokens": otok or 0,
                           "total_tokens": (ptok or 0) + (otok or 0)}}}}
+
+
+def ok_line_sql(rid: str, text: str, finish: str, ptok: str, otok: str, finished: str, model: str) -> str:
+    """DuckDB's SQL for ok_line's JSON text of a chat.completion with one choice and no logprobs, from SQL for its
+    values (as ok_line takes them: ``finished`` in epoch seconds): the same JSON, built in DuckDB rather than
+    Python's json (benchmarks/export_formats.py). Its ids are random UUIDs'
+    32 hex digits (gen_random_uuid: 122 random bits). One line, compact: U+0085, U+2028 and U+2029, which JSON
+    strings hold raw and str.splitlines() splits at, escaped."""
+    def new() -> str:
+        return "replace(gen_random_uuid()::varchar, '-', '')"
+
+    ptok, otok = f"coalesce({ptok}, 0)", f"coalesce({otok}, 0)"
+    line = (f"to_json({{'id': 'batch_req_' || {new()}, 'custom_id': ({rid})::varchar, 'error': null, "
+            f"'response': {{'status_code': 200, 'request_id': 'req_' || {new()}, 'body': {{"
+            f"'id': 'chatcmpl-' || {new()}, 'object': 'chat.completion', "
+            f"'created': coalesce(trunc({finished})::bigint, 0), 'model': {model}, "
+            f"'choices': [{{'index': 0, 'message': {{'role': 'assistant', 'content': {text}, 'refusal': null}}, "
+            f"'logprobs': null, 'finish_reason': coalesce(nullif({finish}, ''), 'stop')}}], "
+            f"'usage': {{'prompt_tokens': {ptok}, 'completion_tokens': {otok}, "
+            f"'total_tokens': {ptok} + {otok}}}}}}}}})::varchar")
+    for char in (0x85, 0x2028, 0x2029):
+        line = f"replace({line}, chr({char}), '\\u{char:04x}')"
+    return line
+
+
+def one_sample(con, index: str) -> bool:
+    """Whether every row of the results (a DuckDB view) is one sample: no row asked for n > 1."""
+    return index == "0" or not con.execute(f"select max({index}) from results").fetchall()[0][0]
+
+
+# The id types whose ::varchar in ok_line_sql is the str() of ok_line's custom_id
+ID_AS_TEXT = re.compile(r"^(?:VARCHAR|U?(?:TINY|SMALL|BIG|HUGE)?INT(?:EGER)?)$")
 
 
 def error_line(rid, message: str) -> dict:

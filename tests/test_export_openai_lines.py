@@ -1,0 +1,77 @@
+"""`overnight export --format openai`: the ok rows' lines that DuckDB builds are the lines Python builds."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import duckdb
+import pytest
+
+from fakes import FakeEngine, given
+from overnight.pipeline.api import run_job
+from overnight.pipeline.tools.export import export
+
+
+@pytest.mark.parametrize("id_type", ["varchar", "bigint"])
+def test_duckdbs_ok_lines_are_pythons(id_type):
+    """ok_line_sql builds the line of an ok row of one sample in DuckDB: the same JSON as ok_line's, for text JSON
+    must escape and text past ASCII, and for the line breaks str.splitlines() splits at (escaped)."""
+    from overnight.pipeline.tools.openai_lines import ok_line, ok_line_sql
+
+    texts = ['say "hi"\\ there\n\ttab\x01', "caf\u00e9 \U0001F600 \u2028para\u2029graph\x85next", "", None]
+    rows = [(i if id_type == "bigint" else f"r{i}", t, f, p, o, e)
+            for i, (t, f, p, o, e) in enumerate(zip(texts, ["stop", "", None, "length"], [5, None, 0, 7],
+                                                    [3, 0, None, 9], [1795835549.75, None, 0.0, 12.5]))]
+    con = duckdb.connect()
+    con.execute(f"create table r (id {id_type}, text varchar, finish varchar, ptok bigint, otok bigint, "
+                f"done_at timestamptz)")
+    con.executemany("insert into r values (?, ?, ?, ?, ?, to_timestamp(?))", rows)
+    sql = ok_line_sql("id", "text", "finish", "ptok", "otok", "epoch(done_at)", "'m''s model'")
+    built = [r[0] for r in con.execute(f"select {sql} from r order by id").fetchall()]
+    for line, (rid, text, finish, ptok, otok, at) in zip(built, rows):
+        assert "\n" not in line and len(line.splitlines()) == 1 and "\u2028" not in line
+        choice = {"index": 0, "message": {"role": "assistant", "content": text, "refusal": None}, "logprobs": None,
+                  "finish_reason": finish or "stop"}
+        got, want = json.loads(line), ok_line(rid, [choice], ptok, otok, at, "m's model")
+        for x in (got, want):
+            assert re.fullmatch("batch_req_[0-9a-f]{32}", x["id"]), x["id"]
+            assert re.fullmatch("req_[0-9a-f]{32}", x["response"]["request_id"])
+            assert re.fullmatch("chatcmpl-[0-9a-f]{32}", x["response"]["body"]["id"])
+            x["id"] = x["response"]["request_id"] = x["response"]["body"]["id"] = None
+        assert got == want
+
+
+def test_the_openai_export_writes_the_same_lines_with_duckdb_as_without(tmp_path, cfg, write_parquet, monkeypatch):
+    """Ok rows built by DuckDB, error and expired rows by Python: the lines are those Python alone writes, in the
+    same order, every line in one style (compact)."""
+    import overnight.pipeline.tools.export as ex
+    from overnight.pipeline.tools.openai_lines import ok_line
+
+    n = 30
+    out = tmp_path / "out"
+    inp = write_parquet({"id": [f"r{i:03d}" for i in range(n)][::-1],
+                         "prompt": [None if i == 7 else f"question {i} caf\u00e9 " + "word " * (i % 5)
+                                    for i in range(n)],
+                         "deadline": ["2020-01-01T00:00:00Z" if i == 11 else None for i in range(n)]})
+    run_job(cfg(inp, out), engine_factory=given(FakeEngine()), is_tty=False)
+    built = []   # the ok lines Python built
+    monkeypatch.setattr(ex, "ok_line", lambda *a: built.append(a[0]) or ok_line(*a))
+    export(str(out), "openai", str(tmp_path / "fast.jsonl"))
+    assert built == []
+    monkeypatch.setattr(ex, "one_sample", lambda con, index: False)   # every line through Python
+    export(str(out), "openai", str(tmp_path / "python.jsonl"))
+    assert len(built) == n - 2
+    texts = [(tmp_path / f).read_text().splitlines() for f in ("fast.jsonl", "python.jsonl")]
+    lines = [[json.loads(x) for x in t] for t in texts]
+    assert len(lines[0]) == len(lines[1]) == n
+    assert sum(x["response"] is not None and x["response"]["status_code"] == 400 for x in lines[0]) == 1  # row 7
+    assert sum(x["response"] is None for x in lines[0]) == 1                  # row 11: its deadline had passed
+    for a, b in zip(*lines):
+        for x in (a, b):
+            x["id"] = None
+            if x["response"] is not None:
+                x["response"]["request_id"] = None
+                x["response"]["body"].pop("id", None)
+        assert a == b
+    assert all(x.startswith('{"id":"batch_req_') for t in texts for x in t)
