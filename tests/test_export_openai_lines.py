@@ -42,7 +42,43 @@ def test_duckdbs_ok_lines_are_pythons(id_type):
         assert got == want
 
 
-def test_the_openai_export_writes_the_same_lines_with_duckdb_as_without(tmp_path, cfg, write_parquet, monkeypatch):
+def test_duckdbs_logprobs_are_pythons():
+    """The logprobs of a chat.completion's choice built by DuckDB as choice() and token() build them: each token's
+    UTF-8 bytes, a logprob of -inf or none as -9999, NaN as null, a token or its alternatives missing."""
+    import math
+    import random
+
+    import numpy as np
+    import pyarrow as pa
+
+    from overnight.pipeline.output.schema import LOGPROBS_TYPE
+    from overnight.pipeline.tools.export import _line
+    from overnight.pipeline.tools.openai_lines import choice, ok_line, ok_line_sql
+
+    rng = random.Random(1)
+    texts = ["a", " the", "\u00e9", "\U0001F600", "", None, "\u2028x", '"q"', "\\"]
+
+    def token(j):
+        return {"token_id": j, "token": rng.choice(texts), "logprob": rng.choice(
+            [float(np.float32(-rng.expovariate(1))), -math.inf, None, 0.0, math.nan, -12345.0]),
+                "top_logprobs": None if rng.random() < 0.1 else [
+                    {"token_id": k, "token": rng.choice(texts), "logprob": float(np.float32(-rng.expovariate(0.5)))}
+                    for k in range(rng.randint(0, 3))]}
+
+    rows = [None if r % 17 == 0 else [token(j) for j in range(rng.randint(0, 6))] for r in range(300)]
+    con = duckdb.connect()
+    con.register("t", pa.table({"id": [f"r{i:03d}" for i in range(len(rows))], "lp": pa.array(rows, LOGPROBS_TYPE)}))
+    sql = ok_line_sql("id", "'x'", "'stop'", "1", "2", "0", "'m'", "lp")
+    for rid, line, lp in con.execute(f"select id, {sql}, lp from t order by id").fetchall():
+        got, want = json.loads(line), json.loads(_line(ok_line(rid, [choice("x", "stop", 0, lp)], 1, 2, 0, "m")))
+        for x in (got, want):
+            x["id"] = x["response"]["request_id"] = x["response"]["body"]["id"] = None
+        assert got == want
+
+
+@pytest.mark.parametrize("logprobs", [None, 2])
+def test_the_openai_export_writes_the_same_lines_with_duckdb_as_without(tmp_path, cfg, write_parquet, monkeypatch,
+                                                                         logprobs):
     """Ok rows built by DuckDB, error and expired rows by Python: the lines are those Python alone writes, in the
     same order, every line in one style (compact)."""
     import overnight.pipeline.tools.export as ex
@@ -54,7 +90,7 @@ def test_the_openai_export_writes_the_same_lines_with_duckdb_as_without(tmp_path
                          "prompt": [None if i == 7 else f"question {i} caf\u00e9 " + "word " * (i % 5)
                                     for i in range(n)],
                          "deadline": ["2020-01-01T00:00:00Z" if i == 11 else None for i in range(n)]})
-    run_job(cfg(inp, out), engine_factory=given(FakeEngine()), is_tty=False)
+    run_job(cfg(inp, out, sampling={"logprobs": logprobs}), engine_factory=given(FakeEngine()), is_tty=False)
     built = []   # the ok lines Python built
     monkeypatch.setattr(ex, "ok_line", lambda *a: built.append(a[0]) or ok_line(*a))
     export(str(out), "openai", str(tmp_path / "fast.jsonl"))
@@ -74,4 +110,6 @@ def test_the_openai_export_writes_the_same_lines_with_duckdb_as_without(tmp_path
                 x["response"]["request_id"] = None
                 x["response"]["body"].pop("id", None)
         assert a == b
+    assert all((x["response"]["body"]["choices"][0]["logprobs"] is not None) == (logprobs is not None)
+               for x in lines[0] if x["response"] and x["response"]["status_code"] == 200)
     assert all(x.startswith('{"id":"batch_req_') for t in texts for x in t)

@@ -67,10 +67,11 @@ def ok_line(rid, choices, ptok, otok, finished, model, text: bool = False) -> di
                           "total_tokens": (ptok or 0) + (otok or 0)}}}}
 
 
-def ok_line_sql(rid: str, text: str, finish: str, ptok: str, otok: str, finished: str, model: str) -> str:
-    """DuckDB's SQL for ok_line's JSON text of a chat.completion with one choice and no logprobs, from SQL for its
-    values (as ok_line takes them: ``finished`` in epoch seconds): the same JSON, built in DuckDB rather than
-    Python's json (benchmarks/export_formats.py). Its ids are random UUIDs'
+def ok_line_sql(rid: str, text: str, finish: str, ptok: str, otok: str, finished: str, model: str,
+                logprobs: str = "null") -> str:
+    """DuckDB's SQL for ok_line's JSON text of a chat.completion with one choice, from SQL for its values (as
+    ok_line and choice take them: ``finished`` in epoch seconds, ``logprobs`` the column or null): the same JSON,
+    built in DuckDB rather than Python's json (benchmarks/export_openai.py). Its ids are random UUIDs'
     32 hex digits (gen_random_uuid: 122 random bits). One line, compact: U+0085, U+2028 and U+2029, which JSON
     strings hold raw and str.splitlines() splits at, escaped."""
     def new() -> str:
@@ -82,12 +83,33 @@ def ok_line_sql(rid: str, text: str, finish: str, ptok: str, otok: str, finished
             f"'id': 'chatcmpl-' || {new()}, 'object': 'chat.completion', "
             f"'created': coalesce(trunc({finished})::bigint, 0), 'model': {model}, "
             f"'choices': [{{'index': 0, 'message': {{'role': 'assistant', 'content': {text}, 'refusal': null}}, "
-            f"'logprobs': null, 'finish_reason': coalesce(nullif({finish}, ''), 'stop')}}], "
+            f"'logprobs': {_logprobs_sql(logprobs)}, 'finish_reason': coalesce(nullif({finish}, ''), 'stop')}}], "
             f"'usage': {{'prompt_tokens': {ptok}, 'completion_tokens': {otok}, "
             f"'total_tokens': {ptok} + {otok}}}}}}}}})::varchar")
     for char in (0x85, 0x2028, 0x2029):
         line = f"replace({line}, chr({char}), '\\u{char:04x}')"
     return line
+
+
+def _logprobs_sql(column: str) -> str:
+    """choice's ``logprobs`` in SQL: null, or the tokens of the logprobs column as token() writes them."""
+    if column == "null":
+        return "null"
+
+    def token_sql(t: str, top: bool) -> str:
+        text = f"coalesce({t}.token, '')"
+        hexed = f"hex(encode({text}))"
+        out = (f"'token': {text}, 'logprob': case when isnan({t}.logprob::double) then null "
+               f"else greatest(coalesce({t}.logprob::double, -9999.0), -9999.0) end, "
+               f"'bytes': list_transform(range(octet_length(encode({text}))), "
+               f"lambda i: ('0x' || substr({hexed}, 2 * i + 1, 2))::integer)")
+        if top:
+            out += (f", 'top_logprobs': list_transform(coalesce({t}.top_logprobs, []), "
+                    f"lambda a: {token_sql('a', False)})")
+        return "{" + out + "}"
+
+    return (f"case when {column} is null then null else {{'content': list_transform({column}, lambda t: "
+            f"{token_sql('t', True)}), 'refusal': null}} end")
 
 
 def one_sample(con, index: str) -> bool:
