@@ -113,3 +113,47 @@ def test_the_openai_export_writes_the_same_lines_with_duckdb_as_without(tmp_path
     assert all((x["response"]["body"]["choices"][0]["logprobs"] is not None) == (logprobs is not None)
                for x in lines[0] if x["response"] and x["response"]["status_code"] == 200)
     assert all(x.startswith('{"id":"batch_req_') for t in texts for x in t)
+
+
+def _lines(tmp_path, **columns) -> list:
+    """export's OpenAI lines for a results view of these columns (each a one-sample ok row of model "base")."""
+    import datetime as dt
+
+    import pyarrow as pa
+
+    import overnight.pipeline.tools.export as ex
+
+    n = len(next(iter(columns.values())))
+    base = {"id": [f"r{i}" for i in range(n)], "text": ["t"] * n, "finish_reason": ["stop"] * n,
+            "prompt_tokens": pa.array([1] * n, pa.int32()), "output_tokens": pa.array([1] * n, pa.int32()),
+            "finished_at": pa.array([dt.datetime(2024, 1, 1)] * n, pa.timestamp("ms")), "status": ["ok"] * n,
+            "error": pa.array([None] * n, pa.string()), "model": ["base"] * n}
+    con = duckdb.connect()
+    con.register("_t", pa.table({**base, **columns}))
+    con.execute("create view results as select * from _t")
+    out = tmp_path / "o.jsonl"
+    ex._openai(con, {"fingerprint_fields": {"id_column": "id", "model": "base"}}, False, str(out), None, "x")
+    return [json.loads(x)["response"]["body"] for x in out.read_text().splitlines()]
+
+
+def test_what_a_review_found_the_duckdb_lines_did_not_do_as_pythons(tmp_path):
+    import pyarrow as pa
+
+    from overnight.pipeline.output.schema import LOGPROBS_TYPE
+
+    # token counts whose sum passes int32 (the line failed: "Overflow in addition of INT32")
+    [body] = _lines(tmp_path, prompt_tokens=pa.array([2_000_000_000], pa.int32()),
+                    output_tokens=pa.array([2_000_000_000], pa.int32()))
+    assert body["usage"]["total_tokens"] == 4_000_000_000
+    # a logprob of +inf is null, as JSON holds no infinity (it was written Infinity)
+    [body] = _lines(tmp_path, logprobs=pa.array([[{"token_id": 1, "token": "a", "logprob": float("inf"),
+                                                   "top_logprobs": []}]], LOGPROBS_TYPE))
+    assert body["choices"][0]["logprobs"]["content"][0]["logprob"] is None
+    # a logprobs column of another shape (no top_logprobs) goes through Python (the SQL failed to bind)
+    [body] = _lines(tmp_path, logprobs=pa.array([[{"token": "a", "logprob": -0.5}]], pa.list_(
+        pa.struct([("token", pa.string()), ("logprob", pa.float32())]))))
+    assert body["choices"][0]["logprobs"]["content"] == [{"token": "a", "logprob": -0.5, "bytes": [97],
+                                                          "top_logprobs": []}]
+    # rows without a sample_index (a part written before it, beside one after) are a sample each: none is lost
+    bodies = _lines(tmp_path, id=["a", "a"], text=["one", "two"], sample_index=pa.array([None, None], pa.int32()))
+    assert [b["choices"][0]["message"]["content"] for b in bodies] == ["one", "two"]

@@ -24,8 +24,8 @@ from typing import Optional
 from overnight.pipeline.output.checkpoint import OutputError
 from overnight.pipeline.tools.input_order import INPUT_KEY, RAW, _in_order, _ordered, _result_key
 from overnight.pipeline.tools.inspection import open_results
-from overnight.pipeline.tools.openai_lines import (EXPIRED, ID_AS_TEXT, choice, error_line, expired_line, ok_line,
-                                                   ok_line_sql, one_sample, text_choice)
+from overnight.pipeline.tools.openai_lines import (EXPIRED, ID_AS_TEXT, LOGPROBS_AS_WRITTEN, choice, error_line,
+                                                   expired_line, ok_line, ok_line_sql, one_sample, text_choice)
 
 FORMATS = ("parquet", "jsonl", "csv", "openai")
 
@@ -310,10 +310,11 @@ def _openai(con, manifest: dict, in_order: bool, output: str, errors: Optional[s
     query = _in_order(id_col, cols, raw=True) if in_order else f"select *, {_raw_guess(manifest, cols)} as {RAW} " \
                                                                f"from results"
     # An ok row of one sample asked as a chat (most rows): its line built by DuckDB
-    fast = (f"status = 'ok' and not coalesce({RAW}, false) and \"{id_col}\" is not null"
-            if one_sample(con, index) and ID_AS_TEXT.match(kinds.get(id_col, "")) else "false")
+    fast = (one_sample(con, index) and ID_AS_TEXT.match(kinds.get(id_col, "")) is not None
+            and (logprobs == "null" or LOGPROBS_AS_WRITTEN.match(kinds[logprobs]) is not None))
     line = ok_line_sql(f'"{id_col}"', "text", "finish_reason", "prompt_tokens", "output_tokens", "epoch(finished_at)",
-                       f"coalesce(nullif({lora}, ''), '{quoted}')", logprobs)
+                       f"coalesce(nullif({lora}, ''), '{quoted}')", logprobs) if fast else "null"
+    fast = f"status = 'ok' and not coalesce({RAW}, false) and \"{id_col}\" is not null" if fast else "false"
     cur = con.execute(f"select \"{id_col}\", status, case when {fast} then null else text end, finish_reason, "
                       f"prompt_tokens, output_tokens, error, epoch(finished_at), {index}, "
                       f"case when {fast} then null else {logprobs} end, {lora}, coalesce({RAW}, false), "
@@ -370,7 +371,7 @@ def _by_row(cur, rows: int):
     group: list = []
     while batch := cur.fetchmany(rows):
         for r in batch:
-            if group and (r[0] != group[0][0] or r[0] is None or r[8] == 0):
+            if group and (r[0] != group[0][0] or r[0] is None or not r[8]):  # (no sample_index: a part before n)
                 yield group
                 group = []
             group.append(r)

@@ -77,7 +77,7 @@ def ok_line_sql(rid: str, text: str, finish: str, ptok: str, otok: str, finished
     def new() -> str:
         return "replace(gen_random_uuid()::varchar, '-', '')"
 
-    ptok, otok = f"coalesce({ptok}, 0)", f"coalesce({otok}, 0)"
+    ptok, otok = f"coalesce({ptok}, 0)::bigint", f"coalesce({otok}, 0)::bigint"
     line = (f"to_json({{'id': 'batch_req_' || {new()}, 'custom_id': ({rid})::varchar, 'error': null, "
             f"'response': {{'status_code': 200, 'request_id': 'req_' || {new()}, 'body': {{"
             f"'id': 'chatcmpl-' || {new()}, 'object': 'chat.completion', "
@@ -99,8 +99,9 @@ def _logprobs_sql(column: str) -> str:
     def token_sql(t: str, top: bool) -> str:
         text = f"coalesce({t}.token, '')"
         hexed = f"hex(encode({text}))"
-        out = (f"'token': {text}, 'logprob': case when isnan({t}.logprob::double) then null "
-               f"else greatest(coalesce({t}.logprob::double, -9999.0), -9999.0) end, "
+        value = f"{t}.logprob::double"   # NaN and +inf: null, as json_value writes what JSON cannot hold
+        out = (f"'token': {text}, 'logprob': case when isnan({value}) or {value} = 'infinity'::double then null "
+               f"else greatest(coalesce({value}, -9999.0), -9999.0) end, "
                f"'bytes': list_transform(range(octet_length(encode({text}))), "
                f"lambda i: ('0x' || substr({hexed}, 2 * i + 1, 2))::integer)")
         if top:
@@ -113,12 +114,17 @@ def _logprobs_sql(column: str) -> str:
 
 
 def one_sample(con, index: str) -> bool:
-    """Whether every row of the results (a DuckDB view) is one sample: no row asked for n > 1."""
-    return index == "0" or not con.execute(f"select max({index}) from results").fetchall()[0][0]
+    """Whether every row of the results (a DuckDB view) is one sample: no row asked for n > 1 (a part written before
+    sample_index was, beside one after it: null)."""
+    return index == "0" or not con.execute(f"select max(coalesce({index}, 0)) from results").fetchall()[0][0]
 
 
 # The id types whose ::varchar in ok_line_sql is the str() of ok_line's custom_id
 ID_AS_TEXT = re.compile(r"^(?:VARCHAR|U?(?:TINY|SMALL|BIG|HUGE)?INT(?:EGER)?)$")
+# A logprobs column of the shape the output writes (pipeline/output/schema.py: each token's top_logprobs, as
+# _logprobs_sql reads them); another (a folder written by hand) goes through Python's token()
+LOGPROBS_AS_WRITTEN = re.compile(r"^STRUCT\(.*\btoken VARCHAR, logprob (?:FLOAT|DOUBLE), top_logprobs STRUCT\(.*"
+                                 r"\btoken VARCHAR, logprob (?:FLOAT|DOUBLE)\)\[\]\)\[\]$")
 
 
 def error_line(rid, message: str) -> dict:
