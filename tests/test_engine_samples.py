@@ -122,7 +122,11 @@ def test_logprobs_of_the_chosen_tokens_and_the_top_k(job, tmp_path):
     for line in path.read_text().splitlines():
         completion = ChatCompletion.model_validate(json.loads(line)["response"]["body"])
         content = completion.choices[0].logprobs.content
-        assert [t.token for t in content] == [t["token"] for t in got[json.loads(line)["custom_id"]]["logprobs"]]
+        stored = got[json.loads(line)["custom_id"]]["logprobs"]
+        assert [t.token for t in content] == [t["token"] for t in stored]
+        assert [t.bytes for t in content] == [list(t["token"].encode()) for t in stored]   # (built by DuckDB)
+        assert [t.logprob for t in content] == pytest.approx([max(t["logprob"], -9999.0) for t in stored])
+        assert [len(t.top_logprobs) for t in content] == [len(t["top_logprobs"]) for t in stored]
 
 
 def test_a_lora_adapter_per_row(job):

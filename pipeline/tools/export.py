@@ -235,20 +235,22 @@ def _writing(path: str, option: str):
 
 def _json(value) -> str:
     """One JSON line, each value as json_value gives it (the same JSON type on every line): json's own encoder,
-    with DECIMAL and bytes through its ``default`` hook; the walk of _finite only for a line with a NaN."""
+    with DECIMAL and bytes through its ``default`` hook; the walk of _finite only for a line with a NaN. (A DuckDB
+    function of one value too: _python_json.)"""
+    return _dumps(value)
+
+
+def _dumps(value, **style) -> str:
     try:
-        return json.dumps(value, default=_default, allow_nan=False)
+        return json.dumps(value, default=_default, allow_nan=False, **style)
     except (ValueError, TypeError):  # (TypeError: a map's key that is not text, as bytes)
-        return json.dumps(_finite(value), default=str, allow_nan=False)
+        return json.dumps(_finite(value), default=str, allow_nan=False, **style)
 
 
 def _line(value) -> str:
     """An OpenAI line built in Python, written as DuckDB writes the others (ok_line_sql): compact, characters past
     ASCII as UTF-8 but for the line breaks of _LINE_BREAKS."""
-    try:
-        text = json.dumps(value, default=_default, allow_nan=False, separators=(",", ":"), ensure_ascii=False)
-    except (ValueError, TypeError):  # a NaN (json_value's null), or a key that is not text
-        text = json.dumps(_finite(value), default=str, allow_nan=False, separators=(",", ":"), ensure_ascii=False)
+    text = _dumps(value, separators=(",", ":"), ensure_ascii=False)
     for char, escaped in _LINE_BREAKS:
         if char in text:
             text = text.replace(char, escaped)
@@ -310,11 +312,11 @@ def _openai(con, manifest: dict, in_order: bool, output: str, errors: Optional[s
     query = _in_order(id_col, cols, raw=True) if in_order else f"select *, {_raw_guess(manifest, cols)} as {RAW} " \
                                                                f"from results"
     # An ok row of one sample asked as a chat (most rows): its line built by DuckDB
-    fast = (one_sample(con, index) and ID_AS_TEXT.match(kinds.get(id_col, "")) is not None
-            and (logprobs == "null" or LOGPROBS_AS_WRITTEN.match(kinds[logprobs]) is not None))
+    by_duckdb = (one_sample(con, index) and ID_AS_TEXT.match(kinds.get(id_col, "")) is not None
+                 and (logprobs == "null" or LOGPROBS_AS_WRITTEN.match(kinds[logprobs]) is not None))
     line = ok_line_sql(f'"{id_col}"', "text", "finish_reason", "prompt_tokens", "output_tokens", "epoch(finished_at)",
-                       f"coalesce(nullif({lora}, ''), '{quoted}')", logprobs) if fast else "null"
-    fast = f"status = 'ok' and not coalesce({RAW}, false) and \"{id_col}\" is not null" if fast else "false"
+                       f"coalesce(nullif({lora}, ''), '{quoted}')", logprobs) if by_duckdb else "null"
+    fast = f"status = 'ok' and not coalesce({RAW}, false) and \"{id_col}\" is not null" if by_duckdb else "false"
     cur = con.execute(f"select \"{id_col}\", status, case when {fast} then null else text end, finish_reason, "
                       f"prompt_tokens, output_tokens, error, epoch(finished_at), {index}, "
                       f"case when {fast} then null else {logprobs} end, {lora}, coalesce({RAW}, false), "
