@@ -11,6 +11,7 @@ below W must be warned of early, with a count near the rows left.
 
     python benchmarks/warning_fixed_step.py                      # 3000 rows, 64 sequences, budgets 1.3 and 0.6 W
     python benchmarks/warning_fixed_step.py --rows 6000 --shares 1.1 0.8 0.5
+    python benchmarks/warning_fixed_step.py --predictor heuristic    # no refit of the predictions during the run
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ def write_input(path: Path, rows: int) -> None:
 def run(inp: Path, out: Path, args, budget: float | None) -> dict:
     cmd = [str(Path(sys.executable).parent / "overnight"), "--log-format", "json", "run", str(inp), "--out", str(out),
            "--fresh", "--engine", "echo", "--echo-step-ms", str(args.step_ms), "--max-tokens", "64",
-           "--max-num-seqs", str(args.seqs), "--log-every", "0.5", "--json"]
+           "--max-num-seqs", str(args.seqs), "--log-every", "0.5", "--predictor", args.predictor, "--json"]
     if budget is not None:
         cmd += ["--time-budget", f"{budget:.1f}s"]
     t0 = time.monotonic()
@@ -65,13 +66,17 @@ def main() -> None:
     p.add_argument("--seqs", type=int, default=64)
     p.add_argument("--step-ms", type=float, default=20.0)
     p.add_argument("--shares", type=float, nargs="+", default=[1.3, 0.6])
+    p.add_argument("--predictor", default="online",
+                   help="online (the default's: the heuristic until 256 rows have finished, then refitted), or "
+                        "heuristic (never learns: the order the first warning sees is the order to the end)")
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         inp = Path(tmp) / "in.parquet"
         write_input(inp, args.rows)
         base = run(inp, Path(tmp) / "out", args, None)
         w = base["wall"]
-        print(f"{args.rows} rows, {args.seqs} sequences, {args.step_ms:g} ms a step whatever its size: "
+        print(f"{args.rows} rows, {args.seqs} sequences, {args.step_ms:g} ms a step whatever its size, "
+              f"--predictor {args.predictor}: "
               f"W = {w:.1f} s without a deadline ({base['summary']['state']})")
         for share in args.shares:
             r = run(inp, Path(tmp) / "out", args, share * w)

@@ -217,14 +217,14 @@ class Runner(Clockwork):
         if self.input_error is not None:
             return None
         try:
-            return self.reader.get(block=block, timeout=timeout)
+            batch = self.reader.get(block=block, timeout=timeout)
+            self.tally.num_taken += 0 if batch is None else len(batch.rows) + len(batch.errors)  # for the forecast
+            return batch
         except (InputError, StorageError) as e:
             self.input_error = e
-            read = self.scheduler.num_pending + self.scheduler.num_running
-            if read:
+            if read := self.scheduler.num_pending + self.scheduler.num_running:
                 log.warning(f"the input cannot be read on: the {read} rows read before are answered first, then the "
                             f"job stops with the error")
-            return None
 
     def _input_ended(self) -> bool:
         return self.reader.is_exhausted or self.input_error is not None

@@ -132,7 +132,8 @@ def simulate(policy, cost, n_rows=600, m=64, deadline_share=None, makespan=None,
     rows = [Row(id=i, prompt_token_ids=[1] * 50, sampling={"max_tokens": row_max_tokens, "n": n_samples},
                 passthrough={}, origin=str(i), predicted_tokens=int(p)) for i, p in enumerate(predicted)]
     sched.add(rows, 0.0)
-    tally = SimpleNamespace(num_rows=n_rows, num_read=n_rows, num_resumed=0, mean_predicted=float(predicted.mean()))
+    tally = SimpleNamespace(num_rows=n_rows, num_taken=n_rows, num_duplicates=0, num_resumed=0,
+                            mean_predicted=float(predicted.mean()))
     waiting, running = [], {}  # running: request -> tokens left of each of its sequences
     done, samples, caps, weights, rates, tails = 0, [], [], [], [], []
     next_forecast = 0.0
