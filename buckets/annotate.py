@@ -120,6 +120,15 @@ class LengthAnnotator:
             self.loop_seconds += time.perf_counter() - t0
         # else the learner thread takes it within LEARN_POLL_S
 
+    def rows_to_learn(self) -> Optional[int]:
+        """The finished rows the online predictor waits for before it first learns from this job (its prior's
+        predictions stand until then); None once it has learned (a resume's warm start included), or for a
+        predictor that never learns."""
+        p = self.predictor
+        if not p.learns or self._learner_failed or getattr(p, "model", None) is not None:
+            return None
+        return getattr(p, "min_rows", None)
+
     def wants_refresh(self) -> bool:
         """After the first refresh_every rows, then whenever what it learned from has doubled:
         the model changes most early on, and each refresh re-predicts the whole pool."""

@@ -73,7 +73,7 @@ class Progress:
         self.forecast_eta: Optional[float] = None
         self.eta_range: Optional[tuple[float, float]] = None
         self._deadline_left: Optional[float] = None
-        self._deadline_set_at = 0.0
+        self._forecast_at = 0.0  # when the last forecast came (the progress's clock)
         self.deadline_at_risk = False
         # The job's story over time, for `overnight report`: a sample at each forecast (every 2 s), thinned to
         # every other one whenever MAX_SAMPLES is reached, so a night's run keeps ~1,000-2,000 points.
@@ -144,20 +144,29 @@ class Progress:
         self.forecast_eta = eta_s
         self.eta_range = None if not detail or detail.get("eta_low_s") is None else (detail["eta_low_s"],
                                                                                      detail["eta_high_s"])
-        self._deadline_left, self._deadline_set_at = deadline_left_s, self.clock()
+        self._deadline_left, self._forecast_at = deadline_left_s, self.clock()
         self.deadline_at_risk = at_risk
         self.sample(detail)
 
+    def _since_forecast(self, seconds: Optional[float]) -> Optional[float]:
+        """A time from the last forecast, counted down since: forecasts may be far apart (one over a pool of 10k
+        rows costs 10-40 ms of CPU, so the next comes 5-20 s later), and a 20k-row job's ETA shown at 10% of its
+        rows was the one from its first seconds, 3.3 times the time left."""
+        return None if seconds is None else max(0.0, seconds - (self.clock() - self._forecast_at))
+
     @property
     def deadline_left(self) -> Optional[float]:
-        """The time to the deadline now: the last forecast's, counted down since (forecasts may be far apart)."""
-        if self._deadline_left is None:
-            return None
-        return max(0.0, self._deadline_left - (self.clock() - self._deadline_set_at))
+        """The time to the deadline now."""
+        return self._since_forecast(self._deadline_left)
+
+    @property
+    def eta_range_now(self) -> Optional[tuple[float, float]]:
+        return None if self.eta_range is None else (self._since_forecast(self.eta_range[0]),
+                                                    self._since_forecast(self.eta_range[1]))
 
     def sample(self, detail: Optional[dict] = None) -> None:
         now = time.time()
-        if self.samples and now - self.samples[-1]["t"] < self.sample_every:
+        if self.samples and self.sample_every and now - self.samples[-1]["t"] < self.sample_every:
             return
         self.samples.append({"t": round(now, 3), "rows_done": self.done, "output_tokens": self.tokens,
                              "output_tokens_per_s": round(self.tokens_per_s(), 2),
@@ -170,7 +179,8 @@ class Progress:
     def postfix(self) -> str:
         text = f"{self.tokens_per_s():.0f} tok/s, ETA {fmt_duration(self.eta_seconds())}"
         if self.eta_range is not None and self.forecast_eta is not None:
-            text += f" ({fmt_duration(self.eta_range[0])}-{fmt_duration(self.eta_range[1])})"
+            low, high = self.eta_range_now
+            text += f" ({fmt_duration(low)}-{fmt_duration(high)})"
         if self.deadline_left is not None:
             text += f", deadline in {fmt_duration(self.deadline_left)}{' AT RISK' if self.deadline_at_risk else ''}"
         return text
@@ -179,7 +189,7 @@ class Progress:
         if self.total and self.done >= self.total:  # every row done: the last forecast's ETA is past
             return 0.0
         if self.forecast_eta is not None:
-            return self.forecast_eta
+            return self._since_forecast(self.forecast_eta)
         rate = self.row_rate.per_second(self.clock())
         remaining = max(0, self.total - self.done)
         if remaining == 0:
@@ -194,7 +204,7 @@ class Progress:
         """What a progress line says, as numbers (the JSON log lines carry them)."""
         return {"rows_done": self.done, "rows_total": self.total,
                 "output_tokens_per_s": round(self.tokens_per_s(), 2), "eta_s": self.eta_seconds(),
-                "eta_range_s": None if self.eta_range is None else [round(x, 1) for x in self.eta_range],
+                "eta_range_s": None if self.eta_range is None else [round(x, 1) for x in self.eta_range_now],
                 "deadline_left_s": self.deadline_left, "deadline_at_risk": self.deadline_at_risk}
 
     def close(self) -> None:

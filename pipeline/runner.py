@@ -60,7 +60,7 @@ class Runner(Clockwork):
                                          cfg.buckets.num_buckets, background=True)
         self.tracker = DeadlineTracker(job.deadline_at, job.margin_s, clock, sc.tokens_per_second,
                                        max_tokens=cfg.sampling.max_tokens, calibrated=predictor.calibrated)
-        self.tracker.drains = sc.on_deadline != "abort"
+        self.tracker.drains, self.tracker.rows_to_learn = sc.on_deadline != "abort", self.annotator.rows_to_learn
         self.tracker.start(self.scheduler)
         scan = job.scan
         self.tally = Tally(job.source.num_rows, scan.num_ok, scan.num_error, scan.num_output_tokens)

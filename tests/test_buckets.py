@@ -221,6 +221,19 @@ def test_online_predictor_calibrates_the_heuristic_scale():
     assert abs(online.predict(test).tokens.mean() / y_test.mean() - 1) < 0.10
 
 
+def test_the_annotator_says_how_many_rows_the_online_predictor_waits_for_until_it_has_learned():
+    """What the deadline's warning says of its count (DeadlineTracker.rows_to_learn): the rows the online
+    predictor waits for, until its first refit; nothing for a predictor that never learns."""
+    assert LengthAnnotator(HeuristicPredictor(), 512, background=False).rows_to_learn() is None
+    a = LengthAnnotator(OnlinePredictor(), 512, background=False)
+    train, y = noisy_workload(300, seed=17)
+    for start in range(0, 300, 64):
+        assert a.rows_to_learn() == (256 if start < 256 else None)  # it refits once 256 have finished
+        rows = np.arange(start, min(start + 64, 300))
+        a.predictor.observe(subset(train, rows), y[rows], np.zeros(len(rows), bool))
+    assert a.predictor.num_observed == 300 and a.rows_to_learn() is None
+
+
 def test_online_predictor_warm_starts_from_a_trained_file(tmp_path):
     """`--predictor FILE` with learning: the first rows get the file's predictions; a run whose lengths differ
     from the file's training data (here 1.6x longer) corrects the scale as rows finish and keeps the ranking."""

@@ -322,14 +322,24 @@ def test_plan_refuses_an_out_of_other_settings_as_the_run_does(tmp_path, cfg, wr
     assert r.exit_code == 0 and "3 already done" in r.output, r.output
 
 
-def test_the_deadline_counts_down_between_forecasts_and_a_finished_job_has_no_eta():
+def test_the_deadline_and_the_eta_count_down_between_forecasts_and_a_finished_job_has_no_eta():
+    """Forecasts may be far apart (over a pool of 10k rows, 5-20 s); what they said counts down meanwhile, in
+    the progress line, its JSON counters and the timeline's samples (a 20k-row job's ETA at 10% of its rows was
+    its first seconds' forecast, 3.3 times the time left)."""
     from overnight.pipeline.progress import Progress
 
     now = [0.0]
     p = Progress(10, 0, log_every=30.0, is_tty=False, clock=lambda: now[0])
-    p.set_forecast(40.0, 100.0, False)
+    p.set_forecast(40.0, 100.0, False, {"eta_low_s": 35.0, "eta_high_s": 50.0})
     now[0] = 30.0                                    # no forecast since: the deadline came 30 s nearer all the same
     assert p.deadline_left == 70.0 and "deadline in 1m10s" in p.line()
+    assert p.eta_seconds() == 10.0 and "ETA 10s (5s-20s)" in p.line() and p.counters()["eta_range_s"] == [5.0, 20.0]
+    p.sample()
+    assert p.samples[-1]["eta_s"] == 10.0 and p.samples[0]["eta_s"] == 40.0 and p.samples[0]["eta_low_s"] == 35.0
+    now[0] = 45.0
+    assert p.eta_seconds() == 0.0 and p.counters()["eta_range_s"] == [0.0, 5.0]  # late: 0, not less
+    p.set_forecast(12.0, 55.0, False)                # a new forecast: from it
+    assert p.eta_seconds() == 12.0 and p.eta_range is None
     now[0] = 500.0
     assert p.deadline_left == 0.0
     p.update(10, 100)                                # every row done: the last forecast's 40 s are past

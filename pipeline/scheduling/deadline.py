@@ -95,6 +95,9 @@ class DeadlineTracker:
         self._measured = 0  # steps measured since the engine settled
         self._step_n = self._step_prefill = 0
         self._done: tuple[list, list, list] = ([], [], [])  # finished rows not learned from yet
+        # The finished rows the length predictor waits for before it first learns from this job's (None: it has,
+        # or never learns): a warning before then says that its count may move (LengthAnnotator.rows_to_learn).
+        self.rows_to_learn: Callable[[], Optional[int]] = lambda: None
 
     # -- what the runner reports -----------------------------------------------------------------
     def engine_started(self, max_num_seqs: int) -> None:
@@ -302,4 +305,8 @@ class DeadlineTracker:
                 f"{fmt_duration(f.eta_s)} (about {rate:.0f} tok/s), but only {fmt_duration(f.time_left_s)} "
                 f"remain before "
                 f"{iso(self.stop_at)}; expect about {f.rows_expected_left} of {f.remaining_rows} remaining rows to "
-                f"be left undone (the job will stop in time and exit {EXIT_PARTIAL}; rerun it to continue)")
+                f"be left undone (the job will stop in time and exit {EXIT_PARTIAL}; rerun it to continue)"
+                + ("" if not (waits := self.rows_to_learn()) else
+                   f". The count goes by length predictions not yet learned from this job (the online predictor "
+                   f"learns once {waits} rows have finished), which set the order the rows run in: it is said "
+                   f"again if it moves by a fifth"))
