@@ -26,14 +26,17 @@ TICK_S, FORECAST_S = 1.0, 2.0  # how often the loop measures, and how often it f
 FINISH_S = 3.0
 
 
-def forecast_spacing(cpu_s: float, time_left: float = math.inf) -> float:
+def forecast_spacing(cpu_s: float, time_left: float = math.inf, elapsed: float = math.inf) -> float:
     """Seconds until the next forecast, after one that took cpu_s of the loop's CPU time. A forecast takes a few ms
     (the drain simulation); it may take at most 0.2% of the loop's time. Its own CPU time, not the wall clock's: on
     a busy machine one forecast preempted for 40 ms would otherwise put the next 20 s off (samples 24 s apart on a
     2-core machine running the engine beside it). With a deadline, at most a tenth of the time left (never under
     FORECAST_S): on a GPU a forecast of 1,300 pending rows took 12 ms, so the next came 6 s later, when a 45 s
-    budget had 14 s left and a third of the rows were done (docs/BENCHMARKS.md, "First runs on a GPU")."""
-    return min(max(FORECAST_S, 500 * cpu_s), max(FORECAST_S, 0.1 * time_left))
+    budget had 14 s left and a third of the rows were done (docs/BENCHMARKS.md, "First runs on a GPU"). And at most
+    a tenth of the time ``elapsed`` since the loop's first tick: the first forecasts change most (the steps of the
+    first seconds ran slow while the input thread read the pool, and the lengths are still being learned), and one
+    over a pool of 10k rows (10-40 ms) put the next 8-14 s off, with a tenth of a 20k-row job's rows done by then."""
+    return min(max(FORECAST_S, 500 * cpu_s), max(FORECAST_S, 0.1 * time_left), max(FORECAST_S, 0.1 * elapsed))
 
 
 class Clockwork:
@@ -78,7 +81,8 @@ class Clockwork:
             self._last_forecast = now
             t0 = time.thread_time()
             self._forecast()
-            self._forecast_every = forecast_spacing(time.thread_time() - t0, self.tracker.time_left())
+            self._forecast_every = forecast_spacing(time.thread_time() - t0, self.tracker.time_left(),
+                                                    self.tracker.seconds_observed())
 
     def _lock_lost(self) -> bool:
         return self.job.lock is not None and self.job.lock.lost

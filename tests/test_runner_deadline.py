@@ -176,6 +176,8 @@ def test_forecasts_near_a_deadline_come_at_least_every_tenth_of_the_time_left(wr
 
     assert forecast_spacing(0.02) == 10.0 and forecast_spacing(0.001) == 2.0
     assert forecast_spacing(0.02, 40.0) == 4.0 and forecast_spacing(0.02, 5.0) == 2.0
+    # and at most a tenth of the time since the loop's first tick: the first forecasts change most
+    assert forecast_spacing(0.02, elapsed=30.0) == 3.0 and forecast_spacing(0.02, elapsed=300.0) == 10.0
     calls = []
     forecast_job = DeadlineTracker.forecast_job
 
@@ -216,3 +218,30 @@ def test_the_forecast_counts_the_rows_waiting_in_the_input_stages_queue(write_pa
     assert s.state == "completed" and len(seen) > 20
     # every row not done, and no other: in the engine, in the pool, in the input stage's queue, or not read yet
     assert all(rows == left for rows, left in seen), [x for x in seen if x[0] != x[1]][:5]
+
+
+def test_the_first_forecasts_come_at_least_every_tenth_of_the_time_so_far(write_parquet, tmp_path, cfg, monkeypatch):
+    """Without a deadline, a forecast that costs 20 ms of CPU puts the next 10 s off; in a job's first minutes the
+    next comes within a tenth of the time since the loop began (a 20k-row job's forecast over a pool of 10k rows
+    put the next 8-14 s off, and its ETA at 10% of the rows was its first seconds' one, counted down)."""
+    import time
+
+    from overnight.pipeline.scheduling.deadline import DeadlineTracker
+
+    calls = []
+    forecast_job = DeadlineTracker.forecast_job
+
+    def costly(self, *a, **k):
+        calls.append(self.clock())
+        t0 = time.thread_time()
+        while time.thread_time() - t0 < 0.02:
+            pass
+        return forecast_job(self, *a, **k)
+
+    monkeypatch.setattr(DeadlineTracker, "forecast_job", costly)
+    s, _ = budget_run(cfg, deadline_data(write_parquet, n=60), tmp_path / "out", "fifo", budget="10h")
+    assert s.state == "completed"
+    start = calls[0]
+    gaps = [(b - a, a - start) for a, b in zip(calls, calls[1:])]
+    assert len(gaps) >= 10 and calls[-1] - start > 100, gaps  # well past the first 100 s (a tenth: 10 s)
+    assert all(gap <= max(2.0, 0.1 * (since + 1.0)) + 1.0 for gap, since in gaps), gaps  # + a tick: the loop's pace

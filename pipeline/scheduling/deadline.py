@@ -168,6 +168,10 @@ class DeadlineTracker:
             self._first = now
         self.rate.add(now, total_output_tokens)
 
+    def seconds_observed(self) -> float:
+        """Seconds since the loop's first tick (observe)."""
+        return 0.0 if self._first is None else self.clock() - self._first
+
     @property
     def tokens_per_s(self) -> Optional[float]:
         measured = self.rate.per_second()
