@@ -121,13 +121,13 @@ class LengthAnnotator:
         # else the learner thread takes it within LEARN_POLL_S
 
     def rows_to_learn(self) -> Optional[int]:
-        """The finished rows the online predictor waits for before it first learns from this job (its prior's
-        predictions stand until then); None once it has learned (a resume's warm start included), or for a
-        predictor that never learns."""
+        """The rows of this run that must finish before the online predictor first learns from this job (its
+        prior's predictions stand until then): a batch of learn_batch, and its min_rows with the rows it learned
+        from at a resume's warm start. None once it has learned, or for a predictor that never learns."""
         p = self.predictor
         if not p.learns or self._learner_failed or getattr(p, "model", None) is not None:
             return None
-        return getattr(p, "min_rows", None)
+        return max(self.learn_batch, getattr(p, "min_rows", 0) - getattr(p, "num_observed", 0))
 
     def wants_refresh(self) -> bool:
         """After the first refresh_every rows, then whenever what it learned from has doubled:

@@ -35,8 +35,10 @@ def forecast_spacing(cpu_s: float, time_left: float = math.inf, elapsed: float =
     budget had 14 s left and a third of the rows were done (docs/BENCHMARKS.md, "First runs on a GPU"). And at most
     a tenth of the time ``elapsed`` since the loop's first tick: the first forecasts change most (the steps of the
     first seconds ran slow while the input thread read the pool, and the lengths are still being learned), and one
-    over a pool of 10k rows (10-40 ms) put the next 8-14 s off, with a tenth of a 20k-row job's rows done by then."""
-    return min(max(FORECAST_S, 500 * cpu_s), max(FORECAST_S, 0.1 * time_left), max(FORECAST_S, 0.1 * elapsed))
+    over a pool of 10k rows (10-40 ms) put the next 8-14 s off, with a tenth of a 20k-row job's rows done by then;
+    but so that they take at most 2% of the loop's time (50 times their CPU time: a larger pool's costlier ones)."""
+    early = max(FORECAST_S, 0.1 * elapsed, 50 * cpu_s)
+    return min(max(FORECAST_S, 500 * cpu_s), max(FORECAST_S, 0.1 * time_left), early)
 
 
 class Clockwork:

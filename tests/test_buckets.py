@@ -232,6 +232,10 @@ def test_the_annotator_says_how_many_rows_the_online_predictor_waits_for_until_i
         rows = np.arange(start, min(start + 64, 300))
         a.predictor.observe(subset(train, rows), y[rows], np.zeros(len(rows), bool))
     assert a.predictor.num_observed == 300 and a.rows_to_learn() is None
+    # a resume's warm start learned from 300 rows, short of a min_rows of 1,000: 700 more (at least a batch)
+    b = LengthAnnotator(OnlinePredictor(min_rows=1000), 512, background=False)
+    b.predictor.observe(train, y, np.zeros(300, bool))
+    assert b.rows_to_learn() == 700
 
 
 def test_online_predictor_warm_starts_from_a_trained_file(tmp_path):

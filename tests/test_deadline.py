@@ -189,5 +189,5 @@ def test_a_warning_before_the_predictor_has_learned_says_its_count_may_move(capl
         with caplog.at_level("WARNING", logger="overnight"):
             t.steer(Forecast(100.0, 1e5, 400, 90.0, 60.0, True, 150), Scheduler(8, 1.0, "fifo"))
         said.append(caplog.records[0].getMessage())
-    assert "expect about 150 of 400" in said[0] and "learns once 256 rows have finished" in said[0]
+    assert "expect about 150 of 400" in said[0] and "learns once 256 rows of this run have finished" in said[0]
     assert "expect about 150 of 400" in said[1] and "learn" not in said[1]

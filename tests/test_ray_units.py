@@ -190,3 +190,25 @@ def test_workers_get_a_model_folder_by_its_absolute_path(tmp_path, cfg, write_pa
     w = worker_config(c, None, 0.0, False)
     assert (c.engine.model, w.engine.model) == ("m", str(tmp_path / "m"))
     assert w.output.metrics_file is None and w.scheduler.lookahead_rows <= 2 * c.engine.max_num_seqs
+
+
+def test_a_workers_flushed_status_carries_its_last_forecasts_time_not_the_flushs(tmp_path):
+    """The driver counts a worker's ETA down from the time of its forecast (cluster/eta.worker_forecast). The
+    status a worker writes at each part carries the last forecast, so it carries that forecast's time: stamped
+    at the flush, the ETA read as up to a forecast's spacing too long."""
+    import time
+
+    from overnight.pipeline.cluster.actors import ReportingOutputDir
+    from overnight.pipeline.cluster.eta import worker_forecast
+
+    got = []
+    coordinator = SimpleNamespace(report=SimpleNamespace(remote=lambda i, st: got.append(st)),
+                                  progress=SimpleNamespace(remote=lambda i, rows, f, at: got.append(at)))
+    out = ReportingOutputDir(str(tmp_path), coordinator, 0)
+    forecast = {"eta_s": 60.0, "tokens_per_s": 100.0, "remaining_tokens_predicted": 6000, "remaining_rows": 10}
+    out.report_progress({"remaining": 10}, forecast)
+    made = got[-1]
+    time.sleep(0.3)
+    out.write_status({"state": "running", "rows": {"remaining": 10}, "forecast": forecast})
+    assert got[-1]["forecast_at"] == made
+    assert worker_forecast(got[-1], made + 20.0).eta_s == pytest.approx(40.0)

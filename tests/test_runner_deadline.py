@@ -178,6 +178,7 @@ def test_forecasts_near_a_deadline_come_at_least_every_tenth_of_the_time_left(wr
     assert forecast_spacing(0.02, 40.0) == 4.0 and forecast_spacing(0.02, 5.0) == 2.0
     # and at most a tenth of the time since the loop's first tick: the first forecasts change most
     assert forecast_spacing(0.02, elapsed=30.0) == 3.0 and forecast_spacing(0.02, elapsed=300.0) == 10.0
+    assert forecast_spacing(0.2, elapsed=30.0) == 10.0  # but at most 2% of the loop: 50 times a costly one
     calls = []
     forecast_job = DeadlineTracker.forecast_job
 

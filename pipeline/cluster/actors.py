@@ -187,13 +187,16 @@ class ReportingOutputDir(OutputDir):
     def __init__(self, url: str, coordinator, index: int):
         super().__init__(url)
         self.coordinator, self.index = coordinator, index
+        self.forecast_at: Optional[float] = None  # when the last forecast came (the status carries that one)
 
     def write_status(self, status: dict) -> None:
         super().write_status(status)
-        self.coordinator.report.remote(self.index, dict(status, forecast_at=time.time()))
+        # the forecast's own time, not the flush's: the driver counts its ETA down from it (cluster/eta.py)
+        self.coordinator.report.remote(self.index, dict(status, forecast_at=self.forecast_at or time.time()))
 
     def report_progress(self, rows: dict, forecast: dict) -> None:
-        self.coordinator.progress.remote(self.index, rows, forecast, time.time())
+        self.forecast_at = time.time()
+        self.coordinator.progress.remote(self.index, rows, forecast, self.forecast_at)
 
 
 def jobmod_deadline(sc) -> float:

@@ -312,5 +312,5 @@ class DeadlineTracker:
                 f"be left undone (the job will stop in time and exit {EXIT_PARTIAL}; rerun it to continue)"
                 + ("" if not (waits := self.rows_to_learn()) else
                    f". The count goes by length predictions not yet learned from this job (the online predictor "
-                   f"learns once {waits} rows have finished), which set the order the rows run in: it is said "
-                   f"again if it moves by a fifth"))
+                   f"learns once {waits} rows of this run have finished), which set the order the rows run in: a "
+                   f"revised count is logged if it moves by more than a fifth"))
