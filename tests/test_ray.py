@@ -230,6 +230,9 @@ def test_a_killed_worker_loses_nothing(tmp_path, cfg, local_ray):
     assert status["worker_restarts"] == s.extra["worker_restarts"]
     ids = ids_in(out)
     assert len(ids) == len(set(ids)) == 1000
+    # the rows of a unit handed out again that the dead worker's folder held are not left "remaining" anywhere
+    left = {p.parent.name: json.loads(p.read_text())["rows"] for p in (out / "workers").glob("w*/status.json")}
+    assert all(r["remaining"] == 0 for r in left.values()), left
 
 
 def test_the_deadline_stops_every_worker_then_a_rerun_completes(tmp_path, cfg, local_ray, caplog):

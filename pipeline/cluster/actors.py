@@ -253,8 +253,10 @@ class Worker:
 
         def skipped(n: int) -> None:  # rows whose id repeats one met earlier in the input (the driver found them)
             runner.tally.num_duplicates += n
-        job.source.on_unit = taken
-        job.source.on_duplicates = skipped
+
+        def elsewhere(n: int) -> None:  # rows a dead worker's folder holds: not this worker's (it left them
+            runner.tally.num_rows -= n  # "remaining" in its status, and unread in its forecast, to the end)
+        job.source.on_unit, job.source.on_duplicates, job.source.on_done_elsewhere = taken, skipped, elsewhere
         summary = runner.run()
         if summary.state == "completed":
             self.coordinator.finished.remote(self.index)

@@ -83,6 +83,8 @@ class UnitSource(ParquetSource):
         self.done_in = id_column_of  # a Scan of what a dead worker's folder holds ("folder#n")
         self.on_unit: Callable[[int], None] = lambda n: None
         self.on_duplicates: Callable[[int], None] = lambda n: None  # rows of a unit skipped as duplicates
+        # rows of a unit handed out again that a dead worker's folder holds: done, and counted there
+        self.on_done_elsewhere: Callable[[int], None] = lambda n: None
         self.rows_taken = 0
         self.sees_every_row = False  # its resume must not call the ids other workers wrote "removed"
 
@@ -111,7 +113,10 @@ class UnitSource(ParquetSource):
                     if sb is None:
                         continue
                 for scan in dead:
+                    n = sb.batch.num_rows
                     sb = _without(sb, scan, self.cfg.id_column if self.has_id_column else None)
+                    if n - (0 if sb is None else sb.batch.num_rows):
+                        self.on_done_elsewhere(n - (0 if sb is None else sb.batch.num_rows))
                     if sb is None:
                         break
                 if sb is not None:
