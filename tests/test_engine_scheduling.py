@@ -194,6 +194,8 @@ def test_early_warning_comes_before_five_percent_of_rows(warm, tmp_path, monkeyp
     ranged = [s for s in timeline if s.get("eta_low_s") is not None]
     assert ranged and all(s["eta_low_s"] >= 1000 and s["eta_s"] >= 1000 for s in ranged), ranged
     assert "deadline at risk" in result.output and "remaining rows to be left undone" in result.output
+    # before 256 rows have finished: the online predictor has not learned yet, and the warning says its count may move
+    assert "not yet learned from this job" in result.output and "256 rows of this run" in result.output
     done = json.loads((out / "status.json").read_text())["rows"]["done"]
     left = 200 - done
     # what the warning expected against what happened, within a factor of two: the pace at the warning holds only
