@@ -98,7 +98,9 @@ class Clockwork:
     def _forecast(self) -> None:
         # Rows an earlier attempt did are left out of the unread rows; a Ray worker's units are not its folder's
         # rows, so it knows only those it has met.
-        before = self.job.scan.num_done if self.job.source.sees_every_row else self.tally.num_resumed
+        # (and those outside a --limit's rows)
+        before = (self.job.scan.num_done - self.tally.num_outside if self.job.source.sees_every_row
+                  else self.tally.num_resumed)
         f = self.tracker.forecast_job(self.scheduler, self.tally, before, self.engine.max_num_seqs)
         # The ETA shown is the command's return: the last row's, and then the job's end (FINISH_S).
         shown = [None if x is None else x + FINISH_S for x in (f.eta_s, f.eta_low_s, f.eta_high_s)]

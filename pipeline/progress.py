@@ -161,8 +161,9 @@ class Progress:
 
     @property
     def eta_range_now(self) -> Optional[tuple[float, float]]:
-        return None if self.eta_range is None else (self._since_forecast(self.eta_range[0]),
-                                                    self._since_forecast(self.eta_range[1]))
+        if self.eta_range is None or (self.total and self.done >= self.total):  # (every row done: no range)
+            return None
+        return self._since_forecast(self.eta_range[0]), self._since_forecast(self.eta_range[1])
 
     def sample(self, detail: Optional[dict] = None) -> None:
         now = time.time()
@@ -178,7 +179,7 @@ class Progress:
 
     def postfix(self) -> str:
         text = f"{self.tokens_per_s():.0f} tok/s, ETA {fmt_duration(self.eta_seconds())}"
-        if self.eta_range is not None and self.forecast_eta is not None:
+        if self.eta_range_now is not None and self.forecast_eta is not None:
             low, high = self.eta_range_now
             text += f" ({fmt_duration(low)}-{fmt_duration(high)})"
         if self.deadline_left is not None:
@@ -204,7 +205,7 @@ class Progress:
         """What a progress line says, as numbers (the JSON log lines carry them)."""
         return {"rows_done": self.done, "rows_total": self.total,
                 "output_tokens_per_s": round(self.tokens_per_s(), 2), "eta_s": self.eta_seconds(),
-                "eta_range_s": None if self.eta_range is None else [round(x, 1) for x in self.eta_range_now],
+                "eta_range_s": None if self.eta_range_now is None else [round(x, 1) for x in self.eta_range_now],
                 "deadline_left_s": self.deadline_left, "deadline_at_risk": self.deadline_at_risk}
 
     def close(self) -> None:

@@ -27,7 +27,7 @@ from overnight.pipeline.clockwork import FORECAST_S, TICK_S, Clockwork
 from overnight.pipeline.engine import EngineError
 from overnight.pipeline.input.done_rows import after_warm_start
 from overnight.pipeline.input.prefetch import PREFETCH_DEPTH, Prefetcher
-from overnight.pipeline.input.resume import ResumeFilter
+from overnight.pipeline.input.resume import ResumeFilter, rows_outside
 from overnight.pipeline.input.source import InputError
 from overnight.pipeline.input.stage import prepare
 from overnight.pipeline.output.writer import CheckpointWriter
@@ -63,9 +63,9 @@ class Runner(Clockwork):
         self.tracker.drains, self.tracker.rows_to_learn = sc.on_deadline != "abort", self.annotator.rows_to_learn
         self.tracker.start(self.scheduler)
         scan = job.scan
-        self.tally = Tally(job.source.num_rows, scan.num_ok, scan.num_error, scan.num_output_tokens)
-        self.progress = Progress(job.source.num_rows, min(scan.num_done, job.source.num_rows),
-                                 cfg.output.log_every_seconds, is_tty=is_tty)
+        t = self.tally = Tally(job.source.num_rows, scan.num_ok, scan.num_error, scan.num_output_tokens,
+                               num_outside=rows_outside(job))  # a rerun with a lower --limit: rows done past it
+        self.progress = Progress(t.num_rows, t.num_done_here, cfg.output.log_every_seconds, is_tty=is_tty)
         self.reporter = Reporter(job, self.tally, self.scheduler, self.annotator, self.tracker, self.progress,
                                  supervisor)
         self.writer = CheckpointWriter(job.out, job.schema, job.run_id, job.row_model, scan.next_index,

@@ -22,6 +22,7 @@ class Tally:
     num_duplicates: int = 0       # rows skipped because their id was already seen
     num_changed: int = 0          # rows whose prompt changed since their result was written
     num_removed: Optional[int] = None  # finished rows no longer in the input (known after a full pass)
+    num_outside: int = 0          # finished rows outside the rows a --limit keeps (known before the run)
     num_aborted: int = 0          # rows stopped in flight (deadline, signal, engine death): not done
     num_predicted: int = 0        # rows read by this attempt that got a predicted length ...
     predicted_tokens: int = 0     # ... and the sum of those predictions (their mean stands in for unread rows)
@@ -43,7 +44,7 @@ class Tally:
     @property
     def num_done_here(self) -> int:
         """Rows done that are in this input: the output's less those no longer in the input (known after a pass)."""
-        return min(self.num_rows - self.num_duplicates, self.num_done - (self.num_removed or 0))
+        return min(self.num_rows - self.num_duplicates, self.num_done - (self.num_removed or 0) - self.num_outside)
 
     @property
     def num_left(self) -> int:

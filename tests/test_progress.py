@@ -33,12 +33,13 @@ def test_the_deadline_and_the_eta_count_down_between_forecasts_and_a_finished_jo
     assert p.samples[-1]["eta_s"] == 10.0 and p.samples[0]["eta_s"] == 40.0 and p.samples[0]["eta_low_s"] == 35.0
     now[0] = 45.0
     assert p.eta_seconds() == 0.0 and p.counters()["eta_range_s"] == [0.0, 5.0]  # late: 0, not less
-    p.set_forecast(12.0, 55.0, False)                # a new forecast: from it
-    assert p.eta_seconds() == 12.0 and p.eta_range is None
-    now[0] = 500.0
-    assert p.deadline_left == 0.0
-    p.update(10, 100)                                # every row done: the last forecast's 40 s are past
-    assert p.eta_seconds() == 0.0 and p.counters()["eta_s"] == 0.0
+    p.set_forecast(12.0, 55.0, False, {"eta_low_s": 10.0, "eta_high_s": 20.0})  # a new forecast: from it
+    assert p.eta_seconds() == 12.0 and p.eta_range_now == (10.0, 20.0)
+    now[0] = 47.0
+    assert p.deadline_left == 53.0
+    p.update(10, 100)                                # every row done: no ETA left, and no range ("ETA 0s (8s-9s)")
+    assert p.eta_seconds() == 0.0 and p.counters()["eta_s"] == 0.0 and p.counters()["eta_range_s"] is None
+    assert p.line().endswith("ETA 0s, deadline in 53s")
 
 
 def test_the_progress_rates_fall_when_rows_stop_finishing_and_count_a_burst_over_the_window():

@@ -246,3 +246,44 @@ def test_the_first_forecasts_come_at_least_every_tenth_of_the_time_so_far(write_
     gaps = [(b - a, a - start) for a, b in zip(calls, calls[1:])]
     assert len(gaps) >= 10 and calls[-1] - start > 100, gaps  # well past the first 100 s (a tenth: 10 s)
     assert all(gap <= max(2.0, 0.1 * (since + 1.0)) + 1.0 for gap, since in gaps), gaps  # + a tick: the loop's pace
+
+
+def test_a_rerun_with_a_lower_limit_counts_only_the_rows_done_within_it(write_parquet, tmp_path, cfg, monkeypatch):
+    """OUT holds 60 rows; the input now starts with 30 new ones, and --limit 40 keeps those and 10 done. The
+    progress began at min(60, 40) rows done ("66/350 rows (105%)" in a run like it, ETA 0s), and the forecast took
+    all 60 for rows of this job (none left). A pass over the limit's ids finds the 10 done within it."""
+    from overnight.pipeline.scheduling.deadline import DeadlineTracker
+
+    seen, started = [], []
+    forecast_job = DeadlineTracker.forecast_job
+
+    def counted(self, scheduler, tally, *a):
+        f = forecast_job(self, scheduler, tally, *a)
+        seen.append((f.remaining_rows, tally.num_left))
+        return f
+
+    monkeypatch.setattr(DeadlineTracker, "forecast_job", counted)
+    from overnight.pipeline.progress import Progress
+
+    init = Progress.__init__
+
+    def begun(self, total, done, *a, **k):
+        started.append((done, total))
+        init(self, total, done, *a, **k)
+
+    monkeypatch.setattr(Progress, "__init__", begun)
+    old = {"id": [f"old{i}" for i in range(60)], "prompt": [f"say something about item {i}" for i in range(60)]}
+    inp = write_parquet(old)
+    out = tmp_path / "out"
+    assert run_job(cfg(inp, out), engine_factory=given(FakeEngine()), is_tty=False).num_ok == 60
+    write_parquet({"id": [f"new{i}" for i in range(30)] + old["id"],
+                   "prompt": [f"tell me about thing {i}" for i in range(30)] + old["prompt"]})
+    seen.clear()
+    clock = FakeClock()
+    eng = FakeEngine(max_num_seqs=4, clock=clock, step_seconds=1.0)
+    s = run_job(cfg(inp, out, input={"limit": 40, "batch_rows": 10}), engine_factory=given(eng), is_tty=False,
+                clock=clock)
+    assert s.state == "completed" and (s.num_done, s.num_resumed, s.num_ok) == (40, 10, 90)
+    assert started[-1] == (10, 40)
+    assert seen and seen[0][1] == 30 and all(rows == left for rows, left in seen), seen[:5]
+    assert "the output holds 50 rows beyond this input's" in s.line()

@@ -251,6 +251,38 @@ class ResumeFilter:
         return pc.binary_join_element_wise(f"{sb.file.name}#", pc.cast(numbers, pa.string()), "")
 
 
+def done_within(scan: Scan, batches: Iterable[SourceBatch], cfg) -> int:
+    """The rows of these batches (a --limit's rows, say) that a part in OUT holds: the distinct ids done, and
+    the null-id rows whose error row a part holds. The output's other rows are outside this job's rows, which
+    the progress, the rows left and the forecast must not count as done (runner.py)."""
+    if not scan.num_done:
+        return 0
+    slots_met: list[np.ndarray] = []
+    num_null = 0
+    for sb in batches:
+        n = sb.batch.num_rows
+        names = sb.batch.schema.names
+        ids = sb.batch.column(cfg.id_column) if cfg.id_column in names else ResumeFilter._origins(sb, np.arange(n))
+        keys, checks, valid = keys_of(ids)
+        if len(scan.done):
+            slots = scan.done.find(keys[valid], checks[valid])
+            slots_met.append(slots[slots >= 0])
+        if not valid.all() and len(scan.null_origins):
+            ok, oc, _ = keys_of(ResumeFilter._origins(sb, np.flatnonzero(~valid)))
+            num_null += int(scan.null_origins.contains(ok, oc).sum())
+    return (len(np.unique(np.concatenate(slots_met))) if slots_met else 0) + num_null
+
+
+def rows_outside(job) -> int:
+    """Rows the output holds that are outside this job's rows, where a --limit cuts the input (a rerun with a
+    lower --limit than the output's): found by a pass over the limit's ids, before the run."""
+    scan, source, cfg = job.scan, job.source, job.cfg.input
+    if cfg.limit is None or not scan.num_done or not source.sees_every_row:
+        return 0
+    ids = [cfg.id_column] if source.has_id_column else []
+    return max(0, scan.num_done - done_within(scan, source.batches(ids), cfg))
+
+
 class DoneRows:
     """The inverse of the ResumeFilter, for a second pass over the input (plan's factor, a resumed run's warm
     start: pipeline/input/done_rows.py): the rows that a part in OUT holds (the first row of each id), in input
