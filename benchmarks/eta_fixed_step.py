@@ -5,7 +5,8 @@ grows. The job (benchmarks/warning_fixed_step.py's prompts) is larger than the s
 `scheduler.lookahead_rows` (10k) rows, so the input stage holds prepared rows that are in neither the pool nor
 the unread rows. Each run is a fresh `overnight run` with no deadline; from OUT/timeline.json, at the first
 sample with 10%, 25% and 50% of the rows done, the ETA against the time that actually remained until the command
-returned, as (ETA - actual) / actual.
+returned, as (ETA - actual) / actual; and beside it, the tokens still to come that the last forecast by then
+counted, over those that came (the length models' part of the error; the rest is the rate's and the drain's).
 
 --against TREE runs each repeat a second time with TREE (a folder holding an `overnight` package) first on
 PYTHONPATH, one after the other, so that the two sides see the same machine.
@@ -25,6 +26,9 @@ import tempfile
 import time
 from pathlib import Path
 
+import duckdb
+import numpy as np
+
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from warning_fixed_step import write_input  # noqa: E402
 
@@ -42,10 +46,18 @@ def run(inp: Path, out: Path, args, tree: str | None) -> list[float]:
     subprocess.run(cmd, capture_output=True, text=True, check=True, env=env)
     end = time.time()
     samples = json.loads((out / "timeline.json").read_text())
+    rows = duckdb.sql(f"select epoch(first_token_at) a, epoch(finished_at) f, output_tokens n "
+                      f"from read_parquet('{out}/parts/*.parquet')").fetchnumpy()
     errors = []
     for p in POINTS:
         s = next(x for x in samples if x["rows_done"] >= p * args.rows and x.get("eta_s") is not None)
         errors.append((s["eta_s"] - (end - s["t"])) / (end - s["t"]))
+        # the tokens still to come at the last forecast by then, against those that came (a row running at the
+        # time: the share of its tokens after it, its tokens taken as evenly spaced from its first to its end)
+        f = next(x for x in reversed(samples) if x["t"] <= s["t"] and x.get("remaining_tokens") is not None)
+        a, e, n = rows["a"], rows["f"], rows["n"]
+        came = np.where(e <= f["t"], 0.0, np.where(a <= f["t"], n * (e - f["t"]) / np.maximum(e - a, 1e-9), n))
+        errors.append(f["remaining_tokens"] / max(float(came.sum()), 1.0))
     return errors
 
 
@@ -67,7 +79,9 @@ def main() -> None:
         for r in range(args.repeats):
             for name, tree in sides:
                 e = run(inp, Path(tmp) / "out", args, tree)
-                print(f"  repeat {r}, {name}: " + " / ".join(f"{100 * x:+.0f}%" for x in e), flush=True)
+                print(f"  repeat {r}, {name}: " + " / ".join(f"{100 * x:+.0f}%" for x in e[::2]) +
+                      "   (tokens left, forecast / actual: " + " / ".join(f"x{x:.2f}" for x in e[1::2]) + ")",
+                      flush=True)
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ product's rule, which leaves out the AFTER_GROWTH decode steps after the batch g
 without it (AFTER_GROWTH = 0).
 
     python benchmarks/step_cost_replay.py steps.json [steps.json ...] [--shares 0.1 0.25 0.5] [--weights] [--context]
-        [--physics] [--keep 64 128 256 512 0] [--stretches]
+        [--physics] [--keep 64 128 256 512 0] [--stretches] [--prefill-mean]
 
 Prints, per log and share, the fit and (fitted cost of the future steps) / (their actual seconds), then per rule
 the mean |log| of that ratio and the share of points within 5%. For the product's rule, also the step cost's drift
@@ -27,10 +27,11 @@ import numpy as np
 SHARES = (0.10, 0.25, 0.50)
 
 
-def replay(rec: list, after_growth: int, shares=SHARES, weigh=None, drifts=None) -> list[tuple[float, float, float]]:
+def replay(rec: list, after_growth: int, shares=SHARES, weigh=None, drifts=None,
+           prefill_rule: str | None = None) -> list[tuple[float, float, float]]:
     """(fixed s, s per sequence, future cost / actual) at each share of rows finished; weigh: the sizes' weights
     from their step counts in the line's fit (None: the product's, the counts); drifts: a list to append the
-    fit's StepCost.drift to at each share."""
+    fit's StepCost.drift to at each share; prefill_rule: StepCost.PREFILL (None: the product's)."""
     from overnight.pipeline.scheduling import deadline as dl
     from overnight.pipeline.scheduling.forecast import StepCost
 
@@ -45,6 +46,7 @@ def replay(rec: list, after_growth: int, shares=SHARES, weigh=None, drifts=None)
         i = finished[int(math.ceil(share * len(finished))) - 1]
         sc = StepCost() if weigh is None else Weighed()
         sc.AFTER_GROWTH = after_growth
+        sc.PREFILL = prefill_rule or sc.PREFILL
         for t, n, prefill, seconds, *_ in rec[:i + 1]:
             sc.saw(n)
             if seconds is not None and t >= dl.SETTLE_S:
@@ -187,16 +189,20 @@ def main() -> None:
                          "over its weights), scaled")
     ap.add_argument("--keep", type=int, nargs="*", default=[],
                     help="also the product's rule keeping this many decode steps of each size (0: all)")
+    ap.add_argument("--prefill-mean", action="store_true",
+                    help="also a prompt token's cost as the prefilling steps' mean excess (before stop 60)")
     ap.add_argument("--stretches", action="store_true",
                     help="also the last 64 steps' median of the commonest size against the mean of those after")
     args = ap.parse_args()
     from overnight.pipeline.scheduling.forecast import StepCost
 
-    rules = {f"AFTER_GROWTH={StepCost.AFTER_GROWTH} (the product)": (StepCost.AFTER_GROWTH, None),
-             "AFTER_GROWTH=0": (0, None)}
+    rules = {f"AFTER_GROWTH={StepCost.AFTER_GROWTH} (the product)": (StepCost.AFTER_GROWTH, None, None),
+             "AFTER_GROWTH=0": (0, None, None)}
     if args.weights:  # tried, not kept: the line through each size's median weighed otherwise than by its steps
-        rules["sizes weighed equally"] = (StepCost.AFTER_GROWTH, np.ones_like)
-        rules["by sqrt(steps)"] = (StepCost.AFTER_GROWTH, np.sqrt)
+        rules["sizes weighed equally"] = (StepCost.AFTER_GROWTH, np.ones_like, None)
+        rules["by sqrt(steps)"] = (StepCost.AFTER_GROWTH, np.sqrt, None)
+    if args.prefill_mean:  # before stop 60: a prompt token's cost the prefilling steps' summed excess per token
+        rules["prefill: mean excess"] = (StepCost.AFTER_GROWTH, None, "mean")
     ratios = {name: [] for name in rules}
     print("fitted cost of the steps to come / their actual seconds, at " +
           " / ".join(f"{s:.0%}" for s in args.shares) + " of rows")
@@ -217,8 +223,8 @@ def main() -> None:
     drifts = []
     for log in args.logs:
         rec = json.load(open(log))
-        for name, (k, weigh) in rules.items():
-            r = replay(rec, k, args.shares, weigh, drifts if name == product else None)
+        for name, (k, weigh, prefill) in rules.items():
+            r = replay(rec, k, args.shares, weigh, drifts if name == product else None, prefill)
             ratios[name] += [x[2] for x in r]
             print(f"  {log}  {name:34s} " + "  ".join(f"{1000 * a:.0f} ms + {1000 * b:.2f} ms/seq: x{x:.3f}"
                                                        for a, b, x in r))
