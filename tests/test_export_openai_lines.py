@@ -115,6 +115,41 @@ def test_the_openai_export_writes_the_same_lines_with_duckdb_as_without(tmp_path
     assert all(x.startswith('{"id":"batch_req_') for t in texts for x in t)
 
 
+@pytest.mark.parametrize("moved", [False, True])
+def test_completions_lines_without_logprobs_are_built_by_duckdb_as_by_python(tmp_path, cfg, monkeypatch, moved):
+    """A /v1/completions line's text_completion is DuckDB's too, but where it asked for logprobs (the legacy
+    shape's {token: logprob} objects stay Python's): the same lines as Python alone writes, read with the input
+    or (moved) from the rows' passthrough columns."""
+    import overnight.pipeline.tools.export as ex
+    from openai_lines import chat, completion, write_lines
+    from overnight.pipeline.tools.openai_lines import ok_line
+
+    reqs = [completion(f"c{i}", f"once {i} caf\u00e9", max_tokens=4, **({"logprobs": 2} if i == 3 else {}))
+            for i in range(6)] + [chat(f"q{i}", f"hi {i}", max_tokens=3) for i in range(4)]
+    path = write_lines(tmp_path / "requests.jsonl", reqs)
+    out = tmp_path / "out"
+    run_job(cfg(path, out), engine_factory=given(FakeEngine()), is_tty=False)
+    if moved:
+        (tmp_path / "requests.jsonl").rename(tmp_path / "moved.jsonl")
+    built = []   # the ok lines Python built
+    monkeypatch.setattr(ex, "ok_line", lambda *a: built.append(a[0]) or ok_line(*a))
+    export(str(out), "openai", str(tmp_path / "fast.jsonl"))
+    assert built == ["c3"]   # the one that asked for logprobs
+    monkeypatch.setattr(ex, "one_sample", lambda con, index: False)   # every line through Python
+    export(str(out), "openai", str(tmp_path / "python.jsonl"))
+    lines = [{x["custom_id"]: x for x in map(json.loads, (tmp_path / f).read_text().splitlines())}
+             for f in ("fast.jsonl", "python.jsonl")]
+    assert lines[0].keys() == lines[1].keys() and len(lines[0]) == 10
+    for cid, a in lines[0].items():
+        b = lines[1][cid]
+        assert a["response"]["body"]["id"].startswith("cmpl-" if cid.startswith("c") else "chatcmpl-")
+        for x in (a, b):
+            x["id"] = x["response"]["request_id"] = x["response"]["body"]["id"] = None
+        assert a == b
+        assert a["response"]["body"]["object"] == ("text_completion" if cid.startswith("c") else "chat.completion")
+    assert lines[0]["c3"]["response"]["body"]["choices"][0]["logprobs"]["top_logprobs"]
+
+
 def _lines(tmp_path, **columns) -> list:
     """export's OpenAI lines for a results view of these columns (each a one-sample ok row of model "base")."""
     import datetime as dt

@@ -311,12 +311,14 @@ def _openai(con, manifest: dict, in_order: bool, output: str, errors: Optional[s
     lora = f"case when model is distinct from '{quoted}' then model else {before} end"
     query = _in_order(id_col, cols, raw=True) if in_order else f"select *, {_raw_guess(manifest, cols)} as {RAW} " \
                                                                f"from results"
-    # An ok row of one sample asked as a chat (most rows): its line built by DuckDB
+    # An ok row of one sample (most rows): its line built by DuckDB, but for a /v1/completions line's logprobs
     by_duckdb = (one_sample(con, index) and ID_AS_TEXT.match(kinds.get(id_col, "")) is not None
                  and (logprobs == "null" or LOGPROBS_AS_WRITTEN.match(kinds[logprobs]) is not None))
+    raw = f"coalesce({RAW}, false)"
     line = ok_line_sql(f'"{id_col}"', "text", "finish_reason", "prompt_tokens", "output_tokens", "epoch(finished_at)",
-                       f"coalesce(nullif({lora}, ''), '{quoted}')", logprobs) if by_duckdb else "null"
-    fast = f"status = 'ok' and not coalesce({RAW}, false) and \"{id_col}\" is not null" if by_duckdb else "false"
+                       f"coalesce(nullif({lora}, ''), '{quoted}')", logprobs, raw) if by_duckdb else "null"
+    fast = (f"status = 'ok' and \"{id_col}\" is not null and not ({raw} and {logprobs} is not null)" if by_duckdb
+            else "false")
     cur = con.execute(f"select \"{id_col}\", status, case when {fast} then null else text end, finish_reason, "
                       f"prompt_tokens, output_tokens, error, epoch(finished_at), {index}, "
                       f"case when {fast} then null else {logprobs} end, {lora}, coalesce({RAW}, false), "

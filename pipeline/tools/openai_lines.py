@@ -68,24 +68,36 @@ def ok_line(rid, choices, ptok, otok, finished, model, text: bool = False) -> di
 
 
 def ok_line_sql(rid: str, text: str, finish: str, ptok: str, otok: str, finished: str, model: str,
-                logprobs: str = "null") -> str:
+                logprobs: str = "null", raw: str = "false") -> str:
     """DuckDB's SQL for ok_line's JSON text of a chat.completion with one choice, from SQL for its values (as
     ok_line and choice take them: ``finished`` in epoch seconds, ``logprobs`` the column or null): the same JSON,
-    built in DuckDB rather than Python's json (benchmarks/export_openai.py). Its ids are random UUIDs'
-    32 hex digits (gen_random_uuid: 122 random bits). One line, compact: U+0085, U+2028 and U+2029, which JSON
-    strings hold raw and str.splitlines() splits at, escaped."""
+    built in DuckDB rather than Python's json (benchmarks/export_openai.py). Where ``raw`` (SQL for a boolean: the
+    row came from a /v1/completions line) is true, a text_completion's as text_choice makes it, without logprobs
+    (the legacy shape's {token: logprob} objects are Python's). Its ids are random UUIDs' 32 hex digits
+    (gen_random_uuid: 122 random bits). One line, compact: U+0085, U+2028 and U+2029, which JSON strings hold raw
+    and str.splitlines() splits at, escaped."""
     def new() -> str:
         return "replace(gen_random_uuid()::varchar, '-', '')"
 
     ptok, otok = f"coalesce({ptok}, 0)::bigint", f"coalesce({otok}, 0)::bigint"
-    line = (f"to_json({{'id': 'batch_req_' || {new()}, 'custom_id': ({rid})::varchar, 'error': null, "
-            f"'response': {{'status_code': 200, 'request_id': 'req_' || {new()}, 'body': {{"
-            f"'id': 'chatcmpl-' || {new()}, 'object': 'chat.completion', "
-            f"'created': coalesce(trunc({finished})::bigint, 0), 'model': {model}, "
-            f"'choices': [{{'index': 0, 'message': {{'role': 'assistant', 'content': {text}, 'refusal': null}}, "
-            f"'logprobs': {_logprobs_sql(logprobs)}, 'finish_reason': coalesce(nullif({finish}, ''), 'stop')}}], "
-            f"'usage': {{'prompt_tokens': {ptok}, 'completion_tokens': {otok}, "
-            f"'total_tokens': {ptok} + {otok}}}}}}}}})::varchar")
+    finish = f"coalesce(nullif({finish}, ''), 'stop')"
+
+    def line_of(prefix: str, kind: str, choice: str) -> str:
+        return (f"to_json({{'id': 'batch_req_' || {new()}, 'custom_id': ({rid})::varchar, 'error': null, "
+                f"'response': {{'status_code': 200, 'request_id': 'req_' || {new()}, 'body': {{"
+                f"'id': '{prefix}-' || {new()}, 'object': '{kind}', "
+                f"'created': coalesce(trunc({finished})::bigint, 0), 'model': {model}, 'choices': [{choice}], "
+                f"'usage': {{'prompt_tokens': {ptok}, 'completion_tokens': {otok}, "
+                f"'total_tokens': {ptok} + {otok}}}}}}}}})::varchar")
+
+    line = line_of("chatcmpl", "chat.completion",
+                   f"{{'index': 0, 'message': {{'role': 'assistant', 'content': {text}, 'refusal': null}}, "
+                   f"'logprobs': {_logprobs_sql(logprobs)}, 'finish_reason': {finish}}}")
+    if raw != "false":
+        text_line = line_of("cmpl", "text_completion",
+                            f"{{'text': coalesce({text}, ''), 'index': 0, 'logprobs': null, "
+                            f"'finish_reason': {finish}}}")
+        line = f"case when {raw} then {text_line} else {line} end"
     for char in (0x85, 0x2028, 0x2029):
         line = f"replace({line}, chr({char}), '\\u{char:04x}')"
     return line
