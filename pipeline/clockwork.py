@@ -71,6 +71,7 @@ class Clockwork:
         self.progress.generated(self.generated_estimate)
         if self.tally.num_removed:  # rows in OUT whose ids left the input are not this input's done
             self.progress.recount(self.tally.num_done_here)
+        self.progress.skipped = self.tally.num_duplicates
         self.progress.tick()
         if self.job.lock is not None:
             self.job.lock.heartbeat()
@@ -98,8 +99,7 @@ class Clockwork:
     def _forecast(self) -> None:
         # Rows an earlier attempt did are left out of the unread rows; a Ray worker's units are not its folder's
         # rows, so it knows only those it has met.
-        # (and those outside a --limit's rows)
-        before = (self.job.scan.num_done - self.tally.num_outside if self.job.source.sees_every_row
+        before = (self.tally.done_before_in(self.job.scan.num_done) if self.job.source.sees_every_row
                   else self.tally.num_resumed)
         f = self.tracker.forecast_job(self.scheduler, self.tally, before, self.engine.max_num_seqs)
         # The ETA shown is the command's return: the last row's, and then the job's end (FINISH_S).

@@ -57,6 +57,7 @@ class Progress:
                  clock: Callable[[], float] = time.monotonic):
         self.total = total
         self.done = initial
+        self.skipped = 0  # rows neither done nor left: duplicate ids (the runner's tick keeps it)
         self.initial = initial
         self.tokens = 0
         self.clock = clock
@@ -160,8 +161,12 @@ class Progress:
         return self._since_forecast(self._deadline_left)
 
     @property
+    def all_done(self) -> bool:
+        return bool(self.total) and self.done + self.skipped >= self.total
+
+    @property
     def eta_range_now(self) -> Optional[tuple[float, float]]:
-        if self.eta_range is None or (self.total and self.done >= self.total):  # (every row done: no range)
+        if self.eta_range is None or self.all_done:  # (every row done: no range)
             return None
         return self._since_forecast(self.eta_range[0]), self._since_forecast(self.eta_range[1])
 
@@ -187,12 +192,12 @@ class Progress:
         return text
 
     def eta_seconds(self) -> Optional[float]:
-        if self.total and self.done >= self.total:  # every row done: the last forecast's ETA is past
+        if self.all_done:  # every row done: the last forecast's ETA is past
             return 0.0
         if self.forecast_eta is not None:
             return self._since_forecast(self.forecast_eta)
         rate = self.row_rate.per_second(self.clock())
-        remaining = max(0, self.total - self.done)
+        remaining = max(0, self.total - self.done - self.skipped)
         if remaining == 0:
             return 0.0
         return remaining / rate if rate > 0 else None

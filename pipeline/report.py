@@ -165,13 +165,14 @@ MEASURED = ("out", "model", "output_tokens", "elapsed_s", "output_tokens_per_s",
 def already_done(job) -> Summary:
     """A completed job whose input is unchanged (same files, sizes and times): nothing to read, no engine."""
     c = job.manifest.get("counts", {})
-    message = (f"nothing to do: the job completed and {job.source.url} is unchanged since; {c.get('num_done', 0)} "
+    t = Tally(c.get("num_rows", 0), c.get("num_ok", 0), c.get("num_error", 0), c.get("num_output_tokens", 0),
+              num_outside=c.get("num_outside") or 0)
+    t.num_duplicates, t.num_removed = c.get("num_duplicates", 0), c.get("num_removed")  # as the run that completed
+    message = (f"nothing to do: the job completed and {job.source.url} is unchanged since; {t.num_done_here} "
                f"rows are done (--fresh answers them again)")
     log.info(message)
     mf.end_attempt(job.manifest, mf.RunState.COMPLETED, message)
     job.out.write_manifest(job.manifest)
-    t = Tally(c.get("num_rows", 0), c.get("num_ok", 0), c.get("num_error", 0), c.get("num_output_tokens", 0))
-    t.num_duplicates, t.num_removed = c.get("num_duplicates", 0), c.get("num_removed")  # as the run that completed
     t.num_resumed = t.num_done_here
     # What the run that completed measured stays (its token rate, which `plan --out` reads; its cost, timings)
     status = {**{k: v for k, v in (job.out.read_status() or {}).items() if k in MEASURED},

@@ -27,7 +27,7 @@ from overnight.pipeline.clockwork import FORECAST_S, TICK_S, Clockwork
 from overnight.pipeline.engine import EngineError
 from overnight.pipeline.input.done_rows import after_warm_start
 from overnight.pipeline.input.prefetch import PREFETCH_DEPTH, Prefetcher
-from overnight.pipeline.input.resume import ResumeFilter, rows_outside
+from overnight.pipeline.input.resume import ResumeFilter, reads_every_row, rows_outside
 from overnight.pipeline.input.source import InputError
 from overnight.pipeline.input.stage import prepare
 from overnight.pipeline.output.writer import CheckpointWriter
@@ -123,7 +123,7 @@ class Runner(Clockwork):
                 state, message = RunState.FAILED, self._lost_message()
             elif self._is_complete() and not self.tally.num_aborted:
                 # A full pass: report the rows done before that are no longer in the input.
-                self.resume.report_removed(cfg.input.limit is not None or not self.job.source.sees_every_row)
+                self.resume.report_removed(not reads_every_row(self.job.source, cfg.input))
                 state = RunState.COMPLETED
             else:
                 state = RunState.INTERRUPTED if self.signals.first else RunState.PARTIAL

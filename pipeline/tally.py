@@ -46,6 +46,14 @@ class Tally:
         """Rows done that are in this input: the output's less those no longer in the input (known after a pass)."""
         return min(self.num_rows - self.num_duplicates, self.num_done - (self.num_removed or 0) - self.num_outside)
 
+    def done_before_in(self, num_done_before: int) -> int:
+        """Of the rows an earlier attempt did (``num_done_before``, the output's), those in this job's rows: those
+        met in the input so far, and of the rest no more than the input has left to read. Past a --limit they are
+        not (num_outside); ids no longer in the input are known only once it has been read (num_removed): until
+        then an input replaced by another counted every row done before as the job's, and the forecast none left."""
+        unmet = max(0, num_done_before - self.num_outside - (self.num_removed or 0) - self.num_resumed)
+        return self.num_resumed + min(unmet, max(0, self.num_rows - self.num_read))
+
     @property
     def num_left(self) -> int:
         """Input rows not done (duplicate ids are skipped, not left)."""
@@ -87,7 +95,8 @@ class Tally:
     def counts(self, num_parts: int) -> dict:
         return {"num_rows": self.num_rows, "num_done": self.num_done, "num_ok": self.num_ok,
                 "num_error": self.num_error, "num_output_tokens": self.num_output_tokens, "num_parts": num_parts,
-                "num_duplicates": self.num_duplicates, "num_removed": self.num_removed}
+                "num_duplicates": self.num_duplicates, "num_removed": self.num_removed,
+                "num_outside": self.num_outside}
 
     def rows(self, in_flight: int) -> dict:
         return {"total": self.num_rows, "done": self.num_done_here, "ok": self.num_ok, "error": self.num_error,

@@ -40,6 +40,13 @@ def test_the_deadline_and_the_eta_count_down_between_forecasts_and_a_finished_jo
     p.update(10, 100)                                # every row done: no ETA left, and no range ("ETA 0s (8s-9s)")
     assert p.eta_seconds() == 0.0 and p.counters()["eta_s"] == 0.0 and p.counters()["eta_range_s"] is None
     assert p.line().endswith("ETA 0s, deadline in 53s")
+    p = Progress(10, 0, log_every=30.0, is_tty=False, clock=lambda: now[0])
+    p.set_forecast(12.0, None, False, {"eta_low_s": 10.0, "eta_high_s": 20.0})
+    p.skipped = 2                                    # duplicate ids: neither done nor left
+    p.update(8, 80)
+    assert p.eta_seconds() == 0.0 and p.eta_range_now is None and p.line().endswith("ETA 0s")
+    p.set_forecast(5.0, None, False)                 # a forecast without a range clears the last one's
+    assert p.eta_range is None
 
 
 def test_the_progress_rates_fall_when_rows_stop_finishing_and_count_a_burst_over_the_window():

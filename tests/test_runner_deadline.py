@@ -2,6 +2,8 @@
 that takes a budget whole, auto against fifo, aborts, a row's own deadline, the forecast's pace and the deadline
 shown (tests/test_runner.py: the loop's rows, parts and resumes)."""
 
+import json
+
 import pyarrow as pa
 import pyarrow.parquet as pq
 
@@ -285,5 +287,86 @@ def test_a_rerun_with_a_lower_limit_counts_only_the_rows_done_within_it(write_pa
                 clock=clock)
     assert s.state == "completed" and (s.num_done, s.num_resumed, s.num_ok) == (40, 10, 90)
     assert started[-1] == (10, 40)
+    assert json.loads((out / "manifest.json").read_text())["counts"]["num_outside"] == 50
     assert seen and seen[0][1] == 30 and all(rows == left for rows, left in seen), seen[:5]
     assert "the output holds 50 rows beyond this input's" in s.line()
+
+
+def _counted_forecasts(monkeypatch) -> list:
+    """(the forecast's rows left, the rows this attempt has done, the input rows read) at each forecast."""
+    from overnight.pipeline.scheduling.deadline import DeadlineTracker
+
+    seen = []
+    forecast_job = DeadlineTracker.forecast_job
+
+    def counted(self, scheduler, tally, *a):
+        f = forecast_job(self, scheduler, tally, *a)
+        seen.append((f.remaining_rows, tally.num_done - tally.done_before, tally.num_read))
+        return f
+
+    monkeypatch.setattr(DeadlineTracker, "forecast_job", counted)
+    return seen
+
+
+def test_an_input_replaced_by_another_is_not_forecast_as_done(write_parquet, tmp_path, cfg, monkeypatch, caplog):
+    """OUT holds 60 rows whose ids the input no longer has (it was replaced, and no --fresh given). Which are gone is
+    known once the input is read whole. The forecast counted all 60 as this job's, so rows read but waiting in the
+    input stage's queue were left out (12 rows left where 32 were). Now the rows done before that it counts are
+    those met, and of the rest no more than the input has left to read: once it is read, every row not done is
+    counted. With a --limit past the input's rows the gone ids are reported as without one, not taken for rows
+    past the limit."""
+    import logging
+
+    old = {"id": [f"old{i}" for i in range(60)], "prompt": [f"say something about item {i}" for i in range(60)]}
+    out = tmp_path / "out"
+    assert run_job(cfg(write_parquet(old), out), engine_factory=given(FakeEngine()), is_tty=False).num_ok == 60
+    inp = write_parquet({"id": [f"new{i}" for i in range(40)], "prompt": [f"tell me about {i}" for i in range(40)]})
+    seen = _counted_forecasts(monkeypatch)
+    clock = FakeClock()
+    eng = FakeEngine(max_num_seqs=4, clock=clock, step_seconds=1.0)
+    with caplog.at_level(logging.WARNING, logger="overnight"):
+        s = run_job(cfg(inp, out, input={"limit": 1000, "batch_rows": 10}, scheduler={"lookahead_rows": 20}),
+                    engine_factory=given(eng), is_tty=False, clock=clock)
+    assert s.state == "completed" and (s.num_done, s.num_removed) == (40, 60)
+    assert "60 rows in" in caplog.text and "are no longer in the input" in caplog.text
+    read = [(rows, done) for rows, done, n in seen if n == 40]
+    assert len(read) > 5 and all(rows == 40 - done for rows, done in read), read[:5]
+    assert all(rows <= 40 - done for rows, done, _ in seen)
+
+
+def test_a_failed_count_of_the_rows_within_the_limit_leaves_the_run_to_its_own_pass(write_parquet, tmp_path, cfg,
+                                                                                    monkeypatch, caplog):
+    """The pass over the limit's ids runs before the run's own; where it cannot read the input, the run goes on
+    and meets the error itself, answering the rows before it (it escaped before the attempt was recorded)."""
+    import overnight.pipeline.input.resume as resume
+
+    inp = write_parquet({"id": [f"r{i}" for i in range(30)], "prompt": [f"say {i}" for i in range(30)]})
+    out = tmp_path / "out"
+    run_job(cfg(inp, out), engine_factory=given(FakeEngine()), is_tty=False)
+
+    def unreadable(*a):
+        raise OSError("the storage went away")
+
+    monkeypatch.setattr(resume, "done_within", unreadable)
+    s = run_job(cfg(inp, out, input={"limit": 10}), engine_factory=given(FakeEngine()), is_tty=False)
+    assert s.state == "completed" and s.num_done == 10
+    assert "the rows done within --limit 10 could not be counted (the storage went away)" in caplog.text
+
+
+def test_a_lower_limits_partial_run_says_how_many_of_its_rows_are_not_done(write_parquet, tmp_path, cfg):
+    """`overnight status` counted the output's rows past the --limit as this job's done: a job stopped with 30 of
+    its 40 rows left said none was left."""
+    from overnight.pipeline.tools.inspection import open_results, summary_lines
+
+    old = {"id": [f"old{i}" for i in range(60)], "prompt": [f"say something about item {i}" for i in range(60)]}
+    out = tmp_path / "out"
+    assert run_job(cfg(write_parquet(old), out), engine_factory=given(FakeEngine()), is_tty=False).num_ok == 60
+    inp = write_parquet({"id": [f"new{i}" for i in range(30)] + old["id"],
+                         "prompt": [f"tell me about thing {i}" for i in range(30)] + old["prompt"]})
+    clock = FakeClock()
+    eng = FakeEngine(max_num_seqs=2, clock=clock, step_seconds=1.0)
+    s = run_job(cfg(inp, out, input={"limit": 40}, scheduler={"time_budget": "12s", "policy": "fifo"}),
+                engine_factory=given(eng), is_tty=False, clock=clock)
+    assert s.state == "partial" and 0 < s.num_done - 10 < 30, s.line()
+    left = 40 - s.num_done
+    assert f", {left} not done" in "\n".join(summary_lines(*open_results(str(out)))), left

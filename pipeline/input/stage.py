@@ -20,6 +20,7 @@ from typing import Any, Iterator, Optional
 from overnight.pipeline.config import JobConfig
 from overnight.pipeline.input.openai_batch import model_route
 from overnight.pipeline.input.prompts import PromptBuilder, has_chat_template
+from overnight.pipeline.input.resume import reads_every_row
 from overnight.pipeline.input.source import ParquetSource
 from overnight.pipeline.input.validate import parse_batch, sampling_defaults
 from overnight.pipeline.records import Result, Row
@@ -121,4 +122,4 @@ def prepare(cfg: JobConfig, source: ParquetSource, model: OpenModel, annotator=N
         yield Prepared(rows, errors + bad)
     if resume is not None:  # the whole input read: the rows done before that it no longer holds are known now,
         # and counted out of the rows done (not at the job's end only: status would say none left meanwhile)
-        resume.report_removed(cfg.input.limit is not None or not source.sees_every_row)
+        resume.report_removed(not reads_every_row(source, cfg.input))

@@ -134,7 +134,7 @@ def summary_lines(con, manifest: Optional[dict], price_per_hour: Optional[float]
         total = (manifest or {}).get("rows_of_started_shards")
     # Duplicate ids are skipped, neither done nor left; a completed job has none left; results no longer in the
     # input (known once a run has read it all) are not its rows done.
-    here = n - (counts.get("num_removed") or 0)
+    here = n - (counts.get("num_removed") or 0) - (counts.get("num_outside") or 0)  # (and those past a --limit)
     not_done = total - here - (counts.get("num_duplicates") or 0) if isinstance(total, int) else 0
     left = f", {not_done} not done" if not_done > 0 and state != "completed" else ""  # (the job's, as status says)
     if (manifest or {}).get("shards_not_started"):
