@@ -198,10 +198,9 @@ def test_forecasts_near_a_deadline_come_at_least_every_tenth_of_the_time_left(wr
     assert all(gap <= max(2.0, 0.1 * left) + 1.0 for gap, left in gaps), gaps  # + a tick: the loop's pace
 
 
-def test_the_forecast_counts_the_rows_waiting_in_the_input_stages_queue(write_parquet, tmp_path, cfg, monkeypatch):
-    """Once the scheduler's pool is full (scheduler.lookahead_rows), the input thread holds a few prepared batches
-    that are read but not pooled. The forecast took them for neither: a 20k-row job on the echo engine (a pool of
-    10k) left 4k rows out, and its ETA was 31% short at 25% of the rows (docs/BENCHMARKS.md)."""
+def counted_forecasts(monkeypatch) -> list:
+    """(the forecast's rows left, the tally's rows left, the rows this attempt has done, the input rows read) at
+    each forecast."""
     from overnight.pipeline.scheduling.deadline import DeadlineTracker
 
     seen = []
@@ -209,10 +208,18 @@ def test_the_forecast_counts_the_rows_waiting_in_the_input_stages_queue(write_pa
 
     def counted(self, scheduler, tally, *a):
         f = forecast_job(self, scheduler, tally, *a)
-        seen.append((f.remaining_rows, tally.num_left))
+        seen.append((f.remaining_rows, tally.num_left, tally.num_done - tally.done_before, tally.num_read))
         return f
 
     monkeypatch.setattr(DeadlineTracker, "forecast_job", counted)
+    return seen
+
+
+def test_the_forecast_counts_the_rows_waiting_in_the_input_stages_queue(write_parquet, tmp_path, cfg, monkeypatch):
+    """Once the scheduler's pool is full (scheduler.lookahead_rows), the input thread holds a few prepared batches
+    that are read but not pooled. The forecast took them for neither: a 20k-row job on the echo engine (a pool of
+    10k) left 4k rows out, and its ETA was 31% short at 25% of the rows (docs/BENCHMARKS.md)."""
+    seen = counted_forecasts(monkeypatch)
     inp = write_parquet({"id": list(range(400)), "prompt": [f"say something about item {i}" for i in range(400)]})
     clock = FakeClock()
     eng = FakeEngine(max_num_seqs=4, clock=clock, step_seconds=1.0)
@@ -220,7 +227,7 @@ def test_the_forecast_counts_the_rows_waiting_in_the_input_stages_queue(write_pa
                 engine_factory=given(eng), is_tty=False, clock=clock)
     assert s.state == "completed" and len(seen) > 20
     # every row not done, and no other: in the engine, in the pool, in the input stage's queue, or not read yet
-    assert all(rows == left for rows, left in seen), [x for x in seen if x[0] != x[1]][:5]
+    assert all(rows == left for rows, left, *_ in seen), [x for x in seen if x[0] != x[1]][:5]
 
 
 def test_the_first_forecasts_come_at_least_every_tenth_of_the_time_so_far(write_parquet, tmp_path, cfg, monkeypatch):
@@ -262,18 +269,9 @@ def test_a_rerun_with_a_lower_limit_counts_only_the_rows_done_within_it(write_pa
     """OUT holds 60 rows; the input now starts with 30 new ones, and --limit 40 keeps those and 10 done. The
     progress began at min(60, 40) rows done ("66/350 rows (105%)" in a run like it, ETA 0s), and the forecast took
     all 60 for rows of this job (none left). A pass over the limit's ids finds the 10 done within it."""
-    from overnight.pipeline.scheduling.deadline import DeadlineTracker
-
-    seen, started = [], []
-    forecast_job = DeadlineTracker.forecast_job
-
-    def counted(self, scheduler, tally, *a):
-        f = forecast_job(self, scheduler, tally, *a)
-        seen.append((f.remaining_rows, tally.num_left))
-        return f
-
-    monkeypatch.setattr(DeadlineTracker, "forecast_job", counted)
     from overnight.pipeline.progress import Progress
+
+    seen, started = counted_forecasts(monkeypatch), []
 
     init = Progress.__init__
 
@@ -296,24 +294,8 @@ def test_a_rerun_with_a_lower_limit_counts_only_the_rows_done_within_it(write_pa
     assert s.state == "completed" and (s.num_done, s.num_resumed, s.num_ok) == (40, 10, 90)
     assert started[-1] == (10, 40)
     assert json.loads((out / "manifest.json").read_text())["counts"]["num_outside"] == 50
-    assert seen and seen[0][1] == 30 and all(rows == left for rows, left in seen), seen[:5]
+    assert seen and seen[0][1] == 30 and all(rows == left for rows, left, *_ in seen), seen[:5]
     assert "the output holds 50 rows beyond this input's" in s.line()
-
-
-def _counted_forecasts(monkeypatch) -> list:
-    """(the forecast's rows left, the rows this attempt has done, the input rows read) at each forecast."""
-    from overnight.pipeline.scheduling.deadline import DeadlineTracker
-
-    seen = []
-    forecast_job = DeadlineTracker.forecast_job
-
-    def counted(self, scheduler, tally, *a):
-        f = forecast_job(self, scheduler, tally, *a)
-        seen.append((f.remaining_rows, tally.num_done - tally.done_before, tally.num_read))
-        return f
-
-    monkeypatch.setattr(DeadlineTracker, "forecast_job", counted)
-    return seen
 
 
 def test_an_input_replaced_by_another_is_not_forecast_as_done(write_parquet, tmp_path, cfg, monkeypatch, caplog):
@@ -329,7 +311,7 @@ def test_an_input_replaced_by_another_is_not_forecast_as_done(write_parquet, tmp
     out = tmp_path / "out"
     assert run_job(cfg(write_parquet(old), out), engine_factory=given(FakeEngine()), is_tty=False).num_ok == 60
     inp = write_parquet({"id": [f"new{i}" for i in range(40)], "prompt": [f"tell me about {i}" for i in range(40)]})
-    seen = _counted_forecasts(monkeypatch)
+    seen = counted_forecasts(monkeypatch)
     clock = FakeClock()
     eng = FakeEngine(max_num_seqs=4, clock=clock, step_seconds=1.0)
     with caplog.at_level(logging.WARNING, logger="overnight"):
@@ -337,9 +319,9 @@ def test_an_input_replaced_by_another_is_not_forecast_as_done(write_parquet, tmp
                     engine_factory=given(eng), is_tty=False, clock=clock)
     assert s.state == "completed" and (s.num_done, s.num_removed) == (40, 60)
     assert "60 rows in" in caplog.text and "are no longer in the input" in caplog.text
-    read = [(rows, done) for rows, done, n in seen if n == 40]
+    read = [(rows, done) for rows, _, done, n in seen if n == 40]
     assert len(read) > 5 and all(rows == 40 - done for rows, done in read), read[:5]
-    assert all(rows <= 40 - done for rows, done, _ in seen)
+    assert all(rows <= 40 - done for rows, _, done, _ in seen)
 
 
 def test_a_failed_count_of_the_rows_within_the_limit_leaves_the_run_to_its_own_pass(write_parquet, tmp_path, cfg,
