@@ -69,8 +69,8 @@ class Clockwork:
         self._last_tick = now
         self.tracker.observe(self.generated_estimate)
         self.progress.generated(self.generated_estimate)
-        if self.tally.num_removed:  # rows in OUT whose ids left the input are not this input's done
-            self.progress.recount(self.tally.num_done_here)
+        if self.tally.num_removed or self.tally.sees_every_row:  # rows in OUT whose ids left the input are not
+            self.progress.recount(self.tally.num_done_here)      # this input's done
         self.progress.skipped = self.tally.num_duplicates
         self.progress.tick()
         if self.job.lock is not None:

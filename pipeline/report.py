@@ -240,7 +240,8 @@ class Reporter:
 
     def _publish(self, status: dict) -> None:
         self.job.out.write_status(status)
-        if self.tally.num_removed:  # (as the loop's tick: the rows in OUT whose ids left the input are not done)
+        if self.tally.num_removed or self.tally.sees_every_row:  # (as the loop's tick: the rows in OUT whose ids
+            # left the input are not done)
             self.progress.recount(self.tally.num_done_here)
         self.progress.sample()
         self.job.out.write_timeline(self.earlier + [dict(s, attempt=len(self.job.manifest["attempts"]))

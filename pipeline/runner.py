@@ -64,7 +64,7 @@ class Runner(Clockwork):
         self.tracker.start(self.scheduler)
         scan = job.scan
         t = self.tally = Tally(job.source.num_rows, scan.num_ok, scan.num_error, scan.num_output_tokens,
-                               num_outside=rows_outside(job))  # a rerun with a lower --limit: rows done past it
+                               num_outside=rows_outside(job), sees_every_row=job.source.sees_every_row)
         self.progress = Progress(t.num_rows, t.num_done_here, cfg.output.log_every_seconds, is_tty=is_tty)
         self.reporter = Reporter(job, self.tally, self.scheduler, self.annotator, self.tracker, self.progress,
                                  supervisor)

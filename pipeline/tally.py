@@ -23,6 +23,7 @@ class Tally:
     num_changed: int = 0          # rows whose prompt changed since their result was written
     num_removed: Optional[int] = None  # finished rows no longer in the input (known after a full pass)
     num_outside: int = 0          # finished rows outside the rows a --limit keeps (known before the run)
+    sees_every_row: bool = False  # the job reads the input itself (not a Ray worker's units): see num_done_here
     num_aborted: int = 0          # rows stopped in flight (deadline, signal, engine death): not done
     num_predicted: int = 0        # rows read by this attempt that got a predicted length ...
     predicted_tokens: int = 0     # ... and the sum of those predictions (their mean stands in for unread rows)
@@ -43,8 +44,13 @@ class Tally:
 
     @property
     def num_done_here(self) -> int:
-        """Rows done that are in this input: the output's less those no longer in the input (known after a pass)."""
-        return min(self.num_rows - self.num_duplicates, self.num_done - (self.num_removed or 0) - self.num_outside)
+        """Rows done that are in this input: the output's less those no longer in the input (known after a pass)
+        and those past a --limit; where the job reads the input itself, of the rows done before no more than
+        those met and those it has left to read (an input replaced by another: 40/40 rows from the start)."""
+        here = min(self.num_rows - self.num_duplicates, self.num_done - (self.num_removed or 0) - self.num_outside)
+        if self.sees_every_row:
+            here = min(here, self.done_before_in(self.done_before) + self.num_done - self.done_before)
+        return here
 
     def done_before_in(self, num_done_before: int) -> int:
         """Of the rows an earlier attempt did (``num_done_before``, the output's), those in this job's rows: those

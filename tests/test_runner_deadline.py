@@ -200,15 +200,18 @@ def test_forecasts_near_a_deadline_come_at_least_every_tenth_of_the_time_left(wr
 
 def counted_forecasts(monkeypatch) -> list:
     """(the forecast's rows left, the tally's rows left, the rows this attempt has done, the input rows read) at
-    each forecast."""
+    each forecast. The rows read first: the input thread reads on meanwhile, and the two counts after it go by at
+    least as many."""
     from overnight.pipeline.scheduling.deadline import DeadlineTracker
 
     seen = []
     forecast_job = DeadlineTracker.forecast_job
 
     def counted(self, scheduler, tally, *a):
+        read = tally.num_read
+        left = tally.num_left
         f = forecast_job(self, scheduler, tally, *a)
-        seen.append((f.remaining_rows, tally.num_left, tally.num_done - tally.done_before, tally.num_read))
+        seen.append((f.remaining_rows, left, tally.num_done - tally.done_before, read))
         return f
 
     monkeypatch.setattr(DeadlineTracker, "forecast_job", counted)
@@ -301,27 +304,31 @@ def test_a_rerun_with_a_lower_limit_counts_only_the_rows_done_within_it(write_pa
 def test_an_input_replaced_by_another_is_not_forecast_as_done(write_parquet, tmp_path, cfg, monkeypatch, caplog):
     """OUT holds 60 rows whose ids the input no longer has (it was replaced, and no --fresh given). Which are gone is
     known once the input is read whole. The forecast counted all 60 as this job's, so rows read but waiting in the
-    input stage's queue were left out (12 rows left where 32 were). Now the rows done before that it counts are
-    those met, and of the rest no more than the input has left to read: once it is read, every row not done is
-    counted. With a --limit past the input's rows the gone ids are reported as without one, not taken for rows
-    past the limit."""
+    input stage's queue were left out (12 rows left where 32 were), and the progress and status.json said every row
+    done. Now the rows done before that they count are those met, and of the rest no more than the input has left
+    to read: once it is read, every row not done is counted. With a --limit past the input's rows the gone ids
+    are reported as without one, not taken for rows past the limit."""
     import logging
 
     old = {"id": [f"old{i}" for i in range(60)], "prompt": [f"say something about item {i}" for i in range(60)]}
     out = tmp_path / "out"
     assert run_job(cfg(write_parquet(old), out), engine_factory=given(FakeEngine()), is_tty=False).num_ok == 60
-    inp = write_parquet({"id": [f"new{i}" for i in range(40)], "prompt": [f"tell me about {i}" for i in range(40)]})
+    n = 200  # more than the pool (20) and the input stage's queue hold: the first forecasts come before it is read
+    inp = write_parquet({"id": [f"new{i}" for i in range(n)], "prompt": [f"tell me about {i}" for i in range(n)]})
     seen = counted_forecasts(monkeypatch)
     clock = FakeClock()
     eng = FakeEngine(max_num_seqs=4, clock=clock, step_seconds=1.0)
     with caplog.at_level(logging.WARNING, logger="overnight"):
         s = run_job(cfg(inp, out, input={"limit": 1000, "batch_rows": 10}, scheduler={"lookahead_rows": 20}),
                     engine_factory=given(eng), is_tty=False, clock=clock)
-    assert s.state == "completed" and (s.num_done, s.num_removed) == (40, 60)
+    assert s.state == "completed" and (s.num_done, s.num_removed) == (n, 60)
     assert "60 rows in" in caplog.text and "are no longer in the input" in caplog.text
-    read = [(rows, done) for rows, _, done, n in seen if n == 40]
-    assert len(read) > 5 and all(rows == 40 - done for rows, done in read), read[:5]
-    assert all(rows <= 40 - done for rows, _, done, _ in seen)
+    read = [(rows, left, done) for rows, left, done, r in seen if r == n]
+    assert len(read) > 5 and all(rows == left == n - done for rows, left, done in read), read[:5]
+    assert all(rows <= n - done and left <= n - done for rows, left, done, _ in seen)
+    # before it is read whole: at least the rows read and not done (they said none)
+    early = [(left, r - done) for _, left, done, r in seen if r < n]
+    assert early and all(left >= unread for left, unread in early) and max(u for _, u in early) > 0, early
 
 
 def test_a_failed_count_of_the_rows_within_the_limit_leaves_the_run_to_its_own_pass(write_parquet, tmp_path, cfg,
