@@ -1,7 +1,7 @@
 """How well does the forecast's step cost, fitted so far, cost the steps still to come? Replayed from step logs.
 
 For each log written by benchmarks/step_log.py, at the moments 10%, 25% and 50% of its rows had finished, this
-fits StepCost (pipeline/scheduling/forecast.py) on the steps logged until then, as the deadline tracker does (every
+fits StepCost (pipeline/scheduling/step_cost.py) on the steps logged until then, as the deadline tracker does (every
 step seen for jumps in the batch, the engine's first SETTLE_S seconds not measured), and costs the steps that
 actually came after (their number, sequences and prompt tokens) against their actual seconds. Side by side: the
 product's rule, which leaves out the AFTER_GROWTH decode steps after the batch grows by a quarter, and the fit
@@ -33,7 +33,7 @@ def replay(rec: list, after_growth: int, shares=SHARES, weigh=None, drifts=None,
     from their step counts in the line's fit (None: the product's, the counts); drifts: a list to append the
     fit's StepCost.drift to at each share; prefill_rule: StepCost.PREFILL (None: the product's)."""
     from overnight.pipeline.scheduling import deadline as dl
-    from overnight.pipeline.scheduling.forecast import StepCost
+    from overnight.pipeline.scheduling.step_cost import StepCost
 
     class Weighed(StepCost):
         def _points(self):
@@ -67,7 +67,7 @@ def kept_until(rec: list, shares):
     then as the tracker feeds it, {sequences: [(context tokens, seconds)]} of the decode steps that StepCost kept by
     size)."""
     from overnight.pipeline.scheduling import deadline as dl
-    from overnight.pipeline.scheduling.forecast import StepCost
+    from overnight.pipeline.scheduling.step_cost import StepCost
 
     finished = [i for i, r in enumerate(rec) for _ in range(r[5])]
     for share in shares:
@@ -90,7 +90,7 @@ def replay_context(rec: list, shares=SHARES, how: str = "free", keep: int = 64) 
     from the variation within each size (each size centred), then the product's weighted line through each
     size's median of what is left. The steps to come are costed with the context they actually had, which a
     forecast would have to predict. (fixed s, s per sequence, future cost / actual) at each share."""
-    from overnight.pipeline.scheduling.forecast import StepCost
+    from overnight.pipeline.scheduling.step_cost import StepCost
 
     out = []
     for i, sc, kept in kept_until(rec, shares):
@@ -194,7 +194,7 @@ def main() -> None:
     ap.add_argument("--stretches", action="store_true",
                     help="also the last 64 steps' median of the commonest size against the mean of those after")
     args = ap.parse_args()
-    from overnight.pipeline.scheduling.forecast import StepCost
+    from overnight.pipeline.scheduling.step_cost import StepCost
 
     rules = {f"AFTER_GROWTH={StepCost.AFTER_GROWTH} (the product)": (StepCost.AFTER_GROWTH, None, None),
              "AFTER_GROWTH=0": (0, None, None)}

@@ -31,7 +31,7 @@ def test_cap_shrinks_near_the_deadline_on_a_cpu_and_stays_full_on_a_gpu():
 
 
 def test_the_trust_in_a_warning_is_a_python_bool_for_json():
-    from overnight.pipeline.scheduling.forecast import StepCost
+    from overnight.pipeline.scheduling.step_cost import StepCost
 
     cost = StepCost()
     for n, s in ((8, 0.05), (32, 0.12)):

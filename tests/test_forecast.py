@@ -262,7 +262,7 @@ def test_eta_range_widens_by_the_step_costs_drift(monkeypatch):
     """A machine whose speed wanders by 8% (a shared CPU's, docs/BENCHMARKS.md): the step cost fitted so far
     misses the steps to come either way, and the range says so. Without the drift's share it holds far less
     often."""
-    from overnight.pipeline.scheduling.forecast import StepCost
+    from overnight.pipeline.scheduling.step_cost import StepCost
 
     def held():
         out = []

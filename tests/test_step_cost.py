@@ -9,7 +9,8 @@ import pytest
 from fakes import FakeClock
 from overnight.pipeline.config import Policy
 from overnight.pipeline.scheduling.deadline import MIN_STEPS, DeadlineTracker, Forecast
-from overnight.pipeline.scheduling.forecast import InFlight, StepCost
+from overnight.pipeline.scheduling.forecast import InFlight
+from overnight.pipeline.scheduling.step_cost import StepCost
 from overnight.pipeline.scheduling.scheduler import Scheduler
 
 

@@ -24,7 +24,8 @@ import numpy as np
 
 from overnight.pipeline.progress import Rate, fmt_duration
 from overnight.pipeline.scheduling.estimate import Forecast, model_forecast, rate_forecast, samples_per_row
-from overnight.pipeline.scheduling.forecast import InFlight, StepCost
+from overnight.pipeline.scheduling.forecast import InFlight
+from overnight.pipeline.scheduling.step_cost import StepCost
 from overnight.pipeline.scheduling.lengths import LengthMixture
 from overnight.pipeline.scheduling.scheduler import Mode
 
