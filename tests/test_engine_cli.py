@@ -212,6 +212,10 @@ def test_resume_and_fingerprint_refusal(tmp_path, model_path, monkeypatch):
     assert "12/12 rows (12 ok, 0 error, 5 already done)" in result.output
     ids = parts(out).column("id").to_pylist()
     assert len(ids) == 12 == len(set(ids)) and set(parts(out).column("model").to_pylist()) == {folder}
+    # a lower --limit: its 4 rows are done, the 8 past it are not this run's (the progress began at 12/4 before)
+    lower = invoke("run", inp, "--out", out, *FAST, "--limit", "4", "--model", os.path.basename(folder))
+    assert "8 of the rows done are past --limit 4" in lower.output
+    assert "4/4 rows (12 ok, 0 error, 4 already done; the output holds 8 rows beyond this input's" in lower.output
     fresh = invoke("run", inp, "--out", out, *FAST, "--temperature", "0.9", "--fresh", "--limit", "3",
                    "--model", os.path.basename(folder))
     assert "3/3 rows (3 ok" in fresh.output and parts(out).num_rows == 3

@@ -1,4 +1,4 @@
-"""The engine step's cost as the forecast learns it (scheduling.forecast.StepCost) and the start-up probe that
+"""The engine step's cost as the forecast learns it (scheduling.step_cost.StepCost) and the start-up probe that
 measures it (scheduling.deadline), with a fake clock: fixed and per-sequence costs told apart, the slow steps
 after the batch grows and in the engine's first seconds left out, prefill taken with the step after it, and the
 warning held until the steps are settled."""
