@@ -6,13 +6,15 @@ grows. The job (benchmarks/warning_fixed_step.py's prompts) is larger than the s
 the unread rows. Each run is a fresh `overnight run` with no deadline; from OUT/timeline.json, at the first
 sample with 10%, 25% and 50% of the rows done, the ETA against the time that actually remained until the command
 returned, as (ETA - actual) / actual; and beside it, the tokens still to come that the last forecast by then
-counted, over those that came (the length models' part of the error; the rest is the rate's and the drain's).
+counted, over those that came (the length models' part of the error; the rest is the rate's and the drain's),
+and the command's wall time.
 
 --against TREE runs each repeat a second time with TREE (a folder holding an `overnight` package) first on
 PYTHONPATH, one after the other, so that the two sides see the same machine.
 
     python benchmarks/eta_fixed_step.py                          # 20000 rows, 64 sequences, 5 ms, 3 repeats
     python benchmarks/eta_fixed_step.py --against /tmp/oldpkg    # and an older tree, side by side
+    python benchmarks/eta_fixed_step.py --extra "--sample-every 0"   # no rows drawn at random
 """
 
 from __future__ import annotations
@@ -42,7 +44,8 @@ def run(inp: Path, out: Path, args, tree: str | None) -> list[float]:
     cmd = [sys.executable, "-c", "import sys; from overnight.jobs.entry import main; sys.argv[0] = 'overnight'; "
            "main()", "run", str(inp), "--out", str(out), "--fresh", "--engine", "echo", "--echo-step-ms",
            str(args.step_ms), "--max-tokens", "64", "--max-num-seqs", str(args.seqs), "--policy", args.policy,
-           "--json"]
+           "--json"] + args.extra.split()
+    start = time.time()
     subprocess.run(cmd, capture_output=True, text=True, check=True, env=env)
     end = time.time()
     samples = json.loads((out / "timeline.json").read_text())
@@ -58,7 +61,7 @@ def run(inp: Path, out: Path, args, tree: str | None) -> list[float]:
         a, e, n = rows["a"], rows["f"], rows["n"]
         came = np.where(e <= f["t"], 0.0, np.where(a <= f["t"], n * (e - f["t"]) / np.maximum(e - a, 1e-9), n))
         errors.append(f["remaining_tokens"] / max(float(came.sum()), 1.0))
-    return errors
+    return errors, end - start
 
 
 def main() -> None:
@@ -68,6 +71,7 @@ def main() -> None:
     p.add_argument("--step-ms", type=float, default=5.0)
     p.add_argument("--policy", default="auto")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--extra", default="", help="more `overnight run` options, e.g. \"--sample-every 0\"")
     p.add_argument("--against", default=None, help="a folder with an older `overnight` package, run side by side")
     args = p.parse_args()
     sides = [("this tree", None)] + ([(f"--against {args.against}", args.against)] if args.against else [])
@@ -78,8 +82,8 @@ def main() -> None:
         write_input(inp, args.rows)
         for r in range(args.repeats):
             for name, tree in sides:
-                e = run(inp, Path(tmp) / "out", args, tree)
-                print(f"  repeat {r}, {name}: " + " / ".join(f"{100 * x:+.0f}%" for x in e[::2]) +
+                e, wall = run(inp, Path(tmp) / "out", args, tree)
+                print(f"  repeat {r}, {name}: {wall:.1f} s; " + " / ".join(f"{100 * x:+.0f}%" for x in e[::2]) +
                       "   (tokens left, forecast / actual: " + " / ".join(f"x{x:.2f}" for x in e[1::2]) + ")",
                       flush=True)
 

@@ -67,14 +67,14 @@ def workload(data_dir: str, n: int, seed: int, path: str, kind: str = "open") ->
     pq.write_table(t, path)
 
 
-def run(inp: str, out: str, policy: str, extra: list[str]) -> tuple[float, float, int, str]:
-    """Runs one job; returns (start, end, exit code, stderr)."""
+def run(inp: str, out: str, policy: str, extra: list[str], verbose: bool = False) -> tuple[float, float, int, str]:
+    """Runs one job; returns (start, end, exit code, stderr: with verbose, the forecasts' debug lines too)."""
     done = out.rstrip("/") + ".run.json"  # a finished side is kept, so a rerun of the benchmark reuses it
     if os.path.exists(done):
         d = json.load(open(done))
         return d["t0"], d["t1"], d["rc"], d["stderr"]
-    cmd = [os.path.join(os.path.dirname(sys.executable), "overnight"), "run", inp, "--out", out,
-           "--policy", policy, *extra]
+    cmd = [os.path.join(os.path.dirname(sys.executable), "overnight"), *(["-v"] if verbose else []), "run", inp,
+           "--out", out, "--policy", policy, *extra]
     t0 = time.time()
     p = subprocess.run(cmd, capture_output=True, text=True)
     t1 = time.time()
@@ -159,6 +159,7 @@ def main() -> None:
     ap.add_argument("--fifo-makespan", type=float, default=None,
                     help="Skip the fifo full run's timing and use this makespan for the budget.")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--verbose", action="store_true", help="debug logs (every forecast) in OUT/full-POLICY.run.json")
     ap.add_argument("--extra", default="", help="Extra options for every `overnight run`, as one string.")
     args = ap.parse_args()
     base = args.out or tempfile.mkdtemp(prefix="forecast-")
@@ -174,7 +175,7 @@ def main() -> None:
         print("\nETA error, (ETA - actual remaining) / actual remaining, at 10% / 25% / 50% of rows:")
     for pol in args.policies:
         out = os.path.join(base, f"full-{pol}")
-        t0, t1, rc, err = run(inp, out, pol, extra)
+        t0, t1, rc, err = run(inp, out, pol, extra, args.verbose)
         makespan[pol] = t1 - t0
         pts = eta_errors(out, t1, args.rows)
         cells = []

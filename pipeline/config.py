@@ -260,6 +260,10 @@ class SchedulerConfig:
     lookahead_rows: int = 10000
     # Aging: a row pending longer than this goes next, whatever the policy. None: no aging.
     max_wait_s: Optional[float] = 1800.0
+    # Where rows run longest predicted first (longest-first; auto while the deadline is safe), one admission in
+    # this many is a pending row drawn at random: the forecast learns from them what the rows predicted short run.
+    # 0: none.
+    sample_every: int = 8
     # Finish by this time: ISO, local unless it has an offset (e.g. 2026-11-23T06:00).
     deadline: Optional[str] = None
     # ... or within this long of the start (e.g. 90m, 1h30m, 45s).
@@ -278,6 +282,8 @@ class SchedulerConfig:
         _check(self.policy in names, f"scheduler.policy is {self.policy!r}; use one of {', '.join(names)}.")
         _check(self.queue_factor >= 0, f"scheduler.queue_factor is {self.queue_factor}; it must be 0 or more.")
         _check(self.lookahead_rows >= 1, f"scheduler.lookahead_rows is {self.lookahead_rows}; it must be at least 1.")
+        _check(self.sample_every >= 0,
+               f"scheduler.sample_every is {self.sample_every}; it must be 0 (no row drawn at random) or more.")
         _check(self.max_wait_s is None or self.max_wait_s > 0,
                f"scheduler.max_wait_s is {self.max_wait_s}; it must be above 0 (or null for no aging).")
         _check(not (self.deadline and self.time_budget),

@@ -276,7 +276,7 @@ class Reporter:
             "engine_restarts": self.supervisor.num_restarts,
             "scheduler": {"policy": self.scheduler.policy.value, "predictor": a.predictor.name,
                           "mode_switches": st.num_mode_switches, "aged": st.num_aged,
-                          "deadline_first": st.num_deadline_first,
+                          "deadline_first": st.num_deadline_first, "drawn_at_random": st.num_sampled,
                           "predictor_seconds": round(a.seconds + a.loop_seconds + a.background_seconds, 3),
                           # where that time went: predicting new rows (input thread), learning in the engine
                           # loop (none with a learner thread), learning and re-predicting (learner thread)

@@ -54,7 +54,7 @@ class Runner(Clockwork):
         self.clock = clock
         cfg, sc = job.cfg, job.cfg.scheduler
         self.scheduler = Scheduler(cfg.engine.max_num_seqs, sc.queue_factor, sc.policy, sc.lookahead_rows,
-                                   sc.max_wait_s, has_values="value" in job.source.schema.names)
+                                   sc.max_wait_s, "value" in job.source.schema.names, sc.sample_every)
         predictor = make_predictor(cfg.buckets.predictor)
         self.annotator = LengthAnnotator(predictor, cfg.sampling.max_tokens, cfg.buckets.kind,
                                          cfg.buckets.num_buckets, background=True)
@@ -329,7 +329,7 @@ class Runner(Clockwork):
                 lengths.append(f.num_output_tokens if n == 1 else round(f.num_output_tokens / n))
             reasons = [r.finish_reason for r in results]
             self.annotator.observe(rows, lengths, reasons)
-            self.tracker.finished([r.forecast_tokens for r in rows], lengths, reasons)
+            self.tracker.finished([r.forecast_tokens for r in rows], lengths, reasons, [r.drawn for r in rows])
             self._record(results)
         self.writer.maybe_flush()
 

@@ -236,15 +236,23 @@ def test_forecasts_say_how_they_weighed_the_length_models(warm, tmp_path, policy
     weighs the log ratio, the normal and the square root, and the tail is the mixture's. Every forecast says so,
     and the run completes with an ETA and its range in the timeline. Which shape wins on 80 short rows is the
     data's (on 120 rows, the square root's tail at none of 6 forecasts in one run, at some in another);
-    tests/test_lengths.py checks the choices."""
+    tests/test_lengths.py checks the choices. Longest predicted first, one admission in eight is a row drawn at
+    random (status.json counts them), and the forecasts shift the rows left by what those ran (scheduling/drawn.py);
+    fifo draws none."""
     forecasts = forecast_lines(tmp_path, "--policy", policy)
     tails = [ln.rsplit("tail of the rows running: ", 1)[1] for ln in forecasts]
     weights = [re.search(r"lengths weighed ([0-9.]+) normal, ([0-9.]+) square root", ln).groups() for ln in forecasts]
     normal, sqrt = (np.array([float(w[i]) for w in weights]) for i in (0, 1))
+    shifts = [re.search(r"rows left shifted ([-+0-9.]+) \(se ([0-9.]+)\) by (\d+) rows drawn", ln).groups()
+              for ln in forecasts]
+    drawn = json.loads((tmp_path / "out" / "status.json").read_text())["scheduler"]["drawn_at_random"]
     if policy == "longest-first":
         assert set(tails) <= {"square root", "mixture"}
         assert not normal.any() and not sqrt.any()
+        assert drawn == 10  # 80 rows: the 8th, 16th, ... admission
+        assert any(float(d) != 0 and float(se) > 0 and int(n) > 0 for d, se, n in shifts), shifts
     else:
+        assert drawn == 0 and all(s == ("+0.000", "0.000", "0") for s in shifts)
         assert set(tails) == {"mixture"}
         # the log ratio alone (as above) would print 0.00 and 0.00 throughout; 80 rows of up to 64 tokens, beside a
         # busy loop, printed at most 0.75 and 0.21, and 0.77 and 0.19 (120 rows of 96: 0.33-0.64 and 0.11-0.26); it

@@ -91,7 +91,7 @@ def test_drain_tail_adds_the_spread_of_the_last_rows():
 # -- a simulated run ---------------------------------------------------------------------------------
 def simulate(policy, cost, n_rows=600, m=64, deadline_share=None, makespan=None, seed=3, probe=True, n_samples=1,
              blind=False, drift=0.0, sqrt=False, calibrated=False, rows=None, loops=0.0, row_max_tokens=512,
-             margin=0.0, prefill=0.0, repredict=None):
+             margin=0.0, prefill=0.0, repredict=None, sample_every=0):
     """Runs the real Scheduler and DeadlineTracker against a simulated engine; returns the story. With n_samples
     > 1 each row asks for that many completions, which the engine runs as as many sequences (vLLM's parallel
     sampling), each of its own length around the row's. blind: lengths normal, whatever the predictions. drift: a
@@ -104,7 +104,8 @@ def simulate(policy, cost, n_rows=600, m=64, deadline_share=None, makespan=None,
     row_max_tokens: each row's own max_tokens (the job's, the tracker's, stays 512); lengths are cut there.
     margin: admission stops this long before the deadline, and the rows in flight drain to it. prefill: seconds a
     step spends per prompt token of the rows that start in it (each row has 50). repredict: (rows done, new
-    predictions of every row): then the pending rows get theirs, as at the online predictor's refresh."""
+    predictions of every row): then the pending rows get theirs, as at the online predictor's refresh.
+    sample_every: the scheduler's (rows drawn at random under longest predicted first)."""
     rng = np.random.default_rng(seed)
     speed_rng, speed, steps = np.random.default_rng(seed + 100), 1.0, 0
     predicted, actual = lognormal_rows(n_rows, 0.0, 0.55, rng)
@@ -126,7 +127,7 @@ def simulate(policy, cost, n_rows=600, m=64, deadline_share=None, makespan=None,
     tracker = DeadlineTracker(deadline, margin, clock, max_tokens=512, calibrated=calibrated)
     if not probe:
         tracker.probe_done = True
-    sched = Scheduler(m, 1.0, Policy(policy))
+    sched = Scheduler(m, 1.0, Policy(policy), sample_every=sample_every)
     tracker.engine_started(m)
     tracker.start(sched)
     rows = [Row(id=i, prompt_token_ids=[1] * 50, sampling={"max_tokens": row_max_tokens, "n": n_samples},
@@ -183,7 +184,8 @@ def simulate(policy, cost, n_rows=600, m=64, deadline_share=None, makespan=None,
             finished_rows = [sched.finish(r) for r in fin]
             tracker.finished([r.forecast_tokens for r in finished_rows],
                              [float(lengths[r.id].mean()) for r in finished_rows],
-                             ["length" if lengths[r.id].max() >= row_max_tokens else "stop" for r in finished_rows])
+                             ["length" if lengths[r.id].max() >= row_max_tokens else "stop" for r in finished_rows],
+                             [r.drawn for r in finished_rows])
             done += len(fin)
         if repredict and done >= repredict[0]:  # the pool's new predictions, once
             pool, new, repredict = sched.pending_entries(), repredict[1], None

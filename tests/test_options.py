@@ -55,6 +55,7 @@ SAMPLES = {
     "--safety-margin": ("12", 12.0),
     "--lookahead": ("500", 500),
     "--max-wait": ("60", 60.0),
+    "--sample-every": ("4", 4),
     "--throughput": ("2500", 2500.0),
     "--passthrough": ("a, b", ["a", "b"]),
     "--flush-rows": ("50", 50),
@@ -181,6 +182,7 @@ def help_of(command, flags):
 
 
 @pytest.mark.parametrize("flags,path", [("--max-wait", "scheduler.max_wait_s"),
+                                        ("--sample-every", "scheduler.sample_every"),
                                         ("--lookahead", "scheduler.lookahead_rows"),
                                         ("--flush-rows", "output.flush_rows"),
                                         ("--policy", "scheduler.policy"),

@@ -44,6 +44,51 @@ def test_policies_order(policy, expected):
     assert drain(s) == expected
 
 
+def test_longest_first_draws_one_row_in_eight_at_random():
+    """With sample_every 8, under longest-first (and auto while the deadline is safe) every eighth admission is a
+    pending row drawn at random, the same each run (seeded), and marked as drawn; the others go longest predicted
+    first. fifo, shortest-first, auto near a deadline and sample_every 0 draw none."""
+    preds = [1000 - i for i in range(200)]  # row i: the i-th longest
+
+    def order(policy, mode=None, sample_every=8):
+        s = one_at_a_time(policy, sample_every=sample_every)
+        s.add([row(i, p) for i, p in enumerate(preds)])
+        if mode is not None:
+            s.set_mode(mode)
+        reasons, drawn = [], []
+        while s.num_pending:
+            (a,) = s.schedule(0.0)
+            reasons.append(a.reason)
+            drawn.append(a.row.drawn)
+            s.finish(a.request_id)
+        assert drawn == [r == "sample" for r in reasons]
+        return reasons, s
+
+    for policy in ("longest-first", "auto"):
+        reasons, s = order(policy)
+        assert [i for i, r in enumerate(reasons) if r == "sample"][:5] == [7, 15, 23, 31, 39]
+        assert s.stats.num_sampled == reasons.count("sample") >= 20
+    s = one_at_a_time("longest-first", sample_every=8)
+    s.add([row(i, p) for i, p in enumerate(preds)])
+    first = drain(s)
+    assert first[:7] == list(range(7)) and first[7] > 8  # the eighth: drawn from the 193 left
+    s2 = one_at_a_time("longest-first", sample_every=8)
+    s2.add([row(i, p) for i, p in enumerate(preds)])
+    assert drain(s2) == first  # seeded
+    assert order("longest-first", sample_every=0)[0].count("sample") == 0
+    for policy, mode in (("fifo", None), ("shortest-first", None), ("auto", Mode.DEADLINE)):
+        assert order(policy, mode)[0].count("sample") == 0
+
+
+def test_a_drawn_row_keeps_the_policys_engine_priority():
+    """A row drawn at random goes to vLLM's queue with the policy's priority, not ahead of every row as an aged
+    one does."""
+    s = Scheduler(max_running=1, queue_factor=0, policy="auto", sample_every=1)
+    s.add([row("a", 300), row("b", 100)])
+    (a,) = s.schedule(0.0)
+    assert a.reason == "sample" and a.priority == -a.row.predicted_tokens
+
+
 def test_priority_policy_lower_first_then_input_order():
     s = one_at_a_time("priority")
     s.add([row("a", priority=5), row("b", priority=1), row("c", priority=5), row("d", priority=-2)])

@@ -23,6 +23,7 @@ from typing import Callable, Optional
 import numpy as np
 
 from overnight.pipeline.progress import Rate, fmt_duration
+from overnight.pipeline.scheduling.drawn import DrawnRows
 from overnight.pipeline.scheduling.estimate import Forecast, model_forecast, rate_forecast, samples_per_row
 from overnight.pipeline.scheduling.forecast import InFlight
 from overnight.pipeline.scheduling.step_cost import StepCost
@@ -88,6 +89,8 @@ class DeadlineTracker:
         self.early_steps = StepCost()  # the engine's first seconds (settle_s): the forecast's until steps has some
         self.inflight = InFlight(1)
         self.lengths = LengthMixture(max_tokens or 256, calibrated)
+        self.drawn = DrawnRows()  # the rows drawn at random under longest predicted first (scheduling/drawn.py)
+        self.admitted_rows, self.admitted_tokens = 0, 0.0  # the rows admitted with a prediction, and its sum
         self.probe_done = False
         self.settle_s = settle_s
         self.settle_steps = settle_steps
@@ -95,7 +98,7 @@ class DeadlineTracker:
         self._engine_steps = 0  # steps since the engine started
         self._measured = 0  # steps measured since the engine settled
         self._step_n = self._step_prefill = 0
-        self._done: tuple[list, list, list] = ([], [], [])  # finished rows not learned from yet
+        self._done: tuple[list, list, list, list] = ([], [], [], [])  # finished rows not learned from yet
         # The finished rows the length predictor waits for before it first learns from this job's (None: it has,
         # or never learns): a warning before then says that its count may move (LengthAnnotator.rows_to_learn).
         self.rows_to_learn: Callable[[], Optional[int]] = lambda: None
@@ -111,6 +114,8 @@ class DeadlineTracker:
                  max_tokens: Optional[int] = None) -> None:
         """A row went into the engine; max_tokens: its own limit, where it asks for more than the job's."""
         self.inflight.admit(request_id, predicted, prompt_tokens, n)
+        if predicted:
+            self.admitted_rows, self.admitted_tokens = self.admitted_rows + 1, self.admitted_tokens + predicted
         if max_tokens and max_tokens > self.lengths.cap:
             self.lengths.grow_cap(max_tokens)
 
@@ -132,18 +137,21 @@ class DeadlineTracker:
             self.early_steps.observe(self._step_n, self._step_prefill, seconds)
         self.inflight.after_step(finished_ids)
 
-    def finished(self, predicted, actual, finish_reasons) -> None:
-        """Rows done: predicted and actual output tokens per sequence (a row of n samples: its tokens / n). Kept
-        until the next forecast, which learns from them in one go (most steps finish a row or two)."""
+    def finished(self, predicted, actual, finish_reasons, drawn=None) -> None:
+        """Rows done: predicted and actual output tokens per sequence (a row of n samples: its tokens / n), and
+        whether each was drawn at random. Kept until the next forecast, which learns from them in one go (most
+        steps finish a row or two)."""
         self._done[0].extend(predicted)
         self._done[1].extend(actual)
         self._done[2].extend(r == "length" for r in finish_reasons)
+        self._done[3].extend(drawn if drawn is not None else [False] * len(finish_reasons))
 
     def learn(self) -> None:
         """The length models learn from the rows finished since the last forecast."""
         if self._done[0]:
-            self.lengths.observe(*self._done)
-            self._done = ([], [], [])
+            self.lengths.observe(*self._done[:3])
+            self.drawn.observe(self._done[0], self._done[1], self._done[3])
+            self._done = ([], [], [], [])
 
     def dropped(self, request_ids) -> None:
         """Rows that left the engine without finishing (refused, aborted)."""

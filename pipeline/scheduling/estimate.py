@@ -126,8 +126,23 @@ def model_forecast(t, scheduler, lengths, counts, unread: int, mean_predicted: f
     hist_p, hist_n = (np.asarray(x, dtype=np.float64) for x in scheduler.pending_lengths())
     hist_p = hist_p * scheduler.forecast_scale
     blind = [len(queued_p)] if len(pend_p) == 1 and len(hist_p) > 1 else []
+    mean_p = float(fill @ fill_n / fill_n.sum()) if fill_n.sum() else (mean_predicted or 1.0)
+    left_shift = drawn_se = 0.0  # the rows left's log ratio, shifted by the rows drawn at random (below)
+    if scheduler.runs_longest_first and getattr(model, "only", None) is None:
+        # The rows left are the ones predicted shortest: they run as the rows drawn at random among them do, the
+        # rows not read yet as every drawn row (scheduling/drawn.py); those are predicted as every row read is,
+        # not as the pool left (whose longest went first), in the pool's shape.
+        left_shift, drawn_se = t.drawn.shift(model.mu, model.sigma, fill, fill_n)
+        fill = fill * math.exp(left_shift)
+        if unread:
+            n_all = t.admitted_rows + float(pend_rows.sum())
+            mean_all = (t.admitted_tokens + float(pend_p @ pend_rows)) / n_all if n_all else mean_p
+            hist_mean = float(hist_p @ hist_n / hist_n.sum()) if len(hist_p) else 0.0
+            hist_p = hist_p * (mean_all / hist_mean if hist_mean > 0 else 1.0)
+            d_all, se_all = t.drawn.shift(model.mu, model.sigma, hist_p, hist_n) if len(hist_p) else (0, 0)
+            drawn_se = max(drawn_se, se_all)
+            mean_p, hist_p = mean_all * math.exp(d_all), hist_p * math.exp(d_all)
     if unread:
-        mean_p = float(fill @ fill_n / fill_n.sum()) if fill_n.sum() else (mean_predicted or 1.0)
         fill, fill_n = np.append(fill, mean_p), np.append(fill_n, unread * k)
         if len(hist_p):
             blind.append(len(fill) - 1)
@@ -179,7 +194,7 @@ def model_forecast(t, scheduler, lengths, counts, unread: int, mean_predicted: f
             started = eta(0.0, False, slots, pre)[1].started_by
             pre = 0.5 * (pre + c * t.inflight.mean_prompt_tokens * started / per_row)
         rows_by = eta(0.0, False, slots, pre)[1].rows_by
-    spread = Z80 * model.mu_stderr
+    spread = Z80 * math.hypot(model.mu_stderr, drawn_se)
     low, _ = eta(-spread, False)
     high, _ = eta(spread, False)
     # the rows' own spread: the sum of many rows' lengths varies less than each
@@ -216,9 +231,10 @@ def model_forecast(t, scheduler, lengths, counts, unread: int, mean_predicted: f
     log.debug("forecast: step %.4f + %.5f/seq + %.2e/prompt token; %d steps + %.0f tail, %.0f tokens, %.0f "
               "prompt tokens over %d slots (rows capped at %s); lengths mu %.3f sigma %.3f from %.1f rows; "
               "step cost drift %.3f; ETA %.1f s (%.1f-%.1f); lengths weighed %.2f normal, %.2f square root; "
-              "tail of the rows running: %s",
+              "rows left shifted %+.3f (se %.3f) by %d rows drawn at random; tail of the rows running: %s",
               a, b, c, d.steps, d.tail_steps, d.tokens, prefill, max_num_seqs, cap, model.mu, model.sigma,
               model.num_events, t.step_cost.drift, eta_s, low, high, model.weight, model.sqrt_weight,
+              left_shift, drawn_se, t.drawn.num_rows,
               "sqrt ratio (calibrated predictions)" if getattr(model, "only", None) is not None else
               "square root" if model.tail is not None else "mixture")
     return Forecast(float(tokens_per_s), float(d.tokens), rows, float(eta_s), left, bool(will_miss),

@@ -1,9 +1,8 @@
 """Which pending rows go to the engine next: a pure state machine, no engine, clock or I/O.
 
-The runner reads input into a lookahead pool; the scheduler hands rows to
-vLLM, keeping its waiting queue topped up a little above what it can run
-(``capacity``) but not flooded: rows not yet admitted stay cheap to reorder
-and need no abort at a deadline. Which rows go first is the policy's call:
+The runner reads input into a lookahead pool; the scheduler hands rows to vLLM, keeping its waiting queue topped up
+a little above what it can run (``capacity``) but not flooded: rows not yet admitted stay cheap to reorder and need
+no abort at a deadline. Which rows go first is the policy's call:
 
     fifo            input order
     longest-first   longest predicted output first: long answers start early, so the tail is short
@@ -12,16 +11,20 @@ and need no abort at a deadline. Which rows go first is the policy's call:
     auto            longest-first while the deadline is safe; once it is at risk, the most value per
                     predicted token first (the `value` column, else 1 per row: shortest-first)
 
-Two rules apply under every policy. A row with a per-row `deadline` that is at
-risk (little time left for its predicted length) goes first, earliest
-deadline first. And no row waits forever: one pending for longer than
+Two rules apply under every policy. A row with a per-row `deadline` that is at risk (little time left for its
+predicted length) goes first, earliest deadline first. And no row waits forever: one pending for longer than
 ``max_wait_s`` goes ahead of the policy's choice (aging).
+
+Where the rows run longest predicted first, one admission by the policy in ``sample_every`` is a pending row
+drawn at random (reason "sample"): the forecast learns from those what the rows predicted short run
+(scheduling/drawn.py). The rows left at the end are still the ones predicted shortest.
 """
 
 from __future__ import annotations
 
 import enum
 import heapq
+import random
 from collections import deque
 from dataclasses import dataclass
 from typing import Iterable, Optional
@@ -61,7 +64,7 @@ class Admission:
     row: Row
     # Priority for vLLM's own scheduler (lower runs sooner); 0 unless the policy orders vLLM's queue too.
     priority: int = 0
-    # Why this row went now: "policy", "aged" or "deadline".
+    # Why this row went now: "policy", "aged", "deadline" or "sample" (drawn at random under longest-first).
     reason: str = "policy"
 
 
@@ -70,16 +73,19 @@ class SchedulerStats:
     num_aged: int = 0
     num_deadline_first: int = 0
     num_mode_switches: int = 0
+    num_sampled: int = 0  # rows drawn at random under longest predicted first (sample_every)
 
 
 class Scheduler:
     def __init__(self, max_running: int, queue_factor: float = 1.0, policy: Policy | str = Policy.FIFO,
-                 lookahead: int = 0, max_wait_s: Optional[float] = None, has_values: bool = False):
+                 lookahead: int = 0, max_wait_s: Optional[float] = None, has_values: bool = False,
+                 sample_every: int = 0, seed: int = 0):
         self.policy = Policy(policy)
         self.queue_factor, self.lookahead_rows = queue_factor, lookahead
         self.resize(max_running)
         self.max_wait_s = max_wait_s
         self.has_values = has_values
+        self.sample_every, self._rng, self._picked = sample_every, random.Random(seed), 0  # seeded: the same order
         self.mode = Mode.THROUGHPUT
         self.running: dict[str, Row] = {}
         # The forecast's currency: predicted tokens times this are what the deadline tracker's length models were
@@ -89,8 +95,7 @@ class Scheduler:
         self.forecast_scale = 1.0
         self.running_predicted = 0.0  # running rows' forecast_tokens (n times for n samples)
         # Sequences: a row that asks for n samples runs as n of them in the engine (what the forecast counts).
-        self.running_samples = 0
-        self.pending_samples = 0
+        self.running_samples = self.pending_samples = 0
         self.stats = SchedulerStats()
         self._heap: list[tuple[float, int, _Entry]] = []
         self._arrivals: deque[_Entry] = deque()
@@ -203,7 +208,8 @@ class Scheduler:
             entry.row.forecast_tokens = (entry.row.predicted_tokens or 0) * self.forecast_scale
             self.running_predicted += entry.row.forecast_tokens * n
             self.running_samples += n
-            priority = URGENT_PRIORITY if reason != "policy" else self._engine_priority(entry)
+            entry.row.drawn = reason == "sample"
+            priority = URGENT_PRIORITY if reason in ("aged", "deadline") else self._engine_priority(entry)
             out.append(Admission(request_id, entry.row, priority, reason))
         return out
 
@@ -222,7 +228,15 @@ class Scheduler:
         if e is not None:
             self.stats.num_deadline_first += 1
             return e, "deadline"
-        # 3. the policy
+        # 3. one row in sample_every drawn at random where the rows run longest predicted first
+        self._picked += bool(self.sample_every and self.runs_longest_first)
+        if self.sample_every and self.runs_longest_first and self._picked % self.sample_every == 0:
+            for _ in range(64):  # taken rows stay in the heap until they reach its head: draw again
+                e = self._heap[self._rng.randrange(len(self._heap))][2]
+                if not e.is_taken:
+                    self.stats.num_sampled += 1
+                    return e, "sample"
+        # 4. the policy
         while True:
             _, _, e = heapq.heappop(self._heap)
             if not e.is_taken:
