@@ -4,6 +4,7 @@
                     pending rows in run order and the rows not read yet at the mean prediction
     model_forecast  after: the step cost (scheduling/forecast.StepCost), the lengths (scheduling/lengths.py)
                     and the drain of what is left in the order the scheduler runs it (scheduling/forecast.drain);
+                    under longest predicted first, the rows left as the rows drawn at random say (drawn.py);
                     under auto near a deadline, also the cap on rows in flight that finishes the most rows
 
 Both take the DeadlineTracker (``t``) for what it has measured and return a Forecast.
