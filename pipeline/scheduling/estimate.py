@@ -136,8 +136,8 @@ def model_forecast(t, scheduler, lengths, counts, unread: int, mean_predicted: f
         left_shift, drawn_se = t.drawn.shift(model.mu, model.sigma, fill, fill_n)
         fill = fill * math.exp(left_shift)
         if unread:
-            n_all = t.admitted_rows + float(pend_rows.sum())
-            mean_all = (t.admitted_tokens + float(pend_p @ pend_rows)) / n_all if n_all else mean_p
+            n_all = t.admitted_rows + float(pend_rows[pm].sum())
+            mean_all = (t.admitted_tokens + float(pend_p[pm] @ pend_rows[pm])) / n_all if n_all else mean_p
             hist_mean = float(hist_p @ hist_n / hist_n.sum()) if len(hist_p) else 0.0
             hist_p = hist_p * (mean_all / hist_mean if hist_mean > 0 else 1.0)
             d_all, se_all = t.drawn.shift(model.mu, model.sigma, hist_p, hist_n) if len(hist_p) else (0, 0)
