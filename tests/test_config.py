@@ -29,6 +29,7 @@ def test_unknown_section_is_refused():
     ({"engine": {"enforce_eager": "yes"}}, "engine.enforce_eager must be true or false, got 'yes'"),
     ({"sampling": {"stop": "###"}}, "sampling.stop must be a list, got '###'"),
     ({"engine": {"max_num_seqs": True}}, "engine.max_num_seqs must be an integer, got True"),
+    ({"scheduler": {"sample_every": "eight"}}, "scheduler.sample_every must be an integer, got 'eight'"),
 ])
 def test_wrong_types_name_the_key(data, message):
     with pytest.raises(ConfigError) as e:
@@ -41,6 +42,8 @@ def test_values_are_checked_at_construction():
         SamplingConfig(top_p=1.5)
     with pytest.raises(ConfigError, match="Increase max_num_batched_tokens or decrease max_num_seqs"):
         EngineConfig(max_num_seqs=256, max_num_batched_tokens=128)
+    with pytest.raises(ConfigError, match=r"scheduler.sample_every is -3; it must be 0 \(no row drawn at random\)"):
+        build({"scheduler": {"sample_every": -3}})
 
 
 def test_passthrough_accepts_all_none_or_list():
