@@ -22,7 +22,8 @@ log = logging.getLogger("overnight")
 TICK_S, FORECAST_S = 1.0, 2.0  # how often the loop measures, and how often it forecasts
 # Seconds from the last row to `overnight run`'s return: the last writes, the engine's processes' exit (jobs/cli.py
 # ENGINE_EXIT_S) and the interpreter's (about 1 s after importing vLLM). 2.7-3.3 s on this 2-core machine
-# (docs/BENCHMARKS.md); the ETA shown counts them, the deadline's forecast (rows done by the stop) does not.
+# (docs/BENCHMARKS.md); the ETA shown counts them, the deadline's forecast (rows done by the stop) does not. An
+# engine that knows its own (EchoEngine.finish_s: no vLLM to exit) gives it instead.
 FINISH_S = 3.0
 
 
@@ -103,7 +104,8 @@ class Clockwork:
                   else self.tally.num_resumed)
         f = self.tracker.forecast_job(self.scheduler, self.tally, before, self.engine.max_num_seqs)
         # The ETA shown is the command's return: the last row's, and then the job's end (FINISH_S).
-        shown = [None if x is None else x + FINISH_S for x in (f.eta_s, f.eta_low_s, f.eta_high_s)]
+        finish = getattr(self.engine, "finish_s", FINISH_S)
+        shown = [None if x is None else x + finish for x in (f.eta_s, f.eta_low_s, f.eta_high_s)]
         # at risk as the warning says it (DeadlineTracker.steer): not from the engine's first seconds
         # the deadline itself, as the user gave it (new rows stop a safety margin before it)
         deadline_left = max(0.0, self.tracker.deadline - self.tracker.clock()) if self.tracker.deadline else None
