@@ -52,7 +52,8 @@ class LengthAnnotator:
         self._pending_actual: list[int] = []
         self._pending_capped: list[bool] = []
         self.learn_batch = LEARN_BATCH
-        # A re-prediction asked for (entries) and its answer (entries, tokens, buckets), handed between threads.
+        # A re-prediction asked for (entries, more features) and its answer (entries, tokens, buckets, the more
+        # features' predicted tokens), handed between threads.
         self._refresh_request: Optional[list] = None
         self._refresh_result: Optional[tuple] = None
         self._last_refresh = -1e18
@@ -137,13 +138,13 @@ class LengthAnnotator:
             return False
         return self._observed_since_refresh >= max(self.refresh_every, self.predictor.num_observed // 2)
 
-    def request_refresh(self, entries: list) -> None:
-        """Re-predict the waiting rows (scheduler entries) with what the predictor has learned since;
-        take_refresh() hands the answer back."""
+    def request_refresh(self, entries: list, more: Optional[list] = None) -> None:
+        """Re-predict the waiting rows (scheduler entries) with what the predictor has learned since, and the rows
+        of features ``more`` (the forecast's drawn rows); take_refresh() hands the answer back."""
         self._observed_since_refresh = 0
         if not entries:
             return
-        self._refresh_request = entries
+        self._refresh_request = (entries, more or [])
         if self._thread is None:
             t0 = time.perf_counter()
             self._repredict()
@@ -151,16 +152,21 @@ class LengthAnnotator:
         else:
             self._wake.set()
 
-    def refresh(self, scheduler, now: float) -> None:
+    def refresh(self, scheduler, now: float, drawn=None) -> None:
         """From the engine loop: ask for a re-prediction of the scheduler's pool when one is due (at most every
         REFRESH_S), and apply a finished one. The loop only snapshots the pool and applies the answer; the
-        work happens in the learner thread."""
+        work happens in the learner thread. The finished rows drawn at random (scheduling/drawn.DrawnRows) are
+        predicted again with the pool, in the forecast's currency (Scheduler.forecast_scale) once it is applied."""
         if now - self._last_refresh >= REFRESH_S and self.wants_refresh():
             self._last_refresh = now
-            self.request_refresh(scheduler.pending_entries())
+            entries = scheduler.pending_entries()
+            running = [r.features for r in scheduler.running.values() if r.drawn]
+            self.request_refresh(entries, drawn.snapshot(running) if drawn is not None and entries else None)
         done = self.take_refresh()
         if done is not None:
-            scheduler.repredict(*done)
+            scheduler.repredict(*done[:3])
+            if drawn is not None:
+                drawn.repredicted(np.asarray(done[3], dtype=np.float64) * scheduler.forecast_scale)
 
     def take_refresh(self) -> Optional[tuple]:
         """(entries, tokens, buckets) once a requested re-prediction is done; else None."""
@@ -204,9 +210,10 @@ class LengthAnnotator:
         self._pending, self._pending_actual, self._pending_capped = [], [], []
 
     def _repredict(self) -> None:
-        entries = self._refresh_request
-        pred = self.predictor.predict(stack([e.row.features for e in entries]))
-        tokens = np.rint(pred.tokens).astype(np.int64).tolist()
-        buckets = assign(pred.tokens, self.bounds).tolist()
-        self._refresh_result = (entries, tokens, buckets)
+        entries, more = self._refresh_request
+        pred = self.predictor.predict(stack([e.row.features for e in entries] + more)).tokens
+        k = len(entries)
+        tokens = np.rint(pred[:k]).astype(np.int64).tolist()
+        buckets = assign(pred[:k], self.bounds).tolist()
+        self._refresh_result = (entries, tokens, buckets, pred[k:])
         self._refresh_request = None

@@ -76,7 +76,7 @@ class Clockwork:
         self.progress.tick()
         if self.job.lock is not None:
             self.job.lock.heartbeat()
-        self.annotator.refresh(self.scheduler, now)
+        self.annotator.refresh(self.scheduler, now, self.tracker.drawn)
         last = self.tracker.last
         if (last is not None and last.will_miss and not self.tracker.is_warned and not self.stopping
                 and self.tracker.trusts(last)):

@@ -318,9 +318,8 @@ class Runner(Clockwork):
                     continue
                 if f.finish_reason == "error":  # vLLM's request-level internal error: an error row, not a text
                     self._record([Result.failed(row.id, row.passthrough, f"{row.origin}: {ENGINE_INTERNAL_ERROR} "
-                                                f"(vLLM's finish_reason "
-                                                f"\"error\", such as a structured output grammar it could not build)",
-                                                time.time())])
+                                                f"(vLLM's finish_reason \"error\", such as a structured output "
+                                                f"grammar it could not build)", time.time())])
                     continue
                 n = row.sampling.get("n", 1)
                 rows.append(row)
@@ -329,7 +328,8 @@ class Runner(Clockwork):
                 lengths.append(f.num_output_tokens if n == 1 else round(f.num_output_tokens / n))
             reasons = [r.finish_reason for r in results]
             self.annotator.observe(rows, lengths, reasons)
-            self.tracker.finished([r.forecast_tokens for r in rows], lengths, reasons, [r.drawn for r in rows])
+            self.tracker.finished([r.forecast_tokens for r in rows], lengths, reasons, [r.drawn for r in rows],
+                                  [r.features if r.drawn else None for r in rows])
             self._record(results)
         self.writer.maybe_flush()
 

@@ -12,7 +12,7 @@ import pytest
 
 from overnight.buckets.annotate import LengthAnnotator
 from overnight.buckets.bucketing import assign, log_bounds, quantile_bounds
-from overnight.buckets.features import featurize, subset
+from overnight.buckets.features import featurize, stack, subset
 from overnight.buckets.heuristic import heuristic_tokens
 from overnight.buckets.metrics import kendall_tau
 from overnight.buckets.predictors import HeuristicPredictor, OnlinePredictor
@@ -298,11 +298,13 @@ def test_annotator_learns_from_finished_rows_and_repredicts_the_pool(background)
             a.observe(chunk, [int(actual[r.id]) for r in chunk], ["stop"] * len(chunk))
         _wait_for(lambda: a.predictor.num_observed == 512)
         assert a.wants_refresh()
-        a.request_refresh([_Entry(r) for r in waiting])
+        # and the rows of features given beside the pool (the forecast's rows drawn at random, DrawnRows.snapshot)
+        a.request_refresh([_Entry(r) for r in waiting], [r.features for r in done[:10]])
         assert not a.wants_refresh()  # one re-prediction at a time
         result = _wait_for(a.take_refresh)
-        entries, tokens, buckets = result
+        entries, tokens, buckets, more = result
         assert len(entries) == len(tokens) == len(buckets) == 256
+        np.testing.assert_allclose(more, a.predictor.predict(stack([r.features for r in done[:10]])).tokens)
         assert all(r.predicted_tokens == first[r.id] for r in waiting)  # the scheduler applies them, not the annotator
         y = actual[[e.row.id for e in entries]]
         assert kendall_tau(tokens, y) > 0.4

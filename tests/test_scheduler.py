@@ -46,8 +46,8 @@ def test_policies_order(policy, expected):
 
 def test_longest_first_draws_one_row_in_eight_at_random():
     """With sample_every 8, under longest-first (and auto while the deadline is safe) every eighth admission is a
-    pending row drawn at random, the same each run (seeded), and marked as drawn; the others go longest predicted
-    first. fifo, shortest-first, auto near a deadline and sample_every 0 draw none."""
+    pending row drawn at random, the same each run (seeded), and marked with the draw's number (1, 2, ...); the
+    others go longest predicted first. fifo, shortest-first, auto near a deadline and sample_every 0 draw none."""
     preds = [1000 - i for i in range(200)]  # row i: the i-th longest
 
     def order(policy, mode=None, sample_every=8):
@@ -61,7 +61,9 @@ def test_longest_first_draws_one_row_in_eight_at_random():
             reasons.append(a.reason)
             drawn.append(a.row.drawn)
             s.finish(a.request_id)
-        assert drawn == [r == "sample" for r in reasons]
+        samples = [i for i, r in enumerate(reasons) if r == "sample"]
+        assert [drawn[i] for i in samples] == list(range(1, len(samples) + 1))
+        assert not any(d for i, d in enumerate(drawn) if i not in samples)
         return reasons, s
 
     for policy in ("longest-first", "auto"):

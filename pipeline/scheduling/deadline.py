@@ -98,7 +98,7 @@ class DeadlineTracker:
         self._engine_steps = 0  # steps since the engine started
         self._measured = 0  # steps measured since the engine settled
         self._step_n = self._step_prefill = 0
-        self._done: tuple[list, list, list, list] = ([], [], [], [])  # finished rows not learned from yet
+        self._done: tuple[list, ...] = ([], [], [], [], [])  # finished rows not learned from yet
         # The finished rows the length predictor waits for before it first learns from this job's (None: it has,
         # or never learns): a warning before then says that its count may move (LengthAnnotator.rows_to_learn).
         self.rows_to_learn: Callable[[], Optional[int]] = lambda: None
@@ -137,21 +137,22 @@ class DeadlineTracker:
             self.early_steps.observe(self._step_n, self._step_prefill, seconds)
         self.inflight.after_step(finished_ids)
 
-    def finished(self, predicted, actual, finish_reasons, drawn=None) -> None:
-        """Rows done: predicted and actual output tokens per sequence (a row of n samples: its tokens / n), and
-        whether each was drawn at random. Kept until the next forecast, which learns from them in one go (most
-        steps finish a row or two)."""
+    def finished(self, predicted, actual, finish_reasons, drawn=None, features=None) -> None:
+        """Rows done: predicted and actual output tokens per sequence (a row of n samples: its tokens / n),
+        whether each was drawn at random, and their predictor features (DrawnRows.snapshot). Kept until the next
+        forecast, which learns from them in one go (most steps finish a row or two)."""
         self._done[0].extend(predicted)
         self._done[1].extend(actual)
         self._done[2].extend(r == "length" for r in finish_reasons)
         self._done[3].extend(drawn if drawn is not None else [False] * len(finish_reasons))
+        self._done[4].extend(features if features is not None else [None] * len(finish_reasons))
 
     def learn(self) -> None:
         """The length models learn from the rows finished since the last forecast."""
         if self._done[0]:
             self.lengths.observe(*self._done[:3])
-            self.drawn.observe(self._done[0], self._done[1], self._done[3])
-            self._done = ([], [], [], [])
+            self.drawn.observe(self._done[0], self._done[1], self._done[3], self._done[4])
+            self._done = ([], [], [], [], [])
 
     def dropped(self, request_ids) -> None:
         """Rows that left the engine without finishing (refused, aborted)."""

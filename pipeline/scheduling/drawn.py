@@ -6,22 +6,34 @@ Where the predictions regress to the mean, those run longer against their predic
 echo engine under auto, the rows admitted in the last 40% of the run ran 1.1-1.3 times their predictions and those
 in the first half 0.6-1.1, and the forecast counted 57-88% of the tokens to come (docs/BENCHMARKS.md). The
 scheduler admits one row in ``sample_every`` drawn at random from its pool (scheduler.py): those span every
-prediction. Their log ratio is fitted as a line on the log of the prediction (``shift``), and the rows left are
-expected to run as that line says at their predictions: a shift of their log ratio from the log ratio of every
-row, with a standard error for the ETA's range. The rows not read yet are a sample of every row read, and take
-the line at those predictions. Only the drawn rows that finished count: those still running are few, and, counted
-as "at least this long" in an EM fit, they made the shift diverge (+3 to +6 in the echo engine's job).
+prediction. Their log ratio is fitted as a line on the log of the prediction (``shift``), with what each stratum of
+the prediction's drawn rows runs off that line, and the rows left are expected to run as those say at their
+predictions: a shift of their log ratio from the log ratio of every row, with a standard error for the ETA's range.
+The rows not read yet are a sample of every row read, and take the same at those predictions.
+
+Three things keep the drawn rows a fair sample of the rows left:
+- A drawn row counts once every row drawn before it has finished (``release``): those finished after a row still
+  running are the short ones of their draws. (Counted as "at least this long" in an EM fit instead, the rows
+  still running made the shift diverge: +3 to +6 in the echo engine's job.)
+- At each re-prediction of the pool by the online predictor (buckets/annotate.py), the drawn rows are predicted
+  again with it (``snapshot``, ``repredicted``): the line relates their lengths to the predictions the rows left
+  have now, not to those the predictor gave when each started.
+- The strata: where the predictions fall in clusters (the echo engine's job: 2.5, 2.75, 4.0 and 4.25 in log), no
+  line passes through the clusters' log ratios (-0.1, 0, 0, -0.75 there).
+On the echo engine's 20k-row job the three took the tokens to come at 25% of rows from x0.89-0.94 to x0.98-1.01
+(docs/BENCHMARKS.md).
 
 On tests/test_forecast_drawn.py's simulated engine (1,200 rows, 150 of them drawn), with predictions spread 1.8
-times wider than they know, the ETA under longest-first went from 33-40% short at 10-50% of rows to -11% to +1%
-(-11% at 10%, where the drawn rows still running are the longest). Where the predictions are right (spread 1.0)
-it costs the drawn rows' sampling noise: -2% to +7% became +1% to +10%; where they spread too narrowly (0.6),
-+32% to +45% became +8% to +19%. Pure numpy.
+times wider than they know, the ETA under longest-first and auto went from 33-40% short at 10-50% of rows to -11%
+to +4%. Where the predictions are right (spread 1.0) it costs the drawn rows' sampling noise: -2% to +7% became
+-1% to +12%; where they spread too narrowly (0.6), +32% to +45% became +5% to +16%. Pure numpy.
 """
 
 from __future__ import annotations
 
 import math
+from collections import deque
+from typing import Optional
 
 import numpy as np
 
@@ -30,23 +42,80 @@ class DrawnRows:
     BIN = 0.05  # finished drawn rows are kept by the log of their prediction, in bins this wide
     PRIOR_ROWS = 8.0  # the weight of the log ratio of every row, in rows, in the drawn rows' fit
     SLOPE_SD = 0.5  # the prior on the line's slope: Normal(0, this), per unit of log prediction
+    STRATUM = 0.25  # the strata of the log prediction whose residuals about the line are kept
+
+    KEEP = 8192  # the newest finished drawn rows whose features are kept, to be predicted again with the pool
 
     def __init__(self):
         self.bins: dict[int, list[float]] = {}  # bin of log(predicted) -> [rows, sum of r, sum of r^2]
         self.num_rows = 0
+        self.held: list = []  # (draw's number, features, predicted, actual) of finished rows not counted yet
+        self.kept: deque = deque(maxlen=self.KEEP)  # (features, actual) of the drawn rows counted, newest last
+        self._asked: Optional[tuple[list, list]] = None  # what a re-prediction was asked for: kept rows, the rest
+        self._since: list = []  # (features, predicted, actual) of the drawn rows counted since then
+        self._again: dict[int, tuple] = {}  # id(features) -> (features, new prediction): rows not counted then
 
-    def observe(self, predicted, actual, drawn) -> None:
-        """Finished rows: predicted and actual output tokens, and whether each was drawn at random. A row cut at
-        max_tokens counts at that length: the length models' cap holds it there too."""
-        for p, a, d in zip(predicted, actual, drawn):
-            if not d or not p or not a or p <= 0 or a <= 0:
-                continue
-            lp, r = math.log(p), math.log(a / p)
-            self.num_rows += 1
-            b = self.bins.setdefault(int(round(lp / self.BIN)), [0.0, 0.0, 0.0])
-            b[0] += 1
-            b[1] += r
-            b[2] += r * r
+    def observe(self, predicted, actual, drawn, features=None) -> None:
+        """Finished rows: predicted and actual output tokens, each one's draw (its number, from 1; 0 or False:
+        not drawn), and their predictor features (to be predicted again: snapshot). They count once every row
+        drawn before them has finished (release). A row cut at max_tokens counts at that length: the length
+        models' cap holds it there too."""
+        for i, (p, a, d) in enumerate(zip(predicted, actual, drawn)):
+            if d and p and a and p > 0 and a > 0:
+                self.held.append((int(d), features[i] if features is not None else None, p, a))
+
+    def release(self, first_running: Optional[int] = None) -> None:
+        """Count the finished rows drawn before the first drawn row still running (its draw's number; None: none
+        runs). A row drawn after it that finished is a short one: counting it alone would leave the long ones of
+        its draws out, and in the echo engine's job it took the shift 0.1 low at 10% of rows."""
+        if first_running is None:
+            ready, self.held = self.held, []
+        else:
+            ready = [h for h in self.held if h[0] < first_running]
+            self.held = [h for h in self.held if h[0] >= first_running]
+        for _, f, p, a in ready:
+            if f is not None:
+                p = self._again.pop(id(f), (None, p))[1]  # predicted again since it started
+                self.kept.append((f, a))
+            self._add(p, a)
+            if self._asked is not None:
+                self._since.append((f, p, a))
+                if len(self._since) > self.KEEP:  # no answer is coming (the predictor stopped learning)
+                    self._asked, self._since = None, []
+
+    def _add(self, p: float, a: float) -> None:
+        lp, r = math.log(p), math.log(a / p)
+        self.num_rows += 1
+        b = self.bins.setdefault(int(round(lp / self.BIN)), [0.0, 0.0, 0.0])
+        b[0] += 1
+        b[1] += r
+        b[2] += r * r
+
+    def snapshot(self, running=()) -> list:
+        """The features of the rows counted (kept), of those held and of the drawn rows still running
+        (``running``), for the online predictor to predict again with the pool (an annotator's refresh), which
+        hands the new predictions to repredicted(). The line relates the drawn rows' lengths to the predictions
+        the rows left have now, not to those the predictor gave when each started."""
+        rest = [f for f in running if f is not None] + [h[1] for h in self.held if h[1] is not None]
+        self._asked, self._since = (list(self.kept), rest), []
+        return [f for f, _ in self._asked[0]] + rest
+
+    def repredicted(self, predicted) -> None:
+        """The snapshot's rows predicted again, in the forecast's currency: the bins are the kept rows', and
+        those of the rows counted since, at the new prediction where they were held or running at the snapshot;
+        those still held or running take it when they count."""
+        asked, since = self._asked, self._since
+        self._asked, self._since = None, []
+        if asked is None or len(predicted) != len(asked[0]) + len(asked[1]):
+            return
+        k = len(asked[0])
+        self._again = {id(f): (f, float(p)) for f, p in zip(asked[1], predicted[k:]) if p > 0}
+        self.bins, self.num_rows = {}, 0
+        for p, (_, a) in zip(predicted[:k], asked[0]):
+            if p > 0:
+                self._add(float(p), a)
+        for f, p, a in since:
+            self._add(self._again.pop(id(f), (None, p))[1] if f is not None else p, a)
 
     def shift(self, mu: float, sigma: float, pend_p: np.ndarray, pend_n: np.ndarray) -> tuple[float, float]:
         """The shift from mu (the log ratio of every row) of the log ratio of rows predicted pend_p (pend_n of
@@ -54,9 +123,9 @@ class DrawnRows:
         The drawn rows' log ratio is a line on the log of the prediction (they span the predictions that one
         fitted on the rows run longest first would be drawn beyond), fitted by least squares with a prior of
         PRIOR_ROWS rows at mu (at their mean log prediction) and one of SLOPE_SD on the slope, and not drawn
-        beyond the drawn rows' predictions (the first drawn rows may all have one prediction, the heuristic's).
-        The drawn rows still running are left out: they are few (one in sample_every), and censored as "at
-        least this long" in an EM fit they made the shift diverge (+3 to +6 on the echo engine's job)."""
+        beyond the drawn rows' predictions (the first drawn rows may all have one prediction, the heuristic's);
+        and each stratum's mean residual about the line, shrunk to it with PRIOR_ROWS rows' weight. Only the rows
+        counted (release) are in it."""
         pend_p, pend_n = np.asarray(pend_p, np.float64), np.asarray(pend_n, np.float64)
         keep = (pend_p > 0) & (pend_n > 0)
         if not keep.any() or not self.bins:
@@ -72,9 +141,20 @@ class DrawnRows:
         b = float(xc @ s1) / (sxx + var / self.SLOPE_SD ** 2)
         fit = a + b * xc  # the spread about the line, for its standard error
         var = max((float(s2.sum() - 2 * fit @ s1 + n @ fit ** 2) + w0 * sigma ** 2) / (n.sum() + w0), 1e-4)
-        px = np.clip(np.log(pend_p[keep]), float(x.min()), float(x.max())) - xbar  # not beyond the drawn rows
+        # where the predictions are not on one line, the drawn rows' strata say what it misses: each stratum's mean
+        # residual about the line, shrunk to the line with PRIOR_ROWS rows' weight (a sparse stratum is the line's)
+        strata, inv = np.unique(np.round(x / self.STRATUM).astype(np.int64), return_inverse=True)
+        rn = np.bincount(inv, n, len(strata))
+        off = np.bincount(inv, s1 - n * fit, len(strata)) / (rn + w0)
+        lp = np.clip(np.log(pend_p[keep]), float(x.min()), float(x.max()))  # not beyond the drawn rows
+        at = np.clip(np.searchsorted(strata, np.round(lp / self.STRATUM).astype(np.int64)), 0, len(strata) - 1)
+        hit = strata[at] == np.round(lp / self.STRATUM)
+        px = lp - xbar
         tokens = pend_p[keep] * pend_n[keep]
         tokens = tokens / tokens.sum()
         center = float(tokens @ px)
-        return (float(np.log(tokens @ np.exp(a + b * px - mu))),
-                math.sqrt(var * (1.0 / (n.sum() + w0) + center ** 2 / (sxx + var / self.SLOPE_SD ** 2))))
+        share = np.bincount(at[hit], tokens[hit], len(strata))  # the rows left's tokens in each stratum
+        line_var = var * (1.0 / (n.sum() + w0) + center ** 2 / (sxx + var / self.SLOPE_SD ** 2))
+        off_var = float(share ** 2 @ (var * rn / (rn + w0) ** 2))
+        value = a + b * px + np.where(hit, off[at], 0.0)
+        return float(np.log(tokens @ np.exp(value - mu))), math.sqrt(line_var + off_var)

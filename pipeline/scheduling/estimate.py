@@ -133,6 +133,7 @@ def model_forecast(t, scheduler, lengths, counts, unread: int, mean_predicted: f
         # The rows left are the ones predicted shortest: they run as the rows drawn at random among them do, the
         # rows not read yet as every drawn row (scheduling/drawn.py); those are predicted as every row read is,
         # not as the pool left (whose longest went first), in the pool's shape.
+        t.drawn.release(min((r.drawn for r in scheduler.running.values() if r.drawn), default=None))
         left_shift, drawn_se = t.drawn.shift(model.mu, model.sigma, fill, fill_n)
         fill = fill * math.exp(left_shift)
         if unread:

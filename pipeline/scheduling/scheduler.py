@@ -208,7 +208,7 @@ class Scheduler:
             entry.row.forecast_tokens = (entry.row.predicted_tokens or 0) * self.forecast_scale
             self.running_predicted += entry.row.forecast_tokens * n
             self.running_samples += n
-            entry.row.drawn = reason == "sample"
+            entry.row.drawn = self.stats.num_sampled if reason == "sample" else 0
             priority = URGENT_PRIORITY if reason in ("aged", "deadline") else self._engine_priority(entry)
             out.append(Admission(request_id, entry.row, priority, reason))
         return out
