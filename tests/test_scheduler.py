@@ -82,13 +82,20 @@ def test_longest_first_draws_one_row_in_eight_at_random():
         assert order(policy, mode)[0].count("sample") == 0
 
 
-def test_a_drawn_row_keeps_the_policys_engine_priority():
-    """A row drawn at random goes to vLLM's queue with the policy's priority, not ahead of every row as an aged
-    one does."""
-    s = Scheduler(max_running=1, queue_factor=0, policy="auto", sample_every=1)
-    s.add([row("a", 300), row("b", 100)])
-    (a,) = s.schedule(0.0)
-    assert a.reason == "sample" and a.priority == -a.row.predicted_tokens
+def test_a_drawn_row_goes_to_the_engine_as_urgent_as_the_policys_next_row():
+    """Under auto, a row drawn at random goes to vLLM's queue with the priority of the row the policy would have
+    admitted in its place (the longest pending: itself or another), not its own: with its own it waited there
+    behind every longer row admitted after it. Nor ahead of every row, as an aged one does."""
+    drawn = 0
+    for seed in range(4):
+        s = Scheduler(max_running=8, queue_factor=0, policy="auto", sample_every=2, seed=seed)
+        pending = {str(i): 100 + 10 * i for i in range(40)}
+        s.add([row(k, p) for k, p in pending.items()])
+        for a in s.schedule(0.0):
+            assert a.priority == -max(pending.values()), (seed, a.reason, a.priority)
+            drawn += a.reason == "sample" and a.row.predicted_tokens != max(pending.values())
+            del pending[a.row.id]
+    assert drawn >= 8  # rows drawn from below the head: their own priority would have differed
 
 
 def test_priority_policy_lower_first_then_input_order():

@@ -17,7 +17,9 @@ predicted length) goes first, earliest deadline first. And no row waits forever:
 
 Where the rows run longest predicted first, one admission by the policy in ``sample_every`` is a pending row
 drawn at random (reason "sample"): the forecast learns from those what the rows predicted short run
-(scheduling/drawn.py). The rows left at the end are still the ones predicted shortest.
+(scheduling/drawn.py). It goes to vLLM's queue as urgent as the policy's next row: with its own priority it
+waited behind every longer row admitted after it, for minutes on the real engine. The rows left at the end are
+still the ones predicted shortest.
 """
 
 from __future__ import annotations
@@ -51,11 +53,7 @@ class _Entry:
     __slots__ = ("seq", "row", "enqueued_at", "key", "is_taken")
 
     def __init__(self, seq: int, row: Row, enqueued_at: float, key: float):
-        self.seq = seq
-        self.row = row
-        self.enqueued_at = enqueued_at
-        self.key = key
-        self.is_taken = False
+        self.seq, self.row, self.enqueued_at, self.key, self.is_taken = seq, row, enqueued_at, key, False
 
 
 @dataclass(slots=True)
@@ -83,8 +81,7 @@ class Scheduler:
         self.policy = Policy(policy)
         self.queue_factor, self.lookahead_rows = queue_factor, lookahead
         self.resize(max_running)
-        self.max_wait_s = max_wait_s
-        self.has_values = has_values
+        self.max_wait_s, self.has_values = max_wait_s, has_values
         self.sample_every, self._rng, self._picked = sample_every, random.Random(seed), 0  # seeded: the same order
         self.mode = Mode.THROUGHPUT
         self.running: dict[str, Row] = {}
@@ -98,7 +95,7 @@ class Scheduler:
         self.running_samples = self.pending_samples = 0
         self.stats = SchedulerStats()
         self._heap: list[tuple[float, int, _Entry]] = []
-        self._arrivals: deque[_Entry] = deque()
+        self._arrivals: deque[_Entry] = deque()  # pending rows in arrival order (aging)
         self._deadlines: list[tuple[float, int, _Entry]] = []
         self._max_predicted = 0  # the longest prediction of a row with a deadline (how far ahead one may be at risk)
         self._at_risk: Optional[deque] = None  # rows at risk found by this schedule() call
@@ -106,8 +103,7 @@ class Scheduler:
         # Pending rows by predicted output tokens ({tokens: rows}): the deadline forecast reads it in O(distinct
         # lengths) instead of sorting the pool every time.
         self._lengths: dict[int, int] = {}
-        self._next_seq = 0
-        self._next_request = 0
+        self._next_seq = self._next_request = 0
         self._epoch = 0  # bumps at each mode switch, so newly admitted rows outrank ones already waiting in vLLM
         self.per_seq_tokens_per_s: Optional[float] = None
         self.is_admitting = True
@@ -200,6 +196,7 @@ class Scheduler:
         limit = self.capacity if self.cap is None else min(self.capacity, self.cap)
         while self.is_admitting and self._num_pending and len(self.running) < limit:
             entry, reason = self._pick(now)
+            head = self._policy_head() if reason == "sample" else entry  # a drawn row's engine priority (below)
             self._take(entry)
             request_id = str(self._next_request)
             self._next_request += 1
@@ -209,7 +206,7 @@ class Scheduler:
             self.running_predicted += entry.row.forecast_tokens * n
             self.running_samples += n
             entry.row.drawn = self.stats.num_sampled if reason == "sample" else 0
-            priority = URGENT_PRIORITY if reason in ("aged", "deadline") else self._engine_priority(entry)
+            priority = URGENT_PRIORITY if reason in ("aged", "deadline") else self._engine_priority(head or entry)
             out.append(Admission(request_id, entry.row, priority, reason))
         return out
 
@@ -237,10 +234,15 @@ class Scheduler:
                     self.stats.num_sampled += 1
                     return e, "sample"
         # 4. the policy
-        while True:
-            _, _, e = heapq.heappop(self._heap)
-            if not e.is_taken:
-                return e, "policy"
+        e = self._policy_head()
+        heapq.heappop(self._heap)
+        return e, "policy"
+
+    def _policy_head(self) -> Optional[_Entry]:
+        """The policy's next row (a row drawn at random takes its engine priority)."""
+        while self._heap and self._heap[0][2].is_taken:
+            heapq.heappop(self._heap)
+        return self._heap[0][2] if self._heap else None
 
     def _first_at_risk(self, now: float) -> Optional[_Entry]:
         """The row of the earliest deadline among those at risk. Not only the heap's head: a long row due later
@@ -390,9 +392,8 @@ class Scheduler:
     def rekey(self) -> None:
         """Re-order the pool after rows' predictions changed."""
         key = self._key
-        live = [e for _, _, e in self._heap if not e.is_taken]
         heap = []
-        for e in live:
+        for e in self.pending_entries():
             e.key = key(e.row)
             heap.append((e.key, e.seq, e))
         heapq.heapify(heap)
