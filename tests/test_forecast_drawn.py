@@ -24,14 +24,17 @@ def overconfident(seed, n=1200, spread=1.8):
 
 @pytest.mark.parametrize("policy,cost", [("longest-first", CPU), ("auto", GPU)], ids=["cpu", "gpu"])
 def test_the_rows_left_run_as_the_drawn_rows_among_them_do(policy, cost):
-    """With one row in eight drawn at random, the ETA is within 10% at 25% and 50% of the rows, and within 12% at
-    10%, where few drawn rows have counted (-11% to +4% here); without, 33-40% short from 10% on. (auto without a
-    deadline runs as longest-first.)"""
+    """With one row in eight drawn at random, the ETA is within 10% at 25% and 50% of the rows, and within 13% at
+    10%, where few drawn rows have counted (-13% to +2% here); without, 33-40% short from 10% on. (auto without a
+    deadline runs as longest-first.) The strata's residuals shrunk by a fixed 8 rows had -11% at 10%: on these
+    rows, whose log ratio is a line on the prediction, they fitted noise that happened to help; on the real
+    engine's mixed workload the same noise took the tokens to come at 50% of rows to x0.81-0.83, against x0.93
+    shrunk by the data (docs/BENCHMARKS.md, stop 62)."""
     for seed in (3, 4):
         rows = overconfident(seed)
         drawn = simulate(policy, cost, rows=rows, sample_every=8, seed=seed)
         plain = simulate(policy, cost, rows=rows, sample_every=0, seed=seed) if seed == 3 else None
-        for share, bound in ((0.10, 0.12), (0.25, 0.10), (0.50, 0.10)):
+        for share, bound in ((0.10, 0.13), (0.25, 0.10), (0.50, 0.10)):
             err, f, left = eta_error(drawn, share)
             assert abs(err) <= bound, (seed, share, err, f.eta_s, left)
             assert plain is None or eta_error(plain, share)[0] < -0.25

@@ -19,14 +19,16 @@ Three things keep the drawn rows a fair sample of the rows left:
   again with it (``snapshot``, ``repredicted``): the line relates their lengths to the predictions the rows left
   have now, not to those the predictor gave when each started.
 - The strata: where the predictions fall in clusters (the echo engine's job: 2.5, 2.75, 4.0 and 4.25 in log), no
-  line passes through the clusters' log ratios (-0.1, 0, 0, -0.75 there).
+  line passes through the clusters' log ratios (-0.1, 0, 0, -0.75 there). Each stratum's mean residual about the
+  line counts as far as the strata's means spread beyond what their rows' own spread explains; where they lie on
+  the line (the real engine's mixed workload) they count for nothing, and a fixed weight there fitted noise.
 On the echo engine's 20k-row job the three took the tokens to come at 25% of rows from x0.89-0.94 to x0.98-1.01
 (docs/BENCHMARKS.md).
 
 On tests/test_forecast_drawn.py's simulated engine (1,200 rows, 150 of them drawn), with predictions spread 1.8
-times wider than they know, the ETA under longest-first and auto went from 33-40% short at 10-50% of rows to -11%
-to +4%. Where the predictions are right (spread 1.0) it costs the drawn rows' sampling noise: -2% to +7% became
--1% to +12%; where they spread too narrowly (0.6), +32% to +45% became +5% to +16%. Pure numpy.
+times wider than they know, the ETA under longest-first and auto went from 33-40% short at 10-50% of rows to -13%
+to +2%. Where the predictions are right (spread 1.0) it costs the drawn rows' sampling noise: -2% to +7% became
+-1% to +11%; where they spread too narrowly (0.6), +32% to +45% became +8% to +19%. Pure numpy.
 """
 
 from __future__ import annotations
@@ -124,8 +126,8 @@ class DrawnRows:
         fitted on the rows run longest first would be drawn beyond), fitted by least squares with a prior of
         PRIOR_ROWS rows at mu (at their mean log prediction) and one of SLOPE_SD on the slope, and not drawn
         beyond the drawn rows' predictions (the first drawn rows may all have one prediction, the heuristic's);
-        and each stratum's mean residual about the line, shrunk to it with PRIOR_ROWS rows' weight. Only the rows
-        counted (release) are in it."""
+        and each stratum's mean residual about the line, shrunk to it (empirical Bayes). Only the rows counted
+        (release) are in it."""
         pend_p, pend_n = np.asarray(pend_p, np.float64), np.asarray(pend_n, np.float64)
         keep = (pend_p > 0) & (pend_n > 0)
         if not keep.any() or not self.bins:
@@ -142,10 +144,17 @@ class DrawnRows:
         fit = a + b * xc  # the spread about the line, for its standard error
         var = max((float(s2.sum() - 2 * fit @ s1 + n @ fit ** 2) + w0 * sigma ** 2) / (n.sum() + w0), 1e-4)
         # where the predictions are not on one line, the drawn rows' strata say what it misses: each stratum's mean
-        # residual about the line, shrunk to the line with PRIOR_ROWS rows' weight (a sparse stratum is the line's)
+        # residual about the line, shrunk to the line by how far the strata's means spread beyond what their rows'
+        # spread explains (empirical Bayes: none where they lie on the line, as on the real engine's mixed workload)
         strata, inv = np.unique(np.round(x / self.STRATUM).astype(np.int64), return_inverse=True)
         rn = np.bincount(inv, n, len(strata))
-        off = np.bincount(inv, s1 - n * fit, len(strata)) / (rn + w0)
+        rs = np.bincount(inv, s1 - n * fit, len(strata))
+        between = float(rs @ (rs / rn))  # sum over strata of rows * mean residual^2
+        within = max((float((s2 - 2 * fit * s1 + n * fit ** 2).sum()) - between) / max(n.sum() - len(strata), 1.0),
+                     1e-4)
+        tau2 = max(0.0, (between - (len(strata) - 2) * within) / n.sum()) if len(strata) > 2 else 0.0
+        k = within / tau2 if tau2 > 0 else math.inf  # a stratum's line, in rows
+        off = rs / (rn + k)
         lp = np.clip(np.log(pend_p[keep]), float(x.min()), float(x.max()))  # not beyond the drawn rows
         at = np.clip(np.searchsorted(strata, np.round(lp / self.STRATUM).astype(np.int64)), 0, len(strata) - 1)
         hit = strata[at] == np.round(lp / self.STRATUM)
@@ -155,6 +164,6 @@ class DrawnRows:
         center = float(tokens @ px)
         share = np.bincount(at[hit], tokens[hit], len(strata))  # the rows left's tokens in each stratum
         line_var = var * (1.0 / (n.sum() + w0) + center ** 2 / (sxx + var / self.SLOPE_SD ** 2))
-        off_var = float(share ** 2 @ (var * rn / (rn + w0) ** 2))
+        off_var = float(share ** 2 @ (within * rn / (rn + k) ** 2))
         value = a + b * px + np.where(hit, off[at], 0.0)
         return float(np.log(tokens @ np.exp(value - mu))), math.sqrt(line_var + off_var)
