@@ -22,8 +22,9 @@ Three things keep the drawn rows a fair sample of the rows left:
   line passes through the clusters' log ratios (-0.1, 0, 0, -0.75 there). Each stratum's mean residual about the
   line counts as far as the strata's means spread beyond what their rows' own spread explains; where they lie on
   the line (the real engine's mixed workload) they count for nothing, and a fixed weight there fitted noise.
-On the echo engine's 20k-row job the three took the tokens to come at 25% of rows from x0.89-0.94 to x0.98-1.01
-(docs/BENCHMARKS.md).
+On the echo engine's 20k-row job the three took the tokens to come at 25% of rows from x0.89-0.94 to x0.97-1.01
+(docs/BENCHMARKS.md, stop 62). A drawn row also goes to vLLM's queue as urgent as the policy's next row
+(scheduler.py): at its own priority it waited there, and held every row drawn after it uncounted.
 
 On tests/test_forecast_drawn.py's simulated engine (1,200 rows, 150 of them drawn), with predictions spread 1.8
 times wider than they know, the ETA under longest-first and auto went from 33-40% short at 10-50% of rows to -13%
@@ -69,7 +70,7 @@ class DrawnRows:
     def release(self, first_running: Optional[int] = None) -> None:
         """Count the finished rows drawn before the first drawn row still running (its draw's number; None: none
         runs). A row drawn after it that finished is a short one: counting it alone would leave the long ones of
-        its draws out, and in the echo engine's job it took the shift 0.1 low at 10% of rows."""
+        its draws out."""
         if first_running is None:
             ready, self.held = self.held, []
         else:
