@@ -54,7 +54,7 @@ class LengthAnnotator:
         self.learn_batch = LEARN_BATCH
         # A re-prediction asked for (entries, more features) and its answer (entries, tokens, buckets, the more
         # features' predicted tokens), handed between threads.
-        self._refresh_request: Optional[list] = None
+        self._refresh_request: Optional[tuple] = None
         self._refresh_result: Optional[tuple] = None
         self._last_refresh = -1e18
         # Time spent predicting and learning, for the scheduler-cost benchmark: annotating new rows (input
@@ -160,8 +160,10 @@ class LengthAnnotator:
         if now - self._last_refresh >= REFRESH_S and self.wants_refresh():
             self._last_refresh = now
             entries = scheduler.pending_entries()
-            running = [r.features for r in scheduler.running.values() if r.drawn]
-            self.request_refresh(entries, drawn.snapshot(running) if drawn is not None and entries else None)
+            more = None
+            if drawn is not None and entries:
+                more = drawn.snapshot([r.features for r in scheduler.running.values() if r.drawn])
+            self.request_refresh(entries, more)
         done = self.take_refresh()
         if done is not None:
             scheduler.repredict(*done[:3])
@@ -169,7 +171,8 @@ class LengthAnnotator:
                 drawn.repredicted(np.asarray(done[3], dtype=np.float64) * scheduler.forecast_scale)
 
     def take_refresh(self) -> Optional[tuple]:
-        """(entries, tokens, buckets) once a requested re-prediction is done; else None."""
+        """(entries, tokens, buckets, the more features' predicted tokens) once a requested re-prediction is done;
+        else None."""
         out, self._refresh_result = self._refresh_result, None
         return out
 
