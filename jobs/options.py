@@ -247,7 +247,7 @@ SCHEDULE = [
         type=click.IntRange(min=1)),
     Opt("--max-wait", "scheduler.max_wait_s", "Aging: a row pending this many seconds goes next."),
     Opt("--sample-every", "scheduler.sample_every",
-        "Longest predicted first: one row in N drawn at random, for the forecast to learn from (0: none).",
+        "Where rows run by predicted length: one row in N drawn at random, for the forecast to learn from (0: none).",
         type=click.IntRange(min=0)),
     Opt("--throughput", "scheduler.tokens_per_second",
         "Output tokens/s to forecast with until measured (e.g. from `overnight tune`)."),

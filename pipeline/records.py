@@ -35,7 +35,7 @@ class Row:
     # The prediction at admission in the forecast's currency (Scheduler.forecast_scale): what the deadline
     # tracker learns from and forecasts with.
     forecast_tokens: Optional[float] = None
-    # Admitted as a row drawn at random under longest predicted first (Scheduler.sample_every): the draw's number,
+    # Admitted as a row drawn at random where rows run by predicted length (Scheduler.sample_every): the draw's number,
     # from 1 (0: not drawn).
     drawn: int = 0
     # Per-row `priority` column: lower runs sooner, as in vLLM's priority scheduling.

@@ -44,10 +44,10 @@ def test_policies_order(policy, expected):
     assert drain(s) == expected
 
 
-def test_longest_first_draws_one_row_in_eight_at_random():
-    """With sample_every 8, under longest-first (and auto while the deadline is safe) every eighth admission is a
-    pending row drawn at random, the same each run (seeded), and marked with the draw's number (1, 2, ...); the
-    others go longest predicted first. fifo, shortest-first, auto near a deadline and sample_every 0 draw none."""
+def test_the_orders_by_length_draw_one_row_in_eight_at_random():
+    """With sample_every 8, under longest-first and shortest-first (and auto while the deadline is safe) every
+    eighth admission is a pending row drawn at random, the same each run (seeded), and marked with the draw's number
+    (1, 2, ...); the others go in the policy's order. fifo, auto near a deadline and sample_every 0 draw none."""
     preds = [1000 - i for i in range(200)]  # row i: the i-th longest
 
     def order(policy, mode=None, sample_every=8):
@@ -66,10 +66,14 @@ def test_longest_first_draws_one_row_in_eight_at_random():
         assert not any(d for i, d in enumerate(drawn) if i not in samples)
         return reasons, s
 
-    for policy in ("longest-first", "auto"):
+    for policy in ("longest-first", "auto", "shortest-first"):
         reasons, s = order(policy)
         assert [i for i, r in enumerate(reasons) if r == "sample"][:5] == [7, 15, 23, 31, 39]
         assert s.stats.num_sampled == reasons.count("sample") >= 20
+    s = one_at_a_time("shortest-first", sample_every=8)
+    s.add([row(i, p) for i, p in enumerate(preds)])
+    first = drain(s)
+    assert first[:7] == list(range(199, 192, -1)) and first[7] < 191  # shortest first, the eighth drawn
     s = one_at_a_time("longest-first", sample_every=8)
     s.add([row(i, p) for i, p in enumerate(preds)])
     first = drain(s)
@@ -78,7 +82,7 @@ def test_longest_first_draws_one_row_in_eight_at_random():
     s2.add([row(i, p) for i, p in enumerate(preds)])
     assert drain(s2) == first  # seeded
     assert order("longest-first", sample_every=0)[0].count("sample") == 0
-    for policy, mode in (("fifo", None), ("shortest-first", None), ("auto", Mode.DEADLINE)):
+    for policy, mode in (("fifo", None), ("auto", Mode.DEADLINE)):
         assert order(policy, mode)[0].count("sample") == 0
 
 

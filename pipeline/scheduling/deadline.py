@@ -89,7 +89,7 @@ class DeadlineTracker:
         self.early_steps = StepCost()  # the engine's first seconds (settle_s): the forecast's until steps has some
         self.inflight = InFlight(1)
         self.lengths = LengthMixture(max_tokens or 256, calibrated)
-        self.drawn = DrawnRows()  # the rows drawn at random under longest predicted first (scheduling/drawn.py)
+        self.drawn = DrawnRows()  # the rows drawn at random where rows run by predicted length (drawn.py)
         self.admitted_rows, self.admitted_tokens = 0, 0.0  # the rows admitted with a prediction, and its sum
         self.probe_done = False
         self.settle_s = settle_s

@@ -1,4 +1,4 @@
-"""The rows drawn at random under longest predicted first: how far the rows left run from the log ratio.
+"""The rows drawn at random where the rows run by predicted length: how far the rows left run from the log ratio.
 
 Where the rows run longest predicted first (longest-first; auto while the deadline is safe), the log ratio
 (lengths.LengthModel) is fitted on the rows predicted longest, and the rows left are the ones predicted shortest.
@@ -9,7 +9,9 @@ scheduler admits one row in ``sample_every`` drawn at random from its pool (sche
 prediction. Their log ratio is fitted as a line on the log of the prediction (``shift``), with what each stratum of
 the prediction's drawn rows runs off that line, and the rows left are expected to run as those say at their
 predictions: a shift of their log ratio from the log ratio of every row, with a standard error for the ETA's range.
-The rows not read yet are a sample of every row read, and take the same at those predictions.
+The rows not read yet are a sample of every row read, and take the same at those predictions. Under shortest-first
+it is the other way round (the rows left are the ones predicted longest), and the same line serves once as many
+drawn rows count as its prior weighs (estimate.py): the short rows finish long before the first drawn ones do.
 
 Three things keep the drawn rows a fair sample of the rows left:
 - A drawn row counts once every row drawn before it has finished (``release``): those finished after a row still

@@ -225,10 +225,11 @@ class LengthMixture:
             self.sqrt_ratio.observe(predicted, actual, hit_cap)
 
     def fit(self, running_p: np.ndarray, running_g: np.ndarray, left_shortest: bool = False,
-            rest: tuple[float, float] = (0.0, 0.0)) -> tuple[float, float]:
+            rest: tuple[float, float] = (0.0, 0.0), by_length: bool = False) -> tuple[float, float]:
         """Refit on the finished rows and the rows running (predicted p, g tokens so far) and weigh the three models,
-        or (left_shortest) choose the tail's model; rest: the sum and the count of the predictions of the
-        rows still to start (the priors of the normal and the square root)."""
+        or (left_shortest; by_length: the rows run by predicted length either way, shortest-first too) choose the
+        tail's model; rest: the sum and the count of the predictions of the rows still to start (the priors of the
+        normal and the square root)."""
         running_p, running_g = np.asarray(running_p, np.float64), np.asarray(running_g, np.float64)
         self.only = self.spread = None
         if left_shortest and self.sqrt_ratio is not None:
@@ -246,7 +247,7 @@ class LengthMixture:
         self.weight = self.sqrt_weight = 0.0
         self.tail = None
         self.best = self.ratio
-        if left_shortest:
+        if left_shortest or by_length:
             self.tail = self.sqrt if sqrt_ll > ratio_ll else None
             return self.best.mu, self.best.sigma
         self.normal.fit(running_p, running_g, rest=rest)

@@ -15,11 +15,10 @@ Two rules apply under every policy. A row with a per-row `deadline` that is at r
 predicted length) goes first, earliest deadline first. And no row waits forever: one pending for longer than
 ``max_wait_s`` goes ahead of the policy's choice (aging).
 
-Where the rows run longest predicted first, one admission by the policy in ``sample_every`` is a pending row
-drawn at random (reason "sample"): the forecast learns from those what the rows predicted short run
+Where the rows run by predicted length (``runs_by_length``), one admission by the policy in ``sample_every`` is a
+pending row drawn at random (reason "sample"): the forecast learns from those what the rows left run
 (scheduling/drawn.py). It goes to vLLM's queue as urgent as the policy's next row: with its own priority it
-waited behind every longer row admitted after it, for minutes on the real engine. The rows left at the end are
-still the ones predicted shortest.
+waited behind every longer row admitted after it under longest-first, for minutes on the real engine.
 """
 
 from __future__ import annotations
@@ -43,8 +42,7 @@ __all__ = ["Admission", "Mode", "Policy", "Scheduler", "SchedulerStats"]
 URGENT_PRIORITY = -(2 ** 62)
 
 
-class Mode(str, enum.Enum):
-    # auto's two regimes
+class Mode(str, enum.Enum):  # auto's two regimes
     THROUGHPUT = "throughput"
     DEADLINE = "deadline"
 
@@ -62,7 +60,7 @@ class Admission:
     row: Row
     # Priority for vLLM's own scheduler (lower runs sooner); 0 unless the policy orders vLLM's queue too.
     priority: int = 0
-    # Why this row went now: "policy", "aged", "deadline" or "sample" (drawn at random under longest-first).
+    # Why this row went now: "policy", "aged", "deadline" or "sample" (drawn at random: runs_by_length).
     reason: str = "policy"
 
 
@@ -71,7 +69,7 @@ class SchedulerStats:
     num_aged: int = 0
     num_deadline_first: int = 0
     num_mode_switches: int = 0
-    num_sampled: int = 0  # rows drawn at random under longest predicted first (sample_every)
+    num_sampled: int = 0  # rows drawn at random where the rows run by predicted length (sample_every)
 
 
 class Scheduler:
@@ -86,9 +84,8 @@ class Scheduler:
         self.mode = Mode.THROUGHPUT
         self.running: dict[str, Row] = {}
         # The forecast's currency: predicted tokens times this are what the deadline tracker's length models were
-        # fitted in. A re-prediction (the online predictor's) moves the pool's predictions; this moves the other
-        # way by the ratio of their sums, so the rows finished under the old predictions and the rows pending
-        # under the new are compared alike (see repredict). 1 for predictors that never re-predict.
+        # fitted in. A re-prediction (the online predictor's) moves the pool's predictions; this moves the other way
+        # by the ratio of their sums, so rows finished under the old and pending under the new compare (repredict).
         self.forecast_scale = 1.0
         self.running_predicted = 0.0  # running rows' forecast_tokens (n times for n samples)
         # Sequences: a row that asks for n samples runs as n of them in the engine (what the forecast counts).
@@ -225,9 +222,10 @@ class Scheduler:
         if e is not None:
             self.stats.num_deadline_first += 1
             return e, "deadline"
-        # 3. one row in sample_every drawn at random where the rows run longest predicted first
-        self._picked += bool(self.sample_every and self.runs_longest_first)
-        if self.sample_every and self.runs_longest_first and self._picked % self.sample_every == 0:
+        # 3. one row in sample_every drawn at random where the rows run by predicted length
+        draws = bool(self.sample_every) and self.runs_by_length
+        self._picked += draws
+        if draws and self._picked % self.sample_every == 0:
             for _ in range(64):  # taken rows stay in the heap until they reach its head: draw again
                 e = self._heap[self._rng.randrange(len(self._heap))][2]
                 if not e.is_taken:
@@ -283,8 +281,7 @@ class Scheduler:
     def _is_at_risk(self, row: Row, deadline: float, now: float) -> bool:
         rate = self.per_seq_tokens_per_s
         needed = (row.predicted_tokens or 0) / rate if rate else 0.0
-        # Twice the predicted generation time, for queueing and prediction error.
-        return deadline - now <= 2.0 * needed + 1.0
+        return deadline - now <= 2.0 * needed + 1.0  # twice the predicted time: for queueing and prediction error
 
     def _engine_priority(self, e: _Entry) -> int:
         if self.policy == Policy.PRIORITY:
@@ -309,8 +306,7 @@ class Scheduler:
     def requeue_running(self, now: float) -> int:
         """Put every running row back in the pool (the engine lost them); returns how many."""
         rows = list(self.running.values())
-        self.running.clear()
-        self.running_predicted = self.running_samples = 0
+        self.drain_running()
         self.add(rows, now)
         return len(rows)
 
@@ -367,9 +363,8 @@ class Scheduler:
 
     def pending_in_run_order(self) -> tuple[list[float], list[int]]:
         """Predicted lengths of the pending rows and how many rows have each, in the order this policy runs
-        them (what the deadline forecast needs). Input and priority order are blind to length: every row is
-        expected to have the pending mean. auto runs longest first while the deadline is safe (or there is none),
-        shortest first once it is at risk."""
+        them (what the deadline forecast needs). Input and priority order are blind to length: every row is expected
+        to have the pending mean. auto runs longest first while the deadline is safe (or none), shortest at risk."""
         lengths, counts = self.pending_lengths()
         if self.runs_longest_first:
             return lengths[::-1], counts[::-1]
@@ -384,6 +379,12 @@ class Scheduler:
         safe (or there is none)."""
         return self.policy == Policy.LONGEST_FIRST or (self.policy == Policy.AUTO and self.mode == Mode.THROUGHPUT)
 
+    @property
+    def runs_by_length(self) -> bool:
+        """Whether the pool runs by predicted length, either way, as the job's order: rows drawn at random tell the
+        forecast how the rows left run. Not auto's deadline order, where they would cost rows done by then."""
+        return self.runs_longest_first or self.policy == Policy.SHORTEST_FIRST
+
     def pending_lengths(self) -> tuple[list[int], list[int]]:
         """Predicted output tokens of the pending rows, as (distinct lengths ascending, rows of each)."""
         items = sorted((t, c) for t, c in self._lengths.items() if c > 0)
@@ -391,10 +392,9 @@ class Scheduler:
 
     def rekey(self) -> None:
         """Re-order the pool after rows' predictions changed."""
-        key = self._key
         heap = []
         for e in self.pending_entries():
-            e.key = key(e.row)
+            e.key = self._key(e.row)
             heap.append((e.key, e.seq, e))
         heapq.heapify(heap)
         self._heap = heap
