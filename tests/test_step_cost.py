@@ -3,6 +3,8 @@ measures it (scheduling.deadline), with a fake clock: fixed and per-sequence cos
 after the batch grows and in the engine's first seconds left out, prefill taken with the step after it, and the
 warning held until the steps are settled."""
 
+import statistics
+
 import numpy as np
 import pytest
 
@@ -150,6 +152,27 @@ def test_the_engines_first_seconds_are_not_measured():
     assert caps[0] == 16 and settled >= 12  # the first size runs on through the settle, then 12 measured steps
     assert tracker.step_cost is tracker.steps
     assert tracker.steps.fit()[0] + 16 * tracker.steps.fit()[1] == pytest.approx(0.05)
+
+
+def test_a_fast_cpus_slow_seconds_after_its_first_64_steps_are_not_measured():
+    """35 ms steps (a faster CPU's: 64 of them in about 2 s), slowed to 80 ms from 1.75 to 3.75 s after the first:
+    three of five logged runs of 150 open prompts had 19-30 such steps between 1.1 and 3.4 s (docs/BENCHMARKS.md,
+    stop 63). Settling after 64 steps put the probe's quarter-engine steps in the slow ones (its median: 80 ms); it
+    ends at 4 s here, and the probe measures 35 ms."""
+    clock = FakeClock(0.0)
+    tracker = DeadlineTracker(None, 0.0, clock, max_tokens=512, settle_s=4.0)
+    tracker.engine_started(64)
+    for i in range(64):
+        tracker.admitted(str(i), 500, 50)
+    while not tracker.probe_done:
+        cap = tracker.probe_cap(64)
+        tracker.inflight.resize(cap or 64)
+        tracker.before_step()
+        seconds = (0.080 if 1.75 <= clock.t < 3.75 else 0.035) * (1 if tracker._step_n <= 16 else 1.5)
+        clock.t += seconds
+        tracker.after_step(seconds, [])
+    assert statistics.median(tracker.steps.sizes[16]) == pytest.approx(0.035)  # settled after 64 steps: 0.080
+    assert clock.t > 4.0 and tracker.early_steps.num_steps > 64
 
 
 def test_an_engine_of_fast_steps_settles_after_its_first_steps():

