@@ -25,8 +25,8 @@ Three things keep the drawn rows a fair sample of the rows left:
   line counts as far as the strata's means spread beyond what their rows' own spread explains; where they lie on
   the line (the real engine's mixed workload) they count for nothing, and a fixed weight there fitted noise.
 On the echo engine's 20k-row job the three took the tokens to come at 25% of rows from x0.89-0.94 to x0.97-1.01
-(docs/BENCHMARKS.md, stop 62). A drawn row also goes to vLLM's queue as urgent as the policy's next row
-(scheduler.py): at its own priority it waited there, and held every row drawn after it uncounted.
+(docs/BENCHMARKS.md, stop 62). A drawn row also goes to vLLM's queue in its turn (scheduler.py): with its own
+prediction as its priority it waited there, and held every row drawn after it uncounted.
 
 On tests/test_forecast_drawn.py's simulated engine (1,200 rows, 150 of them drawn), with predictions spread 1.8
 times wider than they know, the ETA under longest-first and auto went from 33-40% short at 10-50% of rows to -13%
