@@ -175,11 +175,11 @@ def s3_env(endpoint: str) -> dict:
 # workers, a whole file to a worker (`--dist loadfile`, so that a module's engine starts once), then the `serial`
 # ones alone. Those are the Ray clusters' runs, whose deadlines and sharing of units are timed against a machine
 # that a second engine would slow, and the real engine's early-warning test, whose pace the other worker's engine
-# changed by 1.4 times (CI at c4be43b: the warning expected 55 rows left where 126 were). Files go to the workers longest first (as measured by `pytest --durations=0` at
-# stop 49, then the real engine's, then the other slow ones, then the rest), so that the short files fill the end
-# rather than a long one starting last: xdist's own order (the files with the most tests first) is turned off in
-# pytest_configure. It had the longest test of all (5 engine starts, 6 minutes) start last, with the other worker
-# idle for its last minutes.
+# changed by 1.4 times (CI at c4be43b: the warning expected 55 rows left where 126 were). Files go to the workers
+# longest first (as measured by `pytest --durations=0` at stop 49, then the real engine's, then the other slow
+# ones, then the rest), so that the short files fill the end rather than a long one starting last: xdist's own
+# order (the files with the most tests first) is turned off in pytest_configure. It had the longest test of all (5
+# engine starts, 6 minutes) start last, with the other worker idle for its last minutes.
 LONGEST_FIRST = ("test_engine_scheduling.py", "test_engine_subprocess.py", "test_engine_cli.py",
                  "test_reliability_kills.py", "test_cluster_recipes.py", "test_forecast.py", "test_operators.py",
                  "test_retry_errors.py", "test_engine_streams.py", "test_airflow.py", "test_engine_openai_input.py",
