@@ -49,7 +49,9 @@ WORKLOADS = {
 }
 
 
-def workload(data_dir: str, n: int, seed: int, path: str, kind: str = "open") -> None:
+def workload(data_dir: str, n: int, seed: int, path: str, kind: str = "open") -> int:
+    """Writes up to n prompts of the workload to path; returns how many it wrote (fewer where a source runs out:
+    the mixed workload's MT-bench and Vicuna hold 80 prompts each, so --rows 1000 writes 600 + 80 + 80 = 760)."""
     import numpy as np
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -65,6 +67,7 @@ def workload(data_dir: str, n: int, seed: int, path: str, kind: str = "open") ->
     t = t.take(rng.permutation(t.num_rows)[:n] if kind != "open" else
                np.random.default_rng(seed).permutation(t.num_rows)[:n])
     pq.write_table(t, path)
+    return t.num_rows
 
 
 def run(inp: str, out: str, policy: str, extra: list[str], verbose: bool = False) -> tuple[float, float, int, str]:
@@ -165,10 +168,10 @@ def main() -> None:
     base = args.out or tempfile.mkdtemp(prefix="forecast-")
     os.makedirs(base, exist_ok=True)
     inp = os.path.join(base, "prompts.parquet")
-    workload(args.data, args.rows, args.seed, inp, args.workload)
+    total = workload(args.data, args.rows, args.seed, inp, args.workload)
     extra = args.extra.split()
     what = {"open": "MT-bench + Vicuna", "gsm8k": "GSM8K"}.get(args.workload, "GSM8K + MT-bench + Vicuna (3:1:1)")
-    print(f"workload: {args.rows} {what} prompts (seed {args.seed}); outputs in {base}", flush=True)
+    print(f"workload: {total} {what} prompts (seed {args.seed}; --rows {args.rows}); outputs in {base}", flush=True)
 
     makespan = {}
     if args.policies:
@@ -177,7 +180,7 @@ def main() -> None:
         out = os.path.join(base, f"full-{pol}")
         t0, t1, rc, err = run(inp, out, pol, extra, args.verbose)
         makespan[pol] = t1 - t0
-        pts = eta_errors(out, t1, args.rows)
+        pts = eta_errors(out, t1, total)
         cells = []
         for d in pts:
             if "error" not in d:
@@ -203,7 +206,7 @@ def main() -> None:
         for pol in (["auto", "fifo"] if r % 2 == 0 else ["fifo", "auto"]):
             out = os.path.join(base, f"deadline-{pol}-{r}")
             t0, t1, rc, err = run(inp, out, pol, [*extra, "--time-budget", f"{budget:.1f}s"])
-            w = warning(out, err, args.rows)
+            w = warning(out, err, total)
             done[pol].append(w["done"] or 0)
             when = "never" if w["warned_at_share"] is None else f"at {w['warned_at_share']:.1%} of rows"
             est = "" if w["expected_left"] is None else \

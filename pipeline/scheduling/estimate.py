@@ -241,11 +241,17 @@ def model_forecast(t, scheduler, lengths, counts, unread: int, mean_predicted: f
     # actual over the pool's predictions as they are now (the models' are the first ones: forecast_scale), before
     # max_tokens cuts the longest
     calibration = math.exp(model.mu + model.sigma ** 2 / 2) * scheduler.forecast_scale
-    log.debug("forecast: step %.4f + %.5f/seq + %.2e/prompt token; %d steps + %.0f tail, %.0f tokens, %.0f "
+    split = (0.0, 0.0, 0.0)  # the tokens expected of the rows running, queued in the engine and still to start
+    if log.isEnabledFor(logging.DEBUG):
+        parts = expected_fill(0.0) * fill_n
+        split = (float(model.expected(run_p, run_g).sum()), float(parts[:len(queued_p)].sum()),
+                 float(parts[len(queued_p):].sum()))
+    log.debug("forecast: step %.4f + %.5f/seq + %.2e/prompt token; %d steps + %.0f tail, %.0f tokens (running %.0f, "
+              "queued %.0f, to start %.0f), %.0f "
               "prompt tokens over %d slots (rows capped at %s); lengths mu %.3f sigma %.3f from %.1f rows; "
               "step cost drift %.3f; ETA %.1f s (%.1f-%.1f); lengths weighed %.2f normal, %.2f square root; "
               "rows left shifted %+.3f (se %.3f) by %d rows drawn at random; tail of the rows running: %s",
-              a, b, c, d.steps, d.tail_steps, d.tokens, prefill, max_num_seqs, cap, model.mu, model.sigma,
+              a, b, c, d.steps, d.tail_steps, d.tokens, *split, prefill, max_num_seqs, cap, model.mu, model.sigma,
               model.num_events, t.step_cost.drift, eta_s, low, high, model.weight, model.sqrt_weight,
               left_shift, drawn_se, t.drawn.num_rows,
               "sqrt ratio (calibrated predictions)" if getattr(model, "only", None) is not None else
