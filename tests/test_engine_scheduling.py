@@ -252,6 +252,12 @@ def test_forecasts_say_how_they_weighed_the_length_models(warm, tmp_path, policy
     shifts = [re.search(r"rows left shifted ([-+0-9.]+) \(se ([0-9.]+)\) by (\d+) rows drawn", ln).groups()
               for ln in forecasts]
     drawn = json.loads((tmp_path / "out" / "status.json").read_text())["scheduler"]["drawn_at_random"]
+    # the tokens to come, split into the rows running, queued in the engine and still to start (what
+    # benchmarks/forecast_reread.py scores part by part), add up to the forecast's
+    split = [[float(x) for x in re.search(r"(\d+) tokens \(running (\d+), queued (\d+), to start (\d+)\)", ln).groups()]
+             for ln in forecasts]
+    assert all(abs(total - (r + q + p)) <= 2 for total, r, q, p in split), split
+    assert any(r > 0 for _, r, _, _ in split) and any(p > 0 for _, _, _, p in split), split
     if policy == "longest-first":
         assert set(tails) <= {"square root", "mixture"}
         assert not normal.any() and not sqrt.any()
