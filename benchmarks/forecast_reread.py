@@ -50,6 +50,10 @@ def main() -> None:
     args = ap.parse_args()
     for out in args.runs:
         out = out.rstrip("/")
+        missing = [f for f in (out + ".run.json", os.path.join(out, "timeline.json")) if not os.path.exists(f)]
+        if missing:
+            sys.exit(f"{out}: not a finished benchmarks/forecast.py run ({', '.join(missing)} missing); pass a "
+                     f"full-POLICY folder of forecast.py's --out, its .run.json beside it")
         end = json.load(open(out + ".run.json"))["t1"]
         d = load(out)
         clock = step_clock(d)
