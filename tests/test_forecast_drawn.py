@@ -22,38 +22,54 @@ def overconfident(seed, n=1200, spread=1.8):
     return np.clip(np.round(np.exp(4.6 + spread * (signal - 4.6))), 1, 512), actual
 
 
+SEEDS = range(1, 9)
+
+
+def errors(policy, cost, spread=1.8, sample_every=8, shares=(0.10, 0.25, 0.50)):
+    """The ETA's error at each share of rows, one row per seed."""
+    out = []
+    for seed in SEEDS:
+        story = simulate(policy, cost, rows=overconfident(seed, spread=spread), sample_every=sample_every, seed=seed)
+        out.append([eta_error(story, share)[0] for share in shares])
+    return np.array(out)
+
+
 @pytest.mark.parametrize("policy,cost", [("longest-first", CPU), ("auto", GPU)], ids=["cpu", "gpu"])
 def test_the_rows_left_run_as_the_drawn_rows_among_them_do(policy, cost):
-    """With one row in eight drawn at random, the ETA is within 10% at 25% and 50% of the rows, and within 13% at
-    10%, where few drawn rows have counted (-13% to +2% here); without, 33-40% short from 10% on. (auto without a
-    deadline runs as longest-first.) The strata's residuals shrunk by a fixed 8 rows had -11% at 10%: on these
-    rows, whose log ratio is a line on the prediction, they fitted noise that happened to help; on the real
-    engine's mixed workload the same noise took the tokens to come at 50% of rows to x0.81-0.83, against x0.93
-    shrunk by the data (docs/BENCHMARKS.md, stop 62)."""
-    for seed in (3, 4):
-        rows = overconfident(seed)
-        drawn = simulate(policy, cost, rows=rows, sample_every=8, seed=seed)
-        plain = simulate(policy, cost, rows=rows, sample_every=0, seed=seed) if seed == 3 else None
-        for share, bound in ((0.10, 0.13), (0.25, 0.10), (0.50, 0.10)):
-            err, f, left = eta_error(drawn, share)
-            assert abs(err) <= bound, (seed, share, err, f.eta_s, left)
-            assert plain is None or eta_error(plain, share)[0] < -0.25
+    """With one row in eight drawn at random, over eight seeds: the ETA within 8% at 25% and 50% of the rows
+    (3-4% on average), and within 20% at 10%, where few drawn rows have counted (7-8% on average); without, 33-40%
+    short from 10% on. (auto without a deadline runs as longest-first.) The strata's residuals shrunk by a fixed
+    8 rows had -11% at 10%: on these rows, whose log ratio is a line on the prediction, they fitted noise that
+    happened to help; on the real engine's mixed workload the same noise took the tokens to come at 50% of rows
+    to x0.81-0.83, against x0.93 shrunk by the data (docs/BENCHMARKS.md, stop 62)."""
+    err = np.abs(errors(policy, cost))
+    assert (err.mean(axis=0) <= [0.09, 0.05, 0.05]).all(), err
+    assert (err.max(axis=0) <= [0.20, 0.08, 0.08]).all(), err
+    plain = simulate(policy, cost, rows=overconfident(3), sample_every=0, seed=3)
+    assert all(eta_error(plain, share)[0] < -0.25 for share in (0.10, 0.25, 0.50))
 
 
 def test_under_shortest_first_the_rows_left_run_as_the_drawn_rows_among_them_do():
     """Under shortest-first the rows left are the ones predicted longest, and the rows seen the shortest. With the
-    predictions spread 1.8 times too wide, the weighing of the three length models was 13-23% short at 10-50% of
-    rows; with one row in eight drawn at random it is within 10% from 25% on. At 10% few drawn rows have finished
-    (the short rows go first), and until 8 count the weighing stands: no worse there than without them."""
-    for seed in (3, 4):
-        rows = overconfident(seed)
-        drawn = simulate("shortest-first", CPU, rows=rows, sample_every=8, seed=seed)
-        plain = simulate("shortest-first", CPU, rows=rows, sample_every=0, seed=seed)
-        assert abs(eta_error(drawn, 0.10)[0]) <= abs(eta_error(plain, 0.10)[0]) + 0.02  # the line's prior: +86%
-        for share in (0.25, 0.50):
-            err, f, left = eta_error(drawn, share)
-            assert abs(err) <= 0.10, (seed, share, err, f.eta_s, left)
-            assert eta_error(plain, share)[0] < -0.15
+    predictions spread 1.8 times too wide, the weighing of the three length models was 13-23% short at 25-50% of
+    rows; with one row in eight drawn at random it is within 10% there on average over eight seeds (9% and 7%), 14%
+    at worst. At 10% few drawn rows have finished (the short rows go first), and until 8 count the weighing stands:
+    no worse there than without them on average (20% and 22%)."""
+    drawn, plain = errors("shortest-first", CPU), errors("shortest-first", CPU, sample_every=0)
+    assert np.abs(drawn[:, 0]).mean() <= np.abs(plain[:, 0]).mean() + 0.02  # the line's prior there: +86%
+    assert (np.abs(drawn[:, 1:]).mean(axis=0) <= 0.10).all(), drawn
+    assert (plain[:, 1:].mean(axis=0) < -0.15).all(), plain
+
+
+def test_where_the_predictions_are_narrow_the_drawn_rows_among_the_rows_left_say_how_they_run():
+    """Predictions spread 0.15 times as wide as what they know (the online predictor's on GSM8K: the rows left
+    within 0.01-0.03 in log, docs/BENCHMARKS.md, stop 65): the rows left, predicted lowest, run well below the
+    average row, and no line on the log prediction with a prior on its slope follows them: it had the ETA 11-16% long
+    on average at 25% and 50% of rows (up to +27%), and 23% long at 10%. The drawn rows predicted where the rows left
+    are, a random sample of them, take it within 8% on average over eight seeds (5-8%), their mean within 6%."""
+    err = errors("longest-first", CPU, spread=0.15)
+    assert (np.abs(err).mean(axis=0) <= 0.10).all(), err
+    assert (np.abs(err.mean(axis=0)) <= 0.08).all(), err
 
 
 def test_the_drawn_rows_line_is_evaluated_at_the_rows_left():
@@ -86,6 +102,28 @@ def test_drawn_rows_of_one_prediction_give_the_line_no_slope():
     shift, _ = d.shift(-0.6, 0.5, [10.0, 20.0], [100, 100])
     mean = (100 * math.log(60 / 62) + 100 * math.log(22 / 65) - 8 * 0.6) / 208
     assert shift == pytest.approx(mean + 0.6, abs=0.05)
+
+
+def test_the_drawn_rows_predicted_where_the_rows_left_are_say_how_those_run():
+    """Predictions within 0.03 in log (250 to 257 tokens) whose rows run from 0.7 to 1.4 times them, the lowest
+    shortest: a line on the log prediction with a prior of 0.5 on its slope moves the rows left (250 to 252) by a
+    few hundredths. The drawn rows predicted within theirs say what they run: the length model's expected tokens
+    (log ratio mu + shift, spread sigma) come to theirs."""
+    rng = np.random.default_rng(2)
+    d = DrawnRows()
+    p = rng.integers(250, 258, 400).astype(np.float64)
+    d.observe(p, p * np.exp(0.1 * (p - 253.5) + rng.normal(0, 0.1, 400)), [True] * 400)
+    d.release()
+    mu, sigma = 0.0, 0.3
+    left = np.array([250.0, 251.0, 252.0])
+    truth = float(np.mean(np.exp(0.1 * (left - 253.5)))) * math.exp(0.1 ** 2 / 2)
+    line, _ = d.shift(mu, sigma, left, [100, 100, 100])
+    shift, se = d.shift(mu, sigma, left, [100, 100, 100], among=(250.0, 252.0))
+    assert math.exp(mu + shift + sigma ** 2 / 2) == pytest.approx(truth, rel=0.03)
+    assert 0 < se < 0.03
+    assert math.exp(mu + line + sigma ** 2 / 2) > 1.2 * truth
+    # fewer than PRIOR_ROWS drawn rows there: the line
+    assert d.shift(mu, sigma, left, [100] * 3, among=(240.0, 245.0)) == d.shift(mu, sigma, left, [100] * 3)
 
 
 def test_a_drawn_row_counts_once_every_row_drawn_before_it_has_finished():

@@ -44,7 +44,7 @@ import numpy as np
 
 
 class DrawnRows:
-    BIN = 0.05  # finished drawn rows are kept by the log of their prediction, in bins this wide
+    BIN = 0.001  # finished drawn rows are kept by the log of their prediction, in bins this wide (a token to 1000)
     PRIOR_ROWS = 8.0  # the weight of the log ratio of every row, in rows, in the drawn rows' fit
     SLOPE_SD = 0.5  # the prior on the line's slope: Normal(0, this), per unit of log prediction
     STRATUM = 0.25  # the strata of the log prediction whose residuals about the line are kept
@@ -52,7 +52,7 @@ class DrawnRows:
     KEEP = 8192  # the newest finished drawn rows whose features are kept, to be predicted again with the pool
 
     def __init__(self):
-        self.bins: dict[int, list[float]] = {}  # bin of log(predicted) -> [rows, sum of r, sum of r^2]
+        self.bins: dict[int, list[float]] = {}  # bin of log(predicted) -> [rows, sums of r, r^2, e^r, e^2r]
         self.num_rows = 0
         self.held: list = []  # (draw's number, features, predicted, actual) of finished rows not counted yet
         self.kept: deque = deque(maxlen=self.KEEP)  # (features, actual) of the drawn rows counted, newest last
@@ -91,10 +91,13 @@ class DrawnRows:
     def _add(self, p: float, a: float) -> None:
         lp, r = math.log(p), math.log(a / p)
         self.num_rows += 1
-        b = self.bins.setdefault(int(round(lp / self.BIN)), [0.0, 0.0, 0.0])
+        b = self.bins.setdefault(int(round(lp / self.BIN)), [0.0] * 5)
+        e = a / p
         b[0] += 1
         b[1] += r
         b[2] += r * r
+        b[3] += e
+        b[4] += e * e
 
     def snapshot(self, running=()) -> list:
         """The features of the rows counted (kept), of those held and of the drawn rows still running
@@ -122,7 +125,8 @@ class DrawnRows:
         for f, p, a in since:
             self._add(self._again.pop(id(f), (None, p))[1] if f is not None else p, a)
 
-    def shift(self, mu: float, sigma: float, pend_p: np.ndarray, pend_n: np.ndarray) -> tuple[float, float]:
+    def shift(self, mu: float, sigma: float, pend_p: np.ndarray, pend_n: np.ndarray,
+              among: Optional[tuple[float, float]] = None) -> tuple[float, float]:
         """The shift from mu (the log ratio of every row) of the log ratio of rows predicted pend_p (pend_n of
         each; their predicted tokens weigh them), and its standard error; (0, 0) before any drawn row finishes.
         The drawn rows' log ratio is a line on the log of the prediction (they span the predictions that one
@@ -130,13 +134,15 @@ class DrawnRows:
         PRIOR_ROWS rows at mu (at their mean log prediction) and one of SLOPE_SD on the slope, and not drawn
         beyond the drawn rows' predictions (the first drawn rows may all have one prediction, the heuristic's);
         and each stratum's mean residual about the line, shrunk to it (empirical Bayes). Only the rows counted
-        (release) are in it."""
+        (release) are in it. ``among``: the predictions (lowest, highest) of the pool's rows left, where those run by
+        predicted length: the drawn rows predicted within them are a sample of them (``_among``), and their mean
+        log ratio counts beside the line's, which weighs PRIOR_ROWS rows there."""
         pend_p, pend_n = np.asarray(pend_p, np.float64), np.asarray(pend_n, np.float64)
         keep = (pend_p > 0) & (pend_n > 0)
         if not keep.any() or not self.bins:
             return 0.0, 0.0
         x = np.fromiter(self.bins.keys(), np.float64, len(self.bins)) * self.BIN
-        n, s1, s2 = np.asarray(list(self.bins.values()), np.float64).reshape(-1, 3).T
+        n, s1, s2, e1, e2 = np.asarray(list(self.bins.values()), np.float64).reshape(-1, 5).T
         w0 = self.PRIOR_ROWS
         xbar = float(x @ n / n.sum())
         xc = x - xbar
@@ -169,4 +175,32 @@ class DrawnRows:
         line_var = var * (1.0 / (n.sum() + w0) + center ** 2 / (sxx + var / self.SLOPE_SD ** 2))
         off_var = float(share ** 2 @ (within * rn / (rn + k) ** 2))
         value = a + b * px + np.where(hit, off[at], 0.0)
-        return float(np.log(tokens @ np.exp(value - mu))), math.sqrt(line_var + off_var)
+        shift, se = float(np.log(tokens @ np.exp(value - mu))), math.sqrt(line_var + off_var)
+        if among is None:
+            return shift, se
+        return self._among(x, n, e1, e2, among, shift, se, mu, sigma)
+
+    def _among(self, x, n, e1, e2, among, shift, se, mu, sigma) -> tuple[float, float]:
+        """The line's shift and standard error, with what the drawn rows predicted within ``among`` ran beside
+        them: their output tokens over their predicted tokens, as a shift in the length model's currency (its
+        log ratio mu, spread sigma). Under longest predicted first the rows left are the pool's lowest
+        predictions; every drawn row was drawn from a pool that held every row still left, so those drawn within
+        the rows left's predictions are a random sample of them. Where the predictions are narrow, no line on their
+        log is: the online predictor's on GSM8K spread the rows left over 0.01-0.03 in log, while those rows ran some
+        0.2 below the average row (docs/BENCHMARKS.md, stop 65). The two weigh as far as they differ beyond their
+        noise (empirical Bayes: the line's bias there); with fewer than PRIOR_ROWS drawn rows there, the line."""
+        lo, hi = (int(round(math.log(v) / self.BIN)) if v > 0 else -(2 ** 62) for v in among)
+        keys = np.round(x / self.BIN)
+        inside = (keys >= lo) & (keys <= hi)
+        p, rows = np.exp(x[inside]), float(n[inside].sum())
+        if rows < self.PRIOR_ROWS:  # too few to say the line misses
+            return shift, se
+        predicted, ran = float(p @ n[inside]), float(p @ e1[inside])
+        ratio = ran / predicted  # the ratio estimator's, and its variance
+        spread = float(p ** 2 @ (e2[inside] - 2 * ratio * e1[inside] + ratio ** 2 * n[inside]))
+        v_among = max(spread / ran ** 2, 1e-6) if ran > 0 else math.inf
+        value = math.log(max(ratio, 1e-9)) - mu - sigma ** 2 / 2
+        v_line = se ** 2
+        bias2 = max(0.0, (value - shift) ** 2 - v_line - v_among)
+        w = (v_line + bias2) / (v_line + bias2 + v_among)  # the weight of the drawn rows among the rows left
+        return shift + w * (value - shift), math.sqrt(w * w * v_among + (1 - w) ** 2 * (v_line + bias2))
