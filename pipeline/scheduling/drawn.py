@@ -52,7 +52,7 @@ class DrawnRows:
     KEEP = 8192  # the newest finished drawn rows whose features are kept, to be predicted again with the pool
 
     def __init__(self):
-        self.bins: dict[int, list[float]] = {}  # bin of log(predicted) -> [rows, sums of r, r^2, e^r, e^2r]
+        self.bins: dict[int, list[float]] = {}  # bin of log(predicted) -> [rows, sum of r, sum of r^2]
         self.num_rows = 0
         self.held: list = []  # (draw's number, features, predicted, actual) of finished rows not counted yet
         self.kept: deque = deque(maxlen=self.KEEP)  # (features, actual) of the drawn rows counted, newest last
@@ -91,13 +91,10 @@ class DrawnRows:
     def _add(self, p: float, a: float) -> None:
         lp, r = math.log(p), math.log(a / p)
         self.num_rows += 1
-        b = self.bins.setdefault(int(round(lp / self.BIN)), [0.0] * 5)
-        e = a / p
+        b = self.bins.setdefault(int(round(lp / self.BIN)), [0.0, 0.0, 0.0])
         b[0] += 1
         b[1] += r
         b[2] += r * r
-        b[3] += e
-        b[4] += e * e
 
     def snapshot(self, running=()) -> list:
         """The features of the rows counted (kept), of those held and of the drawn rows still running
@@ -142,7 +139,7 @@ class DrawnRows:
         if not keep.any() or not self.bins:
             return 0.0, 0.0
         x = np.fromiter(self.bins.keys(), np.float64, len(self.bins)) * self.BIN
-        n, s1, s2, e1, e2 = np.asarray(list(self.bins.values()), np.float64).reshape(-1, 5).T
+        n, s1, s2 = np.asarray(list(self.bins.values()), np.float64).reshape(-1, 3).T
         w0 = self.PRIOR_ROWS
         xbar = float(x @ n / n.sum())
         xc = x - xbar
@@ -178,29 +175,30 @@ class DrawnRows:
         shift, se = float(np.log(tokens @ np.exp(value - mu))), math.sqrt(line_var + off_var)
         if among is None:
             return shift, se
-        return self._among(x, n, e1, e2, among, shift, se, mu, sigma)
+        return self._among(x, n, s1, s2, among, shift, se, mu)
 
-    def _among(self, x, n, e1, e2, among, shift, se, mu, sigma) -> tuple[float, float]:
-        """The line's shift and standard error, with what the drawn rows predicted within ``among`` ran beside
-        them: their output tokens over their predicted tokens, as a shift in the length model's currency (its
-        log ratio mu, spread sigma). Under longest predicted first the rows left are the pool's lowest
-        predictions; every drawn row was drawn from a pool that held every row still left, so those drawn within
-        the rows left's predictions are a random sample of them. Where the predictions are narrow, no line on their
-        log is: the online predictor's on GSM8K spread the rows left over 0.01-0.03 in log, while those rows ran some
-        0.2 below the average row (docs/BENCHMARKS.md, stop 65). The two weigh as far as they differ beyond their
-        noise (empirical Bayes: the line's bias there); with fewer than PRIOR_ROWS drawn rows there, the line."""
+    def _among(self, x, n, s1, s2, among, shift, se, mu) -> tuple[float, float]:
+        """The line's shift and standard error, with the mean log ratio of the drawn rows predicted within
+        ``among`` beside them (their predicted tokens weigh them). Under longest predicted first the rows left are
+        the pool's lowest predictions; every drawn row was drawn from a pool that held every row still left, so
+        those drawn within the rows left's predictions are a random sample of them. Where the predictions are
+        narrow, no line on their log is: the online predictor's on GSM8K spread the rows left over 0.01-0.03 in
+        log, while those rows ran some 0.2 below the average row (docs/BENCHMARKS.md, stops 65-66). The two weigh
+        as far as they differ beyond their noise (empirical Bayes: the line's bias there); with fewer than
+        PRIOR_ROWS drawn rows there, the line. A log ratio, not their tokens over those predicted: the length
+        model's expected tokens cut its log-normal at max_tokens, and that ratio, matched to its uncut mean, had
+        the mixed workload's tokens to come x0.63-0.76 (stop 66)."""
         lo, hi = (int(round(math.log(v) / self.BIN)) if v > 0 else -(2 ** 62) for v in among)
         keys = np.round(x / self.BIN)
         inside = (keys >= lo) & (keys <= hi)
-        p, rows = np.exp(x[inside]), float(n[inside].sum())
-        if rows < self.PRIOR_ROWS:  # too few to say the line misses
+        if float(n[inside].sum()) < self.PRIOR_ROWS:  # too few to say the line misses
             return shift, se
-        predicted, ran = float(p @ n[inside]), float(p @ e1[inside])
-        ratio = ran / predicted  # the ratio estimator's, and its variance
-        spread = float(p ** 2 @ (e2[inside] - 2 * ratio * e1[inside] + ratio ** 2 * n[inside]))
-        v_among = max(spread / ran ** 2, 1e-6) if ran > 0 else math.inf
-        value = math.log(max(ratio, 1e-9)) - mu - sigma ** 2 / 2
+        tok = np.exp(x[inside])  # a row's predicted tokens
+        weight = float(tok @ n[inside])
+        mean = float(tok @ s1[inside]) / weight
+        var = max(float(tok @ s2[inside]) / weight - mean ** 2, 1e-4)
+        v_among = var * float(tok ** 2 @ n[inside]) / weight ** 2  # var over the rows the weights are worth
         v_line = se ** 2
-        bias2 = max(0.0, (value - shift) ** 2 - v_line - v_among)
+        bias2 = max(0.0, (mean - mu - shift) ** 2 - v_line - v_among)
         w = (v_line + bias2) / (v_line + bias2 + v_among)  # the weight of the drawn rows among the rows left
-        return shift + w * (value - shift), math.sqrt(w * w * v_among + (1 - w) ** 2 * (v_line + bias2))
+        return shift + w * (mean - mu - shift), math.sqrt(w * w * v_among + (1 - w) ** 2 * (v_line + bias2))
