@@ -52,7 +52,7 @@ class DrawnRows:
     KEEP = 8192  # the newest finished drawn rows whose features are kept, to be predicted again with the pool
 
     def __init__(self):
-        self.bins: dict[int, list[float]] = {}  # bin of log(predicted) -> [rows, sum of r, sum of r^2]
+        self.bins: dict[int, list[float]] = {}  # bin of log(predicted) -> [rows, sums of r, r^2, e^r, e^2r]
         self.num_rows = 0
         self.held: list = []  # (draw's number, features, predicted, actual) of finished rows not counted yet
         self.kept: deque = deque(maxlen=self.KEEP)  # (features, actual) of the drawn rows counted, newest last
@@ -91,10 +91,13 @@ class DrawnRows:
     def _add(self, p: float, a: float) -> None:
         lp, r = math.log(p), math.log(a / p)
         self.num_rows += 1
-        b = self.bins.setdefault(int(round(lp / self.BIN)), [0.0, 0.0, 0.0])
+        b = self.bins.setdefault(int(round(lp / self.BIN)), [0.0] * 5)
+        e = a / p
         b[0] += 1
         b[1] += r
         b[2] += r * r
+        b[3] += e
+        b[4] += e * e
 
     def snapshot(self, running=()) -> list:
         """The features of the rows counted (kept), of those held and of the drawn rows still running
@@ -123,7 +126,7 @@ class DrawnRows:
             self._add(self._again.pop(id(f), (None, p))[1] if f is not None else p, a)
 
     def shift(self, mu: float, sigma: float, pend_p: np.ndarray, pend_n: np.ndarray,
-              among: Optional[tuple[float, float]] = None) -> tuple[float, float]:
+              among: Optional[tuple[float, float]] = None, expected=None) -> tuple[float, float]:
         """The shift from mu (the log ratio of every row) of the log ratio of rows predicted pend_p (pend_n of
         each; their predicted tokens weigh them), and its standard error; (0, 0) before any drawn row finishes.
         The drawn rows' log ratio is a line on the log of the prediction (they span the predictions that one
@@ -132,14 +135,15 @@ class DrawnRows:
         beyond the drawn rows' predictions (the first drawn rows may all have one prediction, the heuristic's);
         and each stratum's mean residual about the line, shrunk to it (empirical Bayes). Only the rows counted
         (release) are in it. ``among``: the predictions (lowest, highest) of the pool's rows left, where those run by
-        predicted length: the drawn rows predicted within them are a sample of them (``_among``), and their mean
-        log ratio counts beside the line's, which weighs PRIOR_ROWS rows there."""
+        predicted length, and ``expected``, the length model's expected tokens of rows at predictions p shifted by
+        s (p, s): the drawn rows predicted within them are a sample of them, and the shift at which the model
+        expects what those ran counts beside the line's (``_among``)."""
         pend_p, pend_n = np.asarray(pend_p, np.float64), np.asarray(pend_n, np.float64)
         keep = (pend_p > 0) & (pend_n > 0)
         if not keep.any() or not self.bins:
             return 0.0, 0.0
         x = np.fromiter(self.bins.keys(), np.float64, len(self.bins)) * self.BIN
-        n, s1, s2 = np.asarray(list(self.bins.values()), np.float64).reshape(-1, 3).T
+        n, s1, s2, e1, e2 = np.asarray(list(self.bins.values()), np.float64).reshape(-1, 5).T
         w0 = self.PRIOR_ROWS
         xbar = float(x @ n / n.sum())
         xc = x - xbar
@@ -173,32 +177,44 @@ class DrawnRows:
         off_var = float(share ** 2 @ (within * rn / (rn + k) ** 2))
         value = a + b * px + np.where(hit, off[at], 0.0)
         shift, se = float(np.log(tokens @ np.exp(value - mu))), math.sqrt(line_var + off_var)
-        if among is None:
+        if among is None or expected is None:
             return shift, se
-        return self._among(x, n, s1, s2, among, shift, se, mu)
+        return self._among(x, n, e1, e2, among, shift, se, expected)
 
-    def _among(self, x, n, s1, s2, among, shift, se, mu) -> tuple[float, float]:
-        """The line's shift and standard error, with the mean log ratio of the drawn rows predicted within
-        ``among`` beside them (their predicted tokens weigh them). Under longest predicted first the rows left are
-        the pool's lowest predictions; every drawn row was drawn from a pool that held every row still left, so
+    def _among(self, x, n, e1, e2, among, shift, se, expected) -> tuple[float, float]:
+        """The line's shift and standard error, with the shift at which the length model (``expected``) expects
+        the tokens that the drawn rows predicted within ``among`` ran. Under longest predicted first the rows left
+        are the pool's lowest predictions; every drawn row was drawn from a pool that held every row still left, so
         those drawn within the rows left's predictions are a random sample of them. Where the predictions are
         narrow, no line on their log is: the online predictor's on GSM8K spread the rows left over 0.01-0.03 in
         log, while those rows ran some 0.2 below the average row (docs/BENCHMARKS.md, stops 65-66). The two weigh
         as far as they differ beyond their noise (empirical Bayes: the line's bias there); with fewer than
-        PRIOR_ROWS drawn rows there, the line. A log ratio, not their tokens over those predicted: the length
-        model's expected tokens cut its log-normal at max_tokens, and that ratio, matched to its uncut mean, had
-        the mixed workload's tokens to come x0.63-0.76 (stop 66)."""
+        PRIOR_ROWS drawn rows there, the line. Matched in the model's own terms, which cut its log-normal at
+        max_tokens: their mean log ratio had the mixed workload's tokens to come x0.81-0.86 (the rows left's own
+        spread of log ratios left out), and their tokens over those predicted, matched to the log-normal's uncut
+        mean, x0.63-0.76 (stop 66)."""
         lo, hi = (int(round(math.log(v) / self.BIN)) if v > 0 else -(2 ** 62) for v in among)
         keys = np.round(x / self.BIN)
         inside = (keys >= lo) & (keys <= hi)
-        if float(n[inside].sum()) < self.PRIOR_ROWS:  # too few to say the line misses
+        rows = n[inside]
+        if float(rows.sum()) < self.PRIOR_ROWS:  # too few to say the line misses
             return shift, se
-        tok = np.exp(x[inside])  # a row's predicted tokens
-        weight = float(tok @ n[inside])
-        mean = float(tok @ s1[inside]) / weight
-        var = max(float(tok @ s2[inside]) / weight - mean ** 2, 1e-4)
-        v_among = var * float(tok ** 2 @ n[inside]) / weight ** 2  # var over the rows the weights are worth
+        p = np.exp(x[inside])  # a row's predicted tokens
+        ran = float(p @ e1[inside])  # the tokens they ran
+        if ran <= 0:
+            return shift, se
+        ratio = ran / float(p @ rows)
+        v_among = max(float(p ** 2 @ (e2[inside] - 2 * ratio * e1[inside] + ratio ** 2 * rows)) / ran ** 2, 1e-6)
+        # the shift at which the model expects what they ran: it grows with the shift (secant steps, from the line's)
+        s0, f0 = shift, float(rows @ expected(p, shift)) - ran
+        s1 = shift + (math.log(ran / (ran + f0)) if ran + f0 > 0 else 0.0)
+        for _ in range(8):
+            f1 = float(rows @ expected(p, s1)) - ran
+            if abs(f1) <= 1e-4 * ran or f1 == f0:
+                break
+            s0, s1, f0 = s1, s1 - f1 * (s1 - s0) / (f1 - f0), f1
+        value = s1
         v_line = se ** 2
-        bias2 = max(0.0, (mean - mu - shift) ** 2 - v_line - v_among)
+        bias2 = max(0.0, (value - shift) ** 2 - v_line - v_among)
         w = (v_line + bias2) / (v_line + bias2 + v_among)  # the weight of the drawn rows among the rows left
-        return shift + w * (mean - mu - shift), math.sqrt(w * w * v_among + (1 - w) ** 2 * (v_line + bias2))
+        return shift + w * (value - shift), math.sqrt(w * w * v_among + (1 - w) ** 2 * (v_line + bias2))

@@ -147,7 +147,8 @@ def model_forecast(t, scheduler, lengths, counts, unread: int, mean_predicted: f
         # predicted as every row read is, not as the pool left (whose longest went first), in the pool's shape.
         among = pend_p[pm] if pm.any() else fill  # the pool's rows left; queued ones may be drawn, from anywhere
         left_shift, drawn_se = t.drawn.shift(model.mu, model.sigma, fill, fill_n,
-                                             (float(among.min()), float(among.max())) if len(among) else None)
+                                             (float(among.min()), float(among.max())) if len(among) else None,
+                                             lambda p, s: model.expected(p, None, s))
         fill = fill * math.exp(left_shift)
         run_p = _running_shifted(t, scheduler, model, run_p)
         if unread:
@@ -275,7 +276,8 @@ def _running_shifted(t, scheduler, model, run_p: np.ndarray) -> np.ndarray:
     if len(picked) != len(run_p) or not picked.any():
         return run_p
     shift, _ = t.drawn.shift(model.mu, model.sigma, run_p[picked], np.ones(int(picked.sum())),
-                             (float(run_p[picked].min()), float(run_p[picked].max())))
+                             (float(run_p[picked].min()), float(run_p[picked].max())),
+                             lambda p, s: model.expected(p, None, s))
     return np.where(picked, run_p * math.exp(shift), run_p)
 
 
