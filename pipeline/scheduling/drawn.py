@@ -28,6 +28,15 @@ On the echo engine's 20k-row job the three took the tokens to come at 25% of row
 (docs/BENCHMARKS.md, stop 62). A drawn row also goes to vLLM's queue in its turn (scheduler.py): with its own
 prediction as its priority it waited there, and held every row drawn after it uncounted.
 
+Beside the line, the drawn rows predicted within the rows left's predictions (``among``): each was drawn from a
+pool that held every row still left, so they are a random sample of those, whatever the predictions' scale. The
+shift at which the length model expects what they ran weighs against the line's as far as the two differ beyond
+their noise. Where the predictions are narrow (the online predictor's on GSM8K: the rows left within 0.01-0.03 in
+log, running some 0.2 below the average row), no line with a prior on its slope per unit of log prediction follows
+them: GSM8K's ETA at half its rows under auto went from +16% to +5-11% (docs/BENCHMARKS.md, stop 66), and on
+the simulated engine with predictions 0.3 times as wide as they know, from +9% to +22% on average at 10-75% of rows
+to within 3% (benchmarks/drawn_spread.py).
+
 On tests/test_forecast_drawn.py's simulated engine (1,200 rows, 150 of them drawn), with predictions spread 1.8
 times wider than they know, the ETA under longest-first and auto went from 33-40% short at 10-50% of rows to -13%
 to +2%. Where the predictions are right (spread 1.0) it costs the drawn rows' sampling noise: -2% to +7% became
