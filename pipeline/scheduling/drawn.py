@@ -59,6 +59,7 @@ class DrawnRows:
     STRATUM = 0.25  # the strata of the log prediction whose residuals about the line are kept
 
     KEEP = 8192  # the newest finished drawn rows whose features are kept, to be predicted again with the pool
+    MAX_APART = 3.0  # the drawn rows among the rows left move them at most this far from the line, in log
 
     def __init__(self):
         self.bins: dict[int, list[float]] = {}  # bin of log(predicted) -> [rows, sums of r, r^2, e^r, e^2r]
@@ -222,7 +223,9 @@ class DrawnRows:
             if abs(f1) <= 1e-4 * ran or f1 == f0:
                 break
             s0, s1, f0 = s1, s1 - f1 * (s1 - s0) / (f1 - f0), f1
-        value = s1
+        if not math.isfinite(s1):
+            return shift, se
+        value = min(max(s1, shift - self.MAX_APART), shift + self.MAX_APART)
         v_line = se ** 2
         bias2 = max(0.0, (value - shift) ** 2 - v_line - v_among)
         w = (v_line + bias2) / (v_line + bias2 + v_among)  # the weight of the drawn rows among the rows left
