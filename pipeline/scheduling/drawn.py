@@ -33,7 +33,7 @@ pool that held every row still left, so they are a random sample of those, whate
 shift at which the length model expects what they ran weighs against the line's as far as the two differ beyond
 their noise. Where the predictions are narrow (the online predictor's on GSM8K: the rows left within 0.01-0.03 in
 log, running some 0.2 below the average row), no line with a prior on its slope per unit of log prediction follows
-them: GSM8K's ETA at half its rows under auto went from +16% to +5-11% (docs/BENCHMARKS.md, stop 66), and on
+them: GSM8K's ETA at half its rows under auto went from +16-17% to +4-11% (docs/BENCHMARKS.md, stop 66), and on
 the simulated engine with predictions 0.3 times as wide as they know, from +9% to +22% on average at 10-75% of rows
 to within 3% (benchmarks/drawn_spread.py).
 
