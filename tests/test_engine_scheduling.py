@@ -276,22 +276,29 @@ def test_forecasts_say_how_they_weighed_the_length_models(warm, tmp_path, policy
 
 def test_shortest_first_draws_rows_and_forecasts_by_them_once_eight_count(warm, tmp_path):
     """Real prompts, shortest predicted first: one admission in eight is a row drawn at random (status.json counts
-    them). Until 8 drawn rows count, the forecast weighs the three length models and shifts nothing; from then on,
-    the log ratio alone, shifted by what the drawn rows ran (scheduling/drawn.py), while rows are left to start."""
+    them). Until 8 drawn rows count, the forecast weighs the three length models and shifts the rows left as the
+    drawn rows say, those still running as "at least" (DrawnRows.censored_shift), once 4 are in; from then on, the
+    log ratio alone, shifted by what the drawn rows ran (scheduling/drawn.py), while rows are left to start."""
     rows = 200  # (the shipped example has 200)
     forecasts = forecast_lines(tmp_path, "--policy", "shortest-first", rows=rows)
     drawn = json.loads((tmp_path / "out" / "status.json").read_text())["scheduler"]["drawn_at_random"]
     assert drawn == rows // 8
-    seen = []
+    seen, early = [], []
     for ln in forecasts:
         normal, sqrt = (float(x) for x in re.search(r"weighed ([0-9.]+) normal, ([0-9.]+) square root", ln).groups())
-        shift, se, n = re.search(r"rows left shifted ([-+0-9.]+) \(se ([0-9.]+)\) by (\d+) rows drawn", ln).groups()
+        shift, se, n, how = re.search(r"rows left shifted ([-+0-9.]+) \(se ([0-9.]+)\) by (\d+) rows drawn at random "
+                                      r"\(([^)]*)\)", ln).groups()
         if int(n) < 8:
-            assert (shift, se) == ("+0.000", "0.000"), ln
+            censored = int(re.fullmatch(r"(\d+) with those running, as at least", how).group(1))
+            if censored < 4:
+                assert (shift, se) == ("+0.000", "0.000"), ln
+            else:
+                early.append(float(se))
         else:
-            assert normal == sqrt == 0.0, ln
+            assert normal == sqrt == 0.0 and how == "those alone", ln
             seen.append(float(shift))
     assert any(x != 0 for x in seen), forecasts[-5:]
+    assert early and all(x > 0 for x in early), forecasts[:10]
 
 
 def test_a_trained_predictor_run_longest_first_is_forecast_by_the_sqrt_ratio(warm, tmp_path):

@@ -114,16 +114,18 @@ def model_forecast(t, scheduler, lengths, counts, unread: int, mean_predicted: f
     qm, pm = queued_rows_p > 0, pend_p > 0
     pend_rows = np.asarray(counts, dtype=np.float64)
     rest = (float(queued_rows_p[qm].sum() + pend_p[pm] @ pend_rows[pm]), float(qm.sum() + pend_rows[pm].sum()))
-    by_length = scheduler.runs_by_length
+    by_length, censored = scheduler.runs_by_length, False
     if by_length:  # the drawn rows counted by now (scheduling/drawn.py)
         t.drawn.release(min((r.drawn for r in scheduler.running.values() if r.drawn), default=None))
         # Under shortest-first the drawn rows finish after many of the short rows do: until as many count as their
         # line's prior weighs (DrawnRows.PRIOR_ROWS), the three models weighed, as in any order blind to the drawn
-        # rows. The log ratio's mu, fitted on the rows predicted shortest, would be the line's prior: on
-        # tests/test_forecast_drawn.py's rows spread 1.8 times too wide, that took the ETA at 10% of rows from
-        # -13% to -19% (weighed) to +86% to +104%.
+        # rows, and the rows left shifted as the drawn rows within their predictions say, those still running
+        # counted as "at least" (censored_shift). The log ratio's mu, fitted on the rows predicted shortest, would
+        # be the line's prior: on tests/test_forecast_drawn.py's rows spread 1.8 times too wide, that took the ETA
+        # at 10% of rows from -13% to -19% (weighed) to +86% to +104%. The weighed models alone were 30% and 48%
+        # short there on average where the predictions spread 0.6 and 0.15 times as wide as they know.
         if not scheduler.runs_longest_first and t.drawn.num_rows < DrawnRows.PRIOR_ROWS:
-            by_length = False
+            by_length, censored = False, True
     model.fit(*t.inflight.running(per_sequence=False), left_shortest=scheduler.runs_longest_first, rest=rest,
               by_length=by_length)
     # auto near a deadline runs at most `cap` rows at once; every other case keeps the engine full
@@ -141,7 +143,18 @@ def model_forecast(t, scheduler, lengths, counts, unread: int, mean_predicted: f
     blind = [len(queued_p)] if len(pend_p) == 1 and len(hist_p) > 1 else []
     mean_p = float(fill @ fill_n / fill_n.sum()) if fill_n.sum() else (mean_predicted or 1.0)
     left_shift = drawn_se = 0.0  # the rows left's log ratio, shifted by the rows drawn at random (below)
-    if by_length and getattr(model, "only", None) is None:
+    fill_shift = 0.0  # the models' shift of the rows to start (censored: the weighed models, which not all scale p)
+    if censored:  # and the drawn rows running, as "at least this long" (DrawnRows.censored_shift)
+        among = pend_p[pm] if pm.any() else fill
+        rows_in = [scheduler.running.get(r) for r in t.inflight.start]
+        drawn = np.fromiter((r is not None and bool(r.drawn) for r in rows_in), bool, len(rows_in))
+        ratio = getattr(model, "ratio", model)
+        left_shift, drawn_se = t.drawn.censored_shift(
+            ratio.mu, ratio.sigma, tuple(v[drawn] for v in t.inflight.running(per_sequence=False)),
+            (float(among.min()), float(among.max())) if len(among) else None, model.cap, (fill, fill_n),
+            lambda p, s: model.expected(p, None, s), model.mu_stderr)
+        fill_shift = left_shift
+    elif by_length and getattr(model, "only", None) is None:
         # The rows left are the ones predicted shortest (longest under shortest-first): they run as the rows drawn
         # at random among them do, the rows not read yet as every drawn row (scheduling/drawn.py); those are
         # predicted as every row read is, not as the pool left (whose longest went first), in the pool's shape.
@@ -171,7 +184,7 @@ def model_forecast(t, scheduler, lengths, counts, unread: int, mean_predicted: f
     step_full = a + b * max_num_seqs
 
     def expected_fill(shift: float) -> np.ndarray:
-        e = model.expected(fill, None, shift)
+        e = model.expected(fill, None, shift + fill_shift)
         if blind:
             e[blind] = float(model.expected(hist_p, None, shift) @ hist_n) / float(hist_n.sum())
         return e
@@ -187,7 +200,7 @@ def model_forecast(t, scheduler, lengths, counts, unread: int, mean_predicted: f
                             if step > 0 and left < math.inf else (math.inf, math.inf))
         run_e = model.expected(run_p, run_g, shift)
         fill_e, fill_k = chunks(expected_fill(shift), fill_n)
-        group_p = chunks(fill, fill_n)[0] if tail else None
+        group_p = chunks(fill * math.exp(fill_shift), fill_n)[0] if tail else None  # (the normal's: unshifted)
         d = drain(slots, run_e, fill_e, fill_k, within, (model, run_p, run_g, group_p, shift) if tail else None,
                   start_by, admitted=len(queued_p))
         return a * (d.steps + d.tail_steps) + b * d.tokens + c * prefill, d
@@ -254,10 +267,11 @@ def model_forecast(t, scheduler, lengths, counts, unread: int, mean_predicted: f
               "queued %.0f, to start %.0f), %.0f "
               "prompt tokens over %d slots (rows capped at %s); lengths mu %.3f sigma %.3f from %.1f rows; "
               "step cost drift %.3f; ETA %.1f s (%.1f-%.1f); lengths weighed %.2f normal, %.2f square root; "
-              "rows left shifted %+.3f (se %.3f) by %d rows drawn at random; tail of the rows running: %s",
+              "rows left shifted %+.3f (se %.3f) by %d rows drawn at random (%s); tail of the rows running: %s",
               a, b, c, d.steps, d.tail_steps, d.tokens, *split, prefill, max_num_seqs, cap, model.mu, model.sigma,
               model.num_events, t.step_cost.drift, eta_s, low, high, model.weight, model.sqrt_weight,
               left_shift, drawn_se, t.drawn.num_rows,
+              f"{t.drawn.censored_rows} with those running, as at least" if censored else "those alone",
               "sqrt ratio (calibrated predictions)" if getattr(model, "only", None) is not None else
               "square root" if model.tail is not None else "mixture")
     return Forecast(float(tokens_per_s), float(d.tokens), rows, float(eta_s), left, bool(will_miss),
