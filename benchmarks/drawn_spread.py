@@ -1,5 +1,6 @@
 """The rows drawn at random, where the predictions spread wider or narrower than they know: the ETA's error with the
-drawn rows' line alone (before stop 66) and with the drawn rows predicted among the rows left (after), side by side.
+drawn rows' line alone (before stop 66), with the drawn rows predicted among the rows left (after), and under
+shortest-first with the drawn rows still running counted before 8 count (stop 67), side by side.
 
 Rows as tests/test_forecast_drawn.py's ``overconfident``: lengths log-normal around a signal, predictions spread
 ``--spreads`` times as wide as the signal in log (1: calibrated; 1.8: the online predictor fitted on few rows;
@@ -10,7 +11,10 @@ sequence, this CPU's), one admission in eight drawn at random, twice:
     line    the drawn rows' line of the log ratio on the log prediction alone, the rows running unshifted
     among   the same, beside the shift at which the length model expects what the drawn rows predicted within
             the rows left's predictions ran, weighed by how far the two differ beyond their noise; the rows the
-            policy runs shifted the same way (scheduling/drawn.py, estimate.py)
+            policy runs shifted the same way (scheduling/drawn.py, estimate.py); under shortest-first nothing
+            shifted before 8 drawn rows count
+    censored  (shortest-first) the same, and before 8 drawn rows count the rows left shifted as the drawn rows
+            within their predictions say, those still running counted as "at least" (DrawnRows.censored_shift)
 
 It prints, per spread and policy, the mean error, the mean |error| and the worst at 10 / 25 / 50 / 75% of rows.
 
@@ -52,6 +56,13 @@ def line_only():
     return lambda: (setattr(DrawnRows, "_among", among), setattr(estimate, "_running_shifted", running))
 
 
+def none_censored():
+    """Nothing shifted under shortest-first before 8 drawn rows count: what stop 66 had."""
+    censored = DrawnRows.censored_shift
+    DrawnRows.censored_shift = lambda self, *args: (0.0, 0.0)
+    return lambda: setattr(DrawnRows, "censored_shift", censored)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seeds", type=int, default=8)
@@ -61,13 +72,17 @@ def main() -> None:
     print(f"ETA error (%) over {args.seeds} seeds at {' / '.join(f'{s:.0%}' for s in SHARES)} of 1,200 rows")
     for spread in args.spreads:
         for policy in args.policies:
-            restore = line_only()
-            before = errors(policy, spread, args.seeds)
-            restore()
-            after = errors(policy, spread, args.seeds)
-            for name, e in (("line", before), ("among", after)):
+            runs = []
+            for name, patches in (("line", (line_only, none_censored)), ("among", (none_censored,)), ("censored", ())):
+                if name == "censored" and policy != "shortest-first":
+                    continue
+                restores = [patch() for patch in patches]
+                runs.append((name, errors(policy, spread, args.seeds)))
+                for restore in restores:
+                    restore()
+            for name, e in runs:
                 worst = [e[int(np.abs(e[:, j]).argmax()), j] for j in range(len(SHARES))]
-                print(f"spread {spread:<4} {policy:<14} {name:<5}  mean {' '.join(f'{v:+4.0f}' for v in e.mean(0))}"
+                print(f"spread {spread:<4} {policy:<14} {name:<8}  mean {' '.join(f'{v:+4.0f}' for v in e.mean(0))}"
                       f"   |mean| {' '.join(f'{v:4.1f}' for v in np.abs(e).mean(0))}"
                       f"   worst {' '.join(f'{v:+4.0f}' for v in worst)}", flush=True)
 
