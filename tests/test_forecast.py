@@ -91,7 +91,7 @@ def test_drain_tail_adds_the_spread_of_the_last_rows():
 # -- a simulated run ---------------------------------------------------------------------------------
 def simulate(policy, cost, n_rows=600, m=64, deadline_share=None, makespan=None, seed=3, probe=True, n_samples=1,
              blind=False, drift=0.0, sqrt=False, calibrated=False, rows=None, loops=0.0, row_max_tokens=512,
-             margin=0.0, prefill=0.0, repredict=None, sample_every=0):
+             margin=0.0, prefill=0.0, repredict=None, sample_every=0, pool=None):
     """Runs the real Scheduler and DeadlineTracker against a simulated engine; returns the story. With n_samples
     > 1 each row asks for that many completions, which the engine runs as as many sequences (vLLM's parallel
     sampling), each of its own length around the row's. blind: lengths normal, whatever the predictions. drift: a
@@ -105,7 +105,8 @@ def simulate(policy, cost, n_rows=600, m=64, deadline_share=None, makespan=None,
     margin: admission stops this long before the deadline, and the rows in flight drain to it. prefill: seconds a
     step spends per prompt token of the rows that start in it (each row has 50). repredict: (rows done, new
     predictions of every row): then the pending rows get theirs, as at the online predictor's refresh.
-    sample_every: the scheduler's (rows drawn at random under longest predicted first)."""
+    sample_every: the scheduler's (rows drawn at random under longest predicted first). pool: rows are read as the
+    scheduler's pool drains, this many held at a time (lookahead_rows), the rest not read yet."""
     rng = np.random.default_rng(seed)
     speed_rng, speed, steps = np.random.default_rng(seed + 100), 1.0, 0
     predicted, actual = lognormal_rows(n_rows, 0.0, 0.55, rng)
@@ -132,9 +133,10 @@ def simulate(policy, cost, n_rows=600, m=64, deadline_share=None, makespan=None,
     tracker.start(sched)
     rows = [Row(id=i, prompt_token_ids=[1] * 50, sampling={"max_tokens": row_max_tokens, "n": n_samples},
                 passthrough={}, origin=str(i), predicted_tokens=int(p)) for i, p in enumerate(predicted)]
-    sched.add(rows, 0.0)
-    tally = SimpleNamespace(num_rows=n_rows, num_taken=n_rows, num_duplicates=0, num_resumed=0,
-                            mean_predicted=float(predicted.mean()))
+    read = n_rows if pool is None else min(pool, n_rows)
+    sched.add(rows[:read], 0.0)
+    tally = SimpleNamespace(num_rows=n_rows, num_taken=read, num_duplicates=0, num_resumed=0,
+                            mean_predicted=float(predicted[:read].mean()))
     waiting, running = [], {}  # running: request -> tokens left of each of its sequences
     done, samples, caps, weights, rates, tails = 0, [], [], [], [], []
     next_forecast = 0.0
@@ -156,6 +158,11 @@ def simulate(policy, cost, n_rows=600, m=64, deadline_share=None, makespan=None,
             rates.append((sched.per_seq_tokens_per_s, len(running)))
             tracker.steer(f, sched)
             caps.append(sched.cap)
+        if read < n_rows and sched.num_pending < pool:  # the input stage tops the pool up
+            more = min(n_rows, read + pool - sched.num_pending)
+            sched.add(rows[read:more], clock.t)
+            read = tally.num_taken = more
+            tally.mean_predicted = float(predicted[:read].mean())
         for adm in sched.schedule(clock.t):
             waiting.append(adm.request_id)
             tracker.admitted(adm.request_id, adm.row.forecast_tokens, 50, n_samples, adm.row.max_tokens)

@@ -143,17 +143,22 @@ def model_forecast(t, scheduler, lengths, counts, unread: int, mean_predicted: f
     blind = [len(queued_p)] if len(pend_p) == 1 and len(hist_p) > 1 else []
     mean_p = float(fill @ fill_n / fill_n.sum()) if fill_n.sum() else (mean_predicted or 1.0)
     left_shift = drawn_se = 0.0  # the rows left's log ratio, shifted by the rows drawn at random (below)
-    fill_shift = 0.0  # the models' shift of the rows to start (censored: the weighed models, which not all scale p)
+    fill_shift = blind_shift = 0.0  # the models' shift of the rows to start and of those not read yet (censored:
+    # the weighed models', which do not all scale with the prediction)
     if censored:  # and the drawn rows running, as "at least this long" (DrawnRows.censored_shift)
         among = pend_p[pm] if pm.any() else fill
         rows_in = [scheduler.running.get(r) for r in t.inflight.start]
         drawn = np.fromiter((r is not None and bool(r.drawn) for r in rows_in), bool, len(rows_in))
         ratio = getattr(model, "ratio", model)
-        left_shift, drawn_se = t.drawn.censored_shift(
-            ratio.mu, ratio.sigma, tuple(v[drawn] for v in t.inflight.running(per_sequence=False)),
-            (float(among.min()), float(among.max())) if len(among) else None, model.cap, (fill, fill_n),
-            lambda p, s: model.expected(p, None, s), model.mu_stderr)
-        fill_shift = left_shift
+        seen = (ratio.mu, ratio.sigma, tuple(v[drawn] for v in t.inflight.running(per_sequence=False)))
+        if unread and len(hist_p):  # every row read, as every drawn row says
+            mean_p, hist_p = _every_row(t, pend_p, pend_rows, pm, mean_p, hist_p, hist_n)
+            blind_shift, drawn_se = t.drawn.censored_shift(*seen, None, model.cap, (hist_p, hist_n),
+                                                           lambda p, s: model.expected(p, None, s), model.mu_stderr)
+        left_shift, se = t.drawn.censored_shift(*seen, (float(among.min()), float(among.max())) if len(among) else None,
+                                                model.cap, (fill, fill_n), lambda p, s: model.expected(p, None, s),
+                                                model.mu_stderr)
+        fill_shift, drawn_se = left_shift, max(drawn_se, se)
     elif by_length and getattr(model, "only", None) is None:
         # The rows left are the ones predicted shortest (longest under shortest-first): they run as the rows drawn
         # at random among them do, the rows not read yet as every drawn row (scheduling/drawn.py); those are
@@ -165,10 +170,7 @@ def model_forecast(t, scheduler, lengths, counts, unread: int, mean_predicted: f
         fill = fill * math.exp(left_shift)
         run_p = _running_shifted(t, scheduler, model, run_p)
         if unread:
-            n_all = t.admitted_rows + float(pend_rows[pm].sum())
-            mean_all = (t.admitted_tokens + float(pend_p[pm] @ pend_rows[pm])) / n_all if n_all else mean_p
-            hist_mean = float(hist_p @ hist_n / hist_n.sum()) if len(hist_p) else 0.0
-            hist_p = hist_p * (mean_all / hist_mean if hist_mean > 0 else 1.0)
+            mean_all, hist_p = _every_row(t, pend_p, pend_rows, pm, mean_p, hist_p, hist_n)
             d_all, se_all = t.drawn.shift(model.mu, model.sigma, hist_p, hist_n) if len(hist_p) else (0, 0)
             drawn_se = max(drawn_se, se_all)
             mean_p, hist_p = mean_all * math.exp(d_all), hist_p * math.exp(d_all)
@@ -186,7 +188,7 @@ def model_forecast(t, scheduler, lengths, counts, unread: int, mean_predicted: f
     def expected_fill(shift: float) -> np.ndarray:
         e = model.expected(fill, None, shift + fill_shift)
         if blind:
-            e[blind] = float(model.expected(hist_p, None, shift) @ hist_n) / float(hist_n.sum())
+            e[blind] = float(model.expected(hist_p, None, shift + blind_shift) @ hist_n) / float(hist_n.sum())
         return e
 
     # The rows done by the deadline: those that start by the stop (admission ends there) and finish by the
@@ -277,6 +279,16 @@ def model_forecast(t, scheduler, lengths, counts, unread: int, mean_predicted: f
     return Forecast(float(tokens_per_s), float(d.tokens), rows, float(eta_s), left, bool(will_miss),
                     int(left_rows) if will_miss else 0, float(min(low, eta_s)), float(max(high, eta_s)),
                     calibration, (a, b, c), cap)
+
+
+def _every_row(t, pend_p, pend_rows, pm, mean_p: float, hist_p: np.ndarray, hist_n: np.ndarray):
+    """The mean prediction of every row read (those admitted and those pending), and the pool's shape of
+    predictions (hist_p, hist_n of each) moved to it: the rows not read yet, where the pool runs by predicted length
+    and its rows left are the ones predicted shortest or longest, are predicted as every row read is."""
+    n_all = t.admitted_rows + float(pend_rows[pm].sum())
+    mean_all = (t.admitted_tokens + float(pend_p[pm] @ pend_rows[pm])) / n_all if n_all else mean_p
+    hist_mean = float(hist_p @ hist_n / hist_n.sum()) if len(hist_p) else 0.0
+    return mean_all, hist_p * (mean_all / hist_mean if hist_mean > 0 else 1.0)
 
 
 def _running_shifted(t, scheduler, model, run_p: np.ndarray) -> np.ndarray:
