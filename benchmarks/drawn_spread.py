@@ -18,7 +18,9 @@ sequence, this CPU's), one admission in eight drawn at random, twice:
 
 It prints, per spread and policy, the mean error, the mean |error| and the worst at 10 / 25 / 50 / 75% of rows.
 
-    python benchmarks/drawn_spread.py [--seeds 8] [--spreads 1.8 1.0 0.6 0.3 0.15]
+    python benchmarks/drawn_spread.py [--seeds 8] [--spreads 1.8 1.0 0.6 0.3 0.15] [--pool 300] [--forms censored]
+
+With --pool the rows are read as the scheduler's pool drains, that many held at a time (the rest not read yet).
 """
 
 from __future__ import annotations
@@ -40,10 +42,10 @@ from overnight.pipeline.scheduling.drawn import DrawnRows  # noqa: E402
 SHARES = (0.10, 0.25, 0.50, 0.75)
 
 
-def errors(policy: str, spread: float, seeds: int) -> np.ndarray:
+def errors(policy: str, spread: float, seeds: int, pool=None) -> np.ndarray:
     out = []
     for seed in range(1, seeds + 1):
-        story = simulate(policy, CPU, rows=overconfident(seed, spread=spread), sample_every=8, seed=seed)
+        story = simulate(policy, CPU, rows=overconfident(seed, spread=spread), sample_every=8, seed=seed, pool=pool)
         out.append([eta_error(story, share)[0] for share in SHARES])
     return 100 * np.array(out)
 
@@ -68,16 +70,19 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, default=8)
     ap.add_argument("--spreads", type=float, nargs="+", default=[1.8, 1.0, 0.6, 0.3, 0.15])
     ap.add_argument("--policies", nargs="+", default=["longest-first", "shortest-first"])
+    ap.add_argument("--pool", type=int, default=None, help="rows read as the pool drains, this many held at a time")
+    ap.add_argument("--forms", nargs="+", default=["line", "among", "censored"])
     args = ap.parse_args()
-    print(f"ETA error (%) over {args.seeds} seeds at {' / '.join(f'{s:.0%}' for s in SHARES)} of 1,200 rows")
+    print(f"ETA error (%) over {args.seeds} seeds at {' / '.join(f'{s:.0%}' for s in SHARES)} of 1,200 rows"
+          + (f", {args.pool} read at a time" if args.pool else ""))
     for spread in args.spreads:
         for policy in args.policies:
             runs = []
             for name, patches in (("line", (line_only, none_censored)), ("among", (none_censored,)), ("censored", ())):
-                if name == "censored" and policy != "shortest-first":
+                if name not in args.forms or (name == "censored" and policy != "shortest-first"):
                     continue
                 restores = [patch() for patch in patches]
-                runs.append((name, errors(policy, spread, args.seeds)))
+                runs.append((name, errors(policy, spread, args.seeds, args.pool)))
                 for restore in restores:
                     restore()
             for name, e in runs:
