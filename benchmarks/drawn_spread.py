@@ -6,7 +6,7 @@ Rows as tests/test_forecast_drawn.py's ``overconfident``: lengths log-normal aro
 ``--spreads`` times as wide as the signal in log (1: calibrated; 1.8: the online predictor fitted on few rows;
 0.15: the online predictor's on GSM8K, whose predictions of the rows left span 0.01-0.03 in log). Each seed runs
 the real Scheduler and DeadlineTracker on tests/test_forecast.py's simulated engine (a step costs 38 ms + 3.4 ms a
-sequence, this CPU's), one admission in eight drawn at random, twice:
+sequence, this CPU's), one admission in eight drawn at random, once per form:
 
     line    the drawn rows' line of the log ratio on the log prediction alone, the rows running unshifted
     among   the same, beside the shift at which the length model expects what the drawn rows predicted within

@@ -255,7 +255,9 @@ class DrawnRows:
         error went from -32% to -4% (mean |error| 32% to 10%) with predictions 0.6 times as wide as they know, and
         from -48% to +3% at 0.15; where they know what they say (1.0), 3% to 5% in mean |error|; too wide (1.8),
         -10% to +17% (20% to 18%). On the real engine the ETA at 10% of rows under shortest-first went from -30% and
-        -36% to -9% on the mixed workload, and from -21% to -15% on the open one (docs/BENCHMARKS.md, stop 67)."""
+        -36% to -9% on the mixed workload, and from -21% to -15% on the open one; with the pool held to 150 rows,
+        +36% on the mixed one, where 8-13 drawn rows, none finished, gave a shift of 0.4-0.9 with a standard error
+        of 0.5 that this weighing took at 0.7 (docs/BENCHMARKS.md, stop 67)."""
         lo, hi = (math.log(v) if v > 0 else -math.inf for v in among) if among else (-math.inf, math.inf)
         lo, hi = lo - self.BIN / 2, hi + self.BIN / 2
         x, n, s1 = [], [], []
