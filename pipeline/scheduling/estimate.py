@@ -151,13 +151,12 @@ def model_forecast(t, scheduler, lengths, counts, unread: int, mean_predicted: f
         drawn = np.fromiter((r is not None and bool(r.drawn) for r in rows_in), bool, len(rows_in))
         ratio = getattr(model, "ratio", model)
         seen = (ratio.mu, ratio.sigma, tuple(v[drawn] for v in t.inflight.running(per_sequence=False)))
+        expects = (lambda p, s: model.expected(p, None, s), model.mu_stderr)
         if unread and len(hist_p):  # every row read, as every drawn row says
             mean_p, hist_p = _every_row(t, pend_p, pend_rows, pm, mean_p, hist_p, hist_n)
-            blind_shift, drawn_se = t.drawn.censored_shift(*seen, None, model.cap, (hist_p, hist_n),
-                                                           lambda p, s: model.expected(p, None, s), model.mu_stderr)
-        left_shift, se = t.drawn.censored_shift(*seen, (float(among.min()), float(among.max())) if len(among) else None,
-                                                model.cap, (fill, fill_n), lambda p, s: model.expected(p, None, s),
-                                                model.mu_stderr)
+            blind_shift, drawn_se = t.drawn.censored_shift(*seen, None, model.cap, (hist_p, hist_n), *expects)
+        bounds = (float(among.min()), float(among.max())) if len(among) else None
+        left_shift, se = t.drawn.censored_shift(*seen, bounds, model.cap, (fill, fill_n), *expects)
         fill_shift, drawn_se = left_shift, max(drawn_se, se)
     elif by_length and getattr(model, "only", None) is None:
         # The rows left are the ones predicted shortest (longest under shortest-first): they run as the rows drawn
