@@ -91,7 +91,7 @@ def test_drain_tail_adds_the_spread_of_the_last_rows():
 # -- a simulated run ---------------------------------------------------------------------------------
 def simulate(policy, cost, n_rows=600, m=64, deadline_share=None, makespan=None, seed=3, probe=True, n_samples=1,
              blind=False, drift=0.0, sqrt=False, calibrated=False, rows=None, loops=0.0, row_max_tokens=512,
-             margin=0.0, prefill=0.0, repredict=None, sample_every=0, pool=None):
+             margin=0.0, prefill=0.0, repredict=None, sample_every=0, pool=None, context=0.0, told=True):
     """Runs the real Scheduler and DeadlineTracker against a simulated engine; returns the story. With n_samples
     > 1 each row asks for that many completions, which the engine runs as as many sequences (vLLM's parallel
     sampling), each of its own length around the row's. blind: lengths normal, whatever the predictions. drift: a
@@ -106,9 +106,9 @@ def simulate(policy, cost, n_rows=600, m=64, deadline_share=None, makespan=None,
     step spends per prompt token of the rows that start in it (each row has 50). repredict: (rows done, new
     predictions of every row): then the pending rows get theirs, as at the online predictor's refresh.
     sample_every: the scheduler's (rows drawn at random under longest predicted first). pool: rows are read as the
-    scheduler's pool drains, this many held at a time (lookahead_rows), the rest not read yet."""
-    rng = np.random.default_rng(seed)
-    speed_rng, speed, steps = np.random.default_rng(seed + 100), 1.0, 0
+    scheduler's pool drains, this many held at a time (lookahead_rows), the rest not read yet. context: rho, a step's
+    fixed part x (1 + rho x its sequences' context: prompt 50 and tokens so far); told: the tracker knows rho."""
+    rng, speed_rng, speed, steps = np.random.default_rng(seed), np.random.default_rng(seed + 100), 1.0, 0
     predicted, actual = lognormal_rows(n_rows, 0.0, 0.55, rng)
     if blind:
         actual = np.clip(np.round(rng.normal(290, 130, n_rows)), 1, 512)
@@ -123,13 +123,11 @@ def simulate(policy, cost, n_rows=600, m=64, deadline_share=None, makespan=None,
     actual = np.minimum(actual, row_max_tokens)
     lengths = actual[:, None] if n_samples == 1 else np.minimum(512, np.maximum(1, np.round(
         actual[:, None] * rng.lognormal(0, 0.3, (n_rows, n_samples)))))
-    clock = FakeClock(0.0)
-    deadline = None if deadline_share is None else deadline_share * makespan
+    clock, deadline = FakeClock(0.0), None if deadline_share is None else deadline_share * makespan
     tracker = DeadlineTracker(deadline, margin, clock, max_tokens=512, calibrated=calibrated)
-    if not probe:
-        tracker.probe_done = True
+    tracker.probe_done = not probe
     sched = Scheduler(m, 1.0, Policy(policy), sample_every=sample_every)
-    tracker.engine_started(m)
+    tracker.engine_started(m, context if told else 0.0)
     tracker.start(sched)
     rows = [Row(id=i, prompt_token_ids=[1] * 50, sampling={"max_tokens": row_max_tokens, "n": n_samples},
                 passthrough={}, origin=str(i), predicted_tokens=int(p)) for i, p in enumerate(predicted)]
@@ -178,7 +176,9 @@ def simulate(policy, cost, n_rows=600, m=64, deadline_share=None, makespan=None,
         if drift and steps % 100 == 0:
             speed = float(np.exp(speed_rng.normal(0.0, drift)))
         steps += 1
-        dt = (cost[0] + cost[1] * live + prefill * 50 * started) * speed
+        held = context and sum(float(((v > 0) * (50 + lengths[sched.running[r].id] - v)).sum()) for r, v in
+                               running.items())
+        dt = (cost[0] * (1 + context * held) + cost[1] * live + prefill * 50 * started) * speed
         clock.t += dt
         fin = []
         for rid in list(running):

@@ -104,14 +104,16 @@ class DeadlineTracker:
         self._engine_steps = 0  # steps since the engine started
         self._settled = False  # the engine's first seconds are past (after_step)
         self._measured = 0  # steps measured since the engine settled
-        self._step_n = self._step_prefill = 0
+        self._step_n = self._step_prefill = self._step_context = 0
         self._done: tuple[list, ...] = ([], [], [], [], [])  # finished rows not learned from yet
         # The finished rows the length predictor waits for before it first learns from this job's (None: it has,
         # or never learns): a warning before then says that its count may move (LengthAnnotator.rows_to_learn).
         self.rows_to_learn: Callable[[], Optional[int]] = lambda: None
 
     # -- what the runner reports -----------------------------------------------------------------
-    def engine_started(self, max_num_seqs: int) -> None:
+    def engine_started(self, max_num_seqs: int, kv_per_weight: float = 0.0) -> None:
+        """kv_per_weight: the model's keys and values of a token over its weights (StepCost's rho)."""
+        self.steps.rho = self.early_steps.rho = kv_per_weight
         self.inflight.resize(max_num_seqs)
         self.inflight.clear()
         self._first_step_at = None  # a new engine settles again
@@ -128,6 +130,7 @@ class DeadlineTracker:
 
     def before_step(self) -> None:
         self._step_n, self._step_prefill = self.inflight.before_step()
+        self._step_context = self.inflight.context
 
     def after_step(self, seconds: Optional[float], finished_ids) -> None:
         """One engine step ended; ``seconds``: the loop's whole cycle for it (None when the loop had idled)."""
@@ -144,10 +147,10 @@ class DeadlineTracker:
             fast = self._engine_steps > self.settle_steps and (since <= SETTLE_FAST_S or self.deadline is not None)
             self._settled = since >= self.settle_s or fast
         if seconds is not None and self._settled:
-            self.steps.observe(self._step_n, self._step_prefill, seconds)
+            self.steps.observe(self._step_n, self._step_prefill, seconds, self._step_context)
             self._measured += 1
         elif seconds is not None:
-            self.early_steps.observe(self._step_n, self._step_prefill, seconds)
+            self.early_steps.observe(self._step_n, self._step_prefill, seconds, self._step_context)
         self.inflight.after_step(finished_ids)
 
     def finished(self, predicted, actual, finish_reasons, drawn=None, features=None) -> None:

@@ -182,13 +182,17 @@ def model_forecast(t, scheduler, lengths, counts, unread: int, mean_predicted: f
     rows = len(t.inflight.info) + int(round(float(np.sum(counts)))) + unread
     per_row = sequences / rows if rows else 1.0
     prefill = (queued_rows + float(np.sum(counts)) + unread) * t.inflight.mean_prompt_tokens
-    step_full = a + b * max_num_seqs
 
     def expected_fill(shift: float) -> np.ndarray:
         e = model.expected(fill, None, shift + fill_shift)
         if blind:
             e[blind] = float(model.expected(hist_p, None, shift + blind_shift) @ hist_n) / float(hist_n.sum())
         return e
+
+    context = _context_to_come(t, model, run_p, run_g, fill * math.exp(fill_shift), fill_n, expected_fill(0.0))
+    if context is not None:  # a sequence-step costs as the context of the steps to come says (StepCost.rho)
+        b = t.step_cost.per_seq_at(context)
+    step_full = a + b * max_num_seqs
 
     # The rows done by the deadline: those that start by the stop (admission ends there) and finish by the
     # deadline, where the rows in flight drain to it (--on-deadline drain); by the stop, where they are aborted.
@@ -264,13 +268,15 @@ def model_forecast(t, scheduler, lengths, counts, unread: int, mean_predicted: f
         parts = expected_fill(0.0) * fill_n
         split = (float(model.expected(run_p, run_g).sum()), float(parts[:len(queued_p)].sum()),
                  float(parts[len(queued_p):].sum()))
-    log.debug("forecast: step %.4f + %.5f/seq + %.2e/prompt token; %d steps + %.0f tail, %.0f tokens (running %.0f, "
+    log.debug("forecast: step %.4f + %.5f/seq + %.2e/prompt token; context %.2e/token, %.0f a sequence to come "
+              "(now %.0f); %d steps + %.0f tail, %.0f tokens (running %.0f, "
               "queued %.0f, to start %.0f), %.0f "
               "prompt tokens over %d slots (rows capped at %s); lengths mu %.3f sigma %.3f from %.1f rows; "
               "step cost drift %.3f; ETA %.1f s (%.1f-%.1f); lengths weighed %.2f normal, %.2f square root; "
               "rows left shifted %+.3f (se %.3f) by %d rows drawn at random (%s); tail of the rows running: %s",
-              a, b, c, d.steps, d.tail_steps, d.tokens, *split, prefill, max_num_seqs, cap, model.mu, model.sigma,
-              model.num_events, t.step_cost.drift, eta_s, low, high, model.weight, model.sqrt_weight,
+              a, b, c, t.step_cost.context_cost, context or 0.0, t.step_cost.context_now, d.steps, d.tail_steps,
+              d.tokens, *split, prefill, max_num_seqs, cap, model.mu, model.sigma, model.num_events, t.step_cost.drift,
+              eta_s, low, high, model.weight, model.sqrt_weight,
               left_shift, drawn_se, t.drawn.num_rows,
               f"{t.drawn.censored_rows} with those running, as at least" if censored else "those alone",
               "sqrt ratio (calibrated predictions)" if getattr(model, "only", None) is not None else
@@ -278,6 +284,24 @@ def model_forecast(t, scheduler, lengths, counts, unread: int, mean_predicted: f
     return Forecast(float(tokens_per_s), float(d.tokens), rows, float(eta_s), left, bool(will_miss),
                     int(left_rows) if will_miss else 0, float(min(low, eta_s)), float(max(high, eta_s)),
                     calibration, (a, b, c), cap)
+
+
+def _context_to_come(t, model, run_p, run_g, fill_p, fill_n, fill_e) -> Optional[float]:
+    """The mean context (prompt and tokens so far) a sequence holds over the steps still to come, each sequence-step
+    weighed alike; None where the step cost has no term for it. A row of length L after a prompt of P tokens holds
+    P + j at its j-th step: L * P + L^2 / 2 in all (E[L^2] from the length model's moments at its prediction, in
+    the ratio to E[L]^2; the rows still to start at the mean prompt of the rows admitted), and a row running from g
+    tokens on, r more to come, r * (P + g) + r^2 / 2."""
+    if not t.step_cost.rho:
+        return None
+    run_e = model.expected(run_p, run_g)
+    held = float(run_e @ t.inflight.contexts() + run_e @ run_e / 2) if len(run_p) else 0.0
+    tokens = float(run_e.sum()) + float(fill_e @ fill_n)
+    if len(fill_p):
+        m1, m2 = model.moments(fill_p)
+        ratio = np.clip(m2 / np.maximum(m1 * m1, 1e-9), 1.0, 4.0)  # E[L^2] / E[L]^2
+        held += float(fill_n @ (fill_e * t.inflight.mean_prompt_tokens + ratio * fill_e * fill_e / 2))
+    return held / tokens if tokens > 0 else None
 
 
 def _every_row(t, pend_p, pend_rows, pm, mean_p: float, hist_p: np.ndarray, hist_n: np.ndarray):

@@ -33,6 +33,7 @@ class InFlight:
         self.waiting: deque[str] = deque()
         self.info: dict[str, tuple[float, int, int]] = {}  # request -> (predicted tokens, prompt tokens, samples)
         self.num_seqs = 0  # sequences of the running requests
+        self._held = 0  # the running sequences' prompt tokens less the step each started at, summed (context)
         self.prompt_total = 0
         self.num_admitted = 0
 
@@ -54,8 +55,15 @@ class InFlight:
             if info is not None:  # else finished or dropped while waiting
                 self.start[rid] = self.step
                 self.num_seqs += info[2]
+                self._held += info[2] * (info[1] - self.step)
                 prefill += info[1]
         return self.num_seqs, prefill
+
+    @property
+    def context(self) -> int:
+        """Context tokens of the sequences running (prompt and tokens so far), summed: what a step's attention
+        reads."""
+        return self._held + self.num_seqs * self.step
 
     def after_step(self, finished_ids) -> None:
         self.step += 1
@@ -64,14 +72,16 @@ class InFlight:
 
     def forget(self, request_id: str) -> None:
         info = self.info.pop(request_id, None)
-        if self.start.pop(request_id, None) is not None:
+        started = self.start.pop(request_id, None)
+        if started is not None:
             self.num_seqs -= info[2]
+            self._held -= info[2] * (info[1] - started)
 
     def clear(self) -> None:
         self.start.clear()
         self.waiting.clear()
         self.info.clear()
-        self.num_seqs = 0
+        self.num_seqs = self._held = 0
 
     @property
     def mean_prompt_tokens(self) -> float:
@@ -90,6 +100,15 @@ class InFlight:
             k = np.fromiter((i[2] for i in info), np.int64, len(info))
             p, g = np.repeat(p, k), np.repeat(g, k)
         return p, g
+
+    def contexts(self) -> np.ndarray:
+        """Context tokens (prompt and tokens so far) of the sequences running, in running()'s order."""
+        if not self.start:
+            return np.zeros(0)
+        info = [self.info[r] for r in self.start]
+        c = np.fromiter((i[1] + self.step - s for i, s in zip(info, self.start.values())), np.float64, len(info))
+        k = np.fromiter((i[2] for i in info), np.int64, len(info))
+        return c if self.num_seqs == len(info) else np.repeat(c, k)
 
     def queued(self, per_sequence: bool = True) -> np.ndarray:
         """Predicted tokens of the sequences admitted but not started, in the order they will start (of the rows:

@@ -32,6 +32,17 @@ class StepCost:
     the batch empties, were costed 7-18% long. ``saw`` is told of every step, the engine's first seconds' too,
     so that a jump among them is seen.
 
+    A decode step also reads every running sequence's keys and values, once per token of its context (prompt and
+    tokens so far), beside the weights once: with ``kv_per_weight`` (rho: the numbers of one token's keys and values
+    over the weights', from the model's config, VllmEngine.kv_per_weight) the fixed part is a0 * (1 + rho * context),
+    the context summed over the running sequences, and a step of n sequences of c tokens each costs a0 + (b0 + a0 *
+    rho * c) * n. ``fit`` gives the per-sequence part at the running sequences' context now, ``per_seq_at`` at
+    another (the rows still to come's, estimate.py). Where the running rows' contexts grow or shrink over a run (the
+    longest rows last under shortest-first, first under longest-first) a step's cost follows: on the mixed workload
+    a 64-sequence step took 76-80 ms at 205-220 context tokens a sequence and 88-93 ms at 305-318 (longest-first),
+    and the fit without it costed the steps to come x0.87-0.90 under shortest-first (docs/BENCHMARKS.md, stop 68).
+    rho 0 (the echo engine, a config it cannot read): no term, as before.
+
     ``drift`` is how much a step's cost moves over the run that the fit cannot foresee: the spread, in log
     seconds, of the medians of consecutive blocks of BLOCK decode steps of one size. On a shared CPU the same
     64-sequence step took a median 202 ms over one stretch of a run and 172 ms on average after it; the fit follows
@@ -48,14 +59,18 @@ class StepCost:
     BLOCK = 32  # decode steps of one size per block of the drift
     BLOCKS = 64  # the last blocks kept, per size
 
-    def __init__(self):
+    def __init__(self, kv_per_weight: float = 0.0):
+        self.rho = kv_per_weight
         self.sizes: dict[int, deque] = {}  # sequences -> the last KEEP decode-only step times of that size
+        self.contexts: dict[int, deque] = {}  # the same steps' context tokens (summed over their sequences)
+        self.context_now = 0.0  # context tokens per sequence of the last step measured
         # steps that prefilled, each with the step after it: (sequences summed over the steps, steps, prompt tokens,
-        # seconds), to refit the excess over the line
+        # seconds, context tokens summed over the steps), to refit the excess over the line
         self.prefill_steps: deque = deque(maxlen=256)
         self._pending: Optional[list] = None  # a prefill waiting for the step after it
         self.num_steps = 0
         self._fit: Optional[tuple[float, float, float]] = None
+        self._base = (0.0, 0.0)  # (a0, b0): the fixed part at no context, the per-sequence part (fit)
         self._last_seqs: Optional[int] = None
         self._unsettled = 0  # decode steps still to leave out after the batch grew
         self._block: dict[int, list] = {}  # sequences -> the decode steps of the block being filled
@@ -69,11 +84,14 @@ class StepCost:
             self._unsettled = self.AFTER_GROWTH
         self._last_seqs = num_seqs
 
-    def observe(self, num_seqs: int, prefill_tokens: int, seconds: float) -> None:
+    def observe(self, num_seqs: int, prefill_tokens: int, seconds: float, context: float = 0.0) -> None:
+        """A step of num_seqs sequences, prefill_tokens prompt tokens prefilled, seconds long; context: the running
+        sequences' context tokens, summed."""
         if self._last_seqs != num_seqs:
             self.saw(num_seqs)
         if num_seqs <= 0 or seconds <= 0:
             return
+        self.context_now = context / num_seqs
         pending = self._pending
         if self._unsettled:  # the steps just after a jump, whatever they do, are slow: counted off one by one
             self._unsettled -= 1
@@ -84,16 +102,19 @@ class StepCost:
             pending[1] += 1
             pending[2] += prefill_tokens
             pending[3] += seconds
+            pending[4] += context
             if not prefill_tokens or pending[1] >= 4:
                 self.prefill_steps.append(tuple(pending))
                 self._pending = None
         elif prefill_tokens:
-            self._pending = [num_seqs, 1, prefill_tokens, seconds]
+            self._pending = [num_seqs, 1, prefill_tokens, seconds, context]
         else:
             q = self.sizes.get(num_seqs)
             if q is None:
                 q = self.sizes[num_seqs] = deque(maxlen=self.KEEP)
+                self.contexts[num_seqs] = deque(maxlen=self.KEEP)
             q.append(seconds)
+            self.contexts[num_seqs].append(context)
             block = self._block.setdefault(num_seqs, [])
             block.append(seconds)
             if len(block) >= self.BLOCK:
@@ -145,19 +166,29 @@ class StepCost:
         n, t, w = self._points()
         if not len(n):  # few steps so far: the mean step, half fixed and half per sequence
             ps = [list(p) for p in self.prefill_steps] + ([self._pending] if self._pending else [])
-            ps += [[size, 1, 0, t] for size, q in self.sizes.items() for t in q]
+            ps += [[size, 1, 0, t, 0.0] for size, q in self.sizes.items() for t in q]
             if not ps:
                 return None
             ps = np.array(ps, np.float64)
             steps = ps[:, 1].sum()
             mean_n, mean_t = float(ps[:, 0].sum() / steps), float(ps[:, 3].sum() / steps)
             self._fit = (mean_t / 2, mean_t / 2 / max(mean_n, 1.0), 0.0)
+            self._base = self._fit[:2]
             return self._fit
+        x = self._context_factor(n)  # the fixed part's multiple at each size's context: 1 + rho * context
         if self.knows_per_seq:
             mean_n, mean_t = float(w @ n / w.sum()), float(w @ t / w.sum())
-            var = float(w @ (n - mean_n) ** 2)
-            b = max(0.0, float(w @ ((n - mean_n) * (t - mean_t))) / var)
-            a = mean_t - b * mean_n
+            if x is None:
+                var = float(w @ (n - mean_n) ** 2)
+                b = max(0.0, float(w @ ((n - mean_n) * (t - mean_t))) / var)
+                a = mean_t - b * mean_n
+            else:  # t = a * x + b * n, weighted least squares, then the same bounds
+                sxx, sxn, snn = float(w @ (x * x)), float(w @ (x * n)), float(w @ (n * n))
+                sxt, snt = float(w @ (x * t)), float(w @ (n * t))
+                det = sxx * snn - sxn * sxn
+                a, b = (sxt * snn - sxn * snt) / det, (sxx * snt - sxn * sxt) / det
+                if b < 0:
+                    a, b = sxt / sxx, 0.0
             if a < 0:  # noise: a line through the origin and the mean
                 a, b = 0.0, mean_t / mean_n
         else:
@@ -165,15 +196,38 @@ class StepCost:
             # forecast of a full engine is right and the drain is neither a GPU's nor a CPU's extreme.
             mean_n, mean_t = float(w @ n / w.sum()), float(w @ t / w.sum())
             a, b = mean_t / 2, mean_t / 2 / max(mean_n, 1.0)
+            if x is not None:
+                a /= float(w @ x / w.sum())
         c = 0.0
         if self.prefill_steps:
             ps = np.array(self.prefill_steps, np.float64)
-            excess = ps[:, 3] - (a * ps[:, 1] + b * ps[:, 0])
+            excess = ps[:, 3] - (a * (ps[:, 1] + self.rho * ps[:, 4]) + b * ps[:, 0])
             tokens = np.maximum(ps[:, 2], 1.0)
             c = max(0.0, float(excess.sum() / tokens.sum() if self.PREFILL == "mean" else
                                weighted_median(excess / tokens, tokens)))
-        self._fit = (float(a), float(b), float(c))
+        self._base = (float(a), float(b))
+        self._fit = (float(a), float(b + a * self.rho * self.context_now), float(c))
         return self._fit
+
+    def _context_factor(self, n: np.ndarray) -> Optional[np.ndarray]:
+        """1 + rho * the median context of each size's kept steps (n: the sizes, as _points gives them); None
+        without rho."""
+        if not self.rho:
+            return None
+        return np.array([1.0 + self.rho * float(np.median(self.contexts[k])) if self.contexts.get(k) else 1.0
+                         for k in n.astype(int)])
+
+    def per_seq_at(self, context: float) -> float:
+        """The per-sequence part of a step whose sequences hold ``context`` tokens each (fit's is at context_now)."""
+        self.fit()
+        a, b = self._base
+        return b + a * self.rho * context
+
+    @property
+    def context_cost(self) -> float:
+        """Seconds a step costs per token of context its sequences hold (a0 * rho)."""
+        self.fit()
+        return self._base[0] * self.rho
 
     def step_seconds(self, num_seqs: float) -> Optional[float]:
         f = self.fit()
