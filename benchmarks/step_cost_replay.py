@@ -127,7 +127,9 @@ SMOLLM2_RHO = 2 * 30 * 3 * 64 / 134.5e6
 
 def replay_physics(rec: list, shares=SHARES, rho: float = SMOLLM2_RHO,
                    on: str = "fixed") -> list[tuple[float, float, float]]:
-    """Tried, not in the product: the context's cost pinned by its physics. A decode step reads the weights once
+    """Tried at stop 30 and not kept then; on="fixed" at rho is the product's form since stop 68 (StepCost.rho,
+    which bounds the fit as the line does; the product's rule above replays the fit without it, StepCost's rho 0,
+    as before stop 68): the context's cost pinned by its physics. A decode step reads the weights once
     and each running row's keys and values once per context token, so (on="fixed") a step costs
     a * (1 + rho * context) + b * sequences, rho the keys and values of a token over the weights; or
     (on="per_seq") a + b * (sequences + rho * context). a and b: the product's line through each size's median
