@@ -178,12 +178,12 @@ class StepCost:
         x = self._context_factor(n)  # the fixed part's multiple at each size's context: 1 + rho * context
         if self.knows_per_seq:
             mean_n, mean_t = float(w @ n / w.sum()), float(w @ t / w.sum())
-            if x is None:
+            sxx, sxn, snn = (float(w @ v) for v in (x * x, x * n, n * n)) if x is not None else (0.0, 0.0, 0.0)
+            if x is None or sxx * snn - sxn * sxn <= 1e-12 * sxx * snn:
                 var = float(w @ (n - mean_n) ** 2)
                 b = max(0.0, float(w @ ((n - mean_n) * (t - mean_t))) / var)
                 a = mean_t - b * mean_n
             else:  # t = a * x + b * n, weighted least squares, then the same bounds
-                sxx, sxn, snn = float(w @ (x * x)), float(w @ (x * n)), float(w @ (n * n))
                 sxt, snt = float(w @ (x * t)), float(w @ (n * t))
                 det = sxx * snn - sxn * sxn
                 a, b = (sxt * snn - sxn * snt) / det, (sxx * snt - sxn * sxt) / det
