@@ -183,6 +183,8 @@ class StepCost:
                 var = float(w @ (n - mean_n) ** 2)
                 b = max(0.0, float(w @ ((n - mean_n) * (t - mean_t))) / var)
                 a = mean_t - b * mean_n
+                if x is not None:  # the line's fixed part at the steps' context, as a0
+                    a /= float(w @ x / w.sum())
             else:  # t = a * x + b * n, weighted least squares, then the same bounds
                 sxt, snt = float(w @ (x * t)), float(w @ (n * t))
                 det = sxx * snn - sxn * sxn
