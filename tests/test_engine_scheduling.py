@@ -264,7 +264,8 @@ def test_forecasts_say_how_they_weighed_the_length_models(warm, tmp_path, policy
     # costed at their rows' context
     context = [[float(x) for x in re.search(r"step ([0-9.]+) \+ .*; context ([0-9.e+-]+)/token, (\d+) a sequence to "
                                             r"come \(now (\d+)\)", ln).groups()] for ln in forecasts]
-    assert all(c == pytest.approx(8.566e-5 * a, rel=0.03) for a, c, _, _ in context if a >= 0.001), context
+    # as printed: the fixed part to 4 decimals (+-5e-5 s), the context cost to 3 digits
+    assert all(abs(c - 8.566e-5 * a) <= 8.566e-5 * 5e-5 + 0.01 * c for a, c, _, _ in context if a >= 0.001), context
     assert any(a >= 0.001 for a, _, _, _ in context) and any(come > 0 and now > 0 for *_, come, now in context)
     if policy == "longest-first":
         assert set(tails) <= {"square root", "mixture"}
