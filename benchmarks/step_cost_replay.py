@@ -215,7 +215,9 @@ def main() -> None:
         context_rules.update({"physics: rho on the fixed part": ("physics", SMOLLM2_RHO, "fixed"),
                               "rho / 2 on the fixed part": ("physics", SMOLLM2_RHO / 2, "fixed"),
                               "rho x 2 on the fixed part": ("physics", SMOLLM2_RHO * 2, "fixed"),
+                              "per sequence: context / 1,000": ("physics", 1 / 1000, "per_seq"),
                               "per sequence: context / 2,000": ("physics", 1 / 2000, "per_seq"),
+                              "per sequence: context / 3,900": ("physics", 1 / 3900, "per_seq"),
                               "per sequence: context / 500": ("physics", 1 / 500, "per_seq")})
     for name in context_rules:
         ratios[name] = []

@@ -170,7 +170,7 @@ class Runner(Clockwork):
         self.tally.engine_start_s = time.time() - began
         self.ready_after_stop = self.tracker.should_stop()  # the start-up took what the budget had left
         self.scheduler.resize(self.engine.max_num_seqs)
-        self.tracker.engine_started(self.engine.max_num_seqs, getattr(self.engine, "kv_per_weight", 0.0))
+        self.tracker.engine_started(self.engine.max_num_seqs, *getattr(self.engine, "context_term", (0.0,)))
         self.tally.started = time.monotonic()  # the attempt's elapsed time and tok/s count from a running engine
         self.progress.rates_from(self.progress.clock())  # (the progress line's too)
         self.tally.engine_ready_at = time.time()
@@ -354,7 +354,7 @@ class Runner(Clockwork):
             self.hard_stop_at = self.clock()  # a drain already under way has nothing left to drain
             return
         self.engine = self.supervisor.restart(e, self.scheduler.num_running)
-        self.tracker.engine_started(self.engine.max_num_seqs, getattr(self.engine, "kv_per_weight", 0.0))
+        self.tracker.engine_started(self.engine.max_num_seqs, *getattr(self.engine, "context_term", (0.0,)))
         self.scheduler.requeue_running(self.clock())
         self.queued_at.clear()
 

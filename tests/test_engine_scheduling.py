@@ -244,7 +244,7 @@ def test_forecasts_say_how_they_weighed_the_length_models(warm, tmp_path, policy
     fifo draws none. Longest-first runs 160 rows: a shift needs a drawn row finished while rows are still to be
     admitted, and of 80 rows over the engine's 64 slots the last 16 were admitted before the first drawn row finished
     on CI (every forecast said "+0.000 (se 0.000)"). The step cost has its term for the context the sequences hold
-    (StepCost.rho), at the embedded model's keys and values over its weights."""
+    (StepCost.rho), on a CPU on the per-sequence part at the embedded model's attention over its weights."""
     rows = 160 if policy == "longest-first" else 80
     forecasts = forecast_lines(tmp_path, "--policy", policy, rows=rows)
     tails = [ln.rsplit("tail of the rows running: ", 1)[1] for ln in forecasts]
@@ -259,14 +259,18 @@ def test_forecasts_say_how_they_weighed_the_length_models(warm, tmp_path, policy
              for ln in forecasts]
     assert all(abs(total - (r + q + p)) <= 2 for total, r, q, p in split), split
     assert any(r > 0 for _, r, _, _ in split) and any(p > 0 for _, _, _, p in split), split
-    # the step cost's term for the context its sequences hold: the fixed part times the model's keys and values of a
-    # token over its weights (VllmEngine.kv_per_weight, SmolLM2-135M's 8.57e-5 from its config), the steps to come
-    # costed at their rows' context
-    context = [[float(x) for x in re.search(r"step ([0-9.]+) \+ .*; context ([0-9.e+-]+)/token, (\d+) a sequence to "
-                                            r"come \(now (\d+)\)", ln).groups()] for ln in forecasts]
-    # as printed: the fixed part to 4 decimals (+-5e-5 s), the context cost to 3 digits
-    assert all(abs(c - 8.566e-5 * a) <= 8.566e-5 * 5e-5 + 0.01 * c for a, c, _, _ in context if a >= 0.001), context
-    assert any(a >= 0.001 for a, _, _, _ in context) and any(come > 0 and now > 0 for *_, come, now in context)
+    # the step cost's term for the context its sequences hold: on this CPU, on the per-sequence part (a step bound by
+    # compute), the model's multiply-adds of a context token's attention over a token's through the weights
+    # (VllmEngine.context_term, SmolLM2-135M's 2.57e-4 from its config): b0 x rho a token, b0 the per-sequence part
+    # the line printed less its context now, b = b0 x (1 + rho x now); the steps to come costed at their rows'
+    # context
+    context = [[float(x) for x in re.search(r"step [0-9.]+ \+ ([0-9.]+)/seq.*; context ([0-9.e+-]+)/token, (\d+) a "
+                                            r"sequence to come \(now (\d+)\)", ln).groups()] for ln in forecasts]
+    rho = 2 * 30 * 9 * 64 / 134_479_872
+    # as printed: the per-sequence part to 5 decimals (+-5e-6 s), the context cost to 3 digits
+    assert all(abs(c - rho * b / (1 + rho * now)) <= rho * 5e-6 + 0.01 * c for b, c, _, now in context if b >= 5e-4), \
+        context
+    assert any(b >= 5e-4 for b, _, _, _ in context) and any(come > 0 and now > 0 for *_, come, now in context)
     if policy == "longest-first":
         assert set(tails) <= {"square root", "mixture"}
         assert not normal.any() and not sqrt.any()

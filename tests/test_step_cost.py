@@ -278,7 +278,7 @@ def test_step_cost_counts_the_context_its_sequences_hold():
     one line through the sizes, at whatever context its steps had."""
     rng = np.random.default_rng(4)
     rho, a0, b0 = 8.6e-5, 0.025, 0.0008
-    sc, blind = StepCost(kv_per_weight=rho), StepCost()
+    sc, blind = StepCost(rho=rho), StepCost()
     for n, per in [(16, 150)] * 40 + [(32, 180)] * 40 + [(64, 200)] * 200 + [(64, 300)] * 64:
         ctx = n * per * rng.uniform(0.9, 1.1)
         seconds = a0 * (1 + rho * ctx) + b0 * n + rng.normal(0, 0.001)
@@ -291,6 +291,30 @@ def test_step_cost_counts_the_context_its_sequences_hold():
     assert sc.context_cost == pytest.approx(a0 * rho, rel=0.15)
     # the line alone costs a sequence of 600 tokens as one of 300
     assert blind.per_seq_at(600) == blind.fit()[1] < 0.8 * (b0 + a0 * rho * 600) and blind.context_cost == 0
+
+
+def test_step_cost_counts_the_context_on_the_per_sequence_part_where_steps_are_bound_by_compute():
+    """A CPU's steps: each sequence's token through the weights and its attention over each context token,
+    a0 + b0 * (n + rho * context) (StepCost(on="per_seq"), VllmEngine.context_term on a CPU). The fit finds a0 and
+    b0 under it; the fixed-part form, told the same rho, puts the context on a0: fitted on these steps, it costs a
+    drain's step of 4 sequences at 500 context tokens each 40% long (its a0 31 ms), as the real engine's fits did
+    (docs/BENCHMARKS.md, stop 70)."""
+    rng = np.random.default_rng(5)
+    rho, a0, b0 = 2.57e-4, 0.022, 0.0009
+    sc, fixed = StepCost(rho=rho, on="per_seq"), StepCost(rho=8.57e-5)
+    for n, per in [(16, 110)] * 40 + [(32, 150)] * 20 + [(64, 200)] * 100 + [(64, 280)] * 64:
+        ctx = n * per * rng.uniform(0.9, 1.1)
+        seconds = a0 + b0 * (n + rho * ctx) + rng.normal(0, 0.0005)
+        sc.observe(n, 0, seconds, ctx)
+        fixed.observe(n, 0, seconds, ctx)
+    a, b, _ = sc.fit()
+    assert a == pytest.approx(a0, rel=0.1) and sc.context_now == pytest.approx(280, rel=0.11)
+    assert b == pytest.approx(b0 * (1 + rho * sc.context_now), rel=0.05)
+    assert sc.per_seq_at(500) == pytest.approx(b0 * (1 + rho * 500), rel=0.05)
+    assert sc.context_cost == pytest.approx(b0 * rho, rel=0.1)
+    truth = a0 + 4 * b0 * (1 + rho * 500)
+    assert sc.fit()[0] + 4 * sc.per_seq_at(500) == pytest.approx(truth, rel=0.05)
+    assert fixed.fit()[0] + 4 * fixed.per_seq_at(500) > 1.3 * truth
 
 
 @pytest.mark.parametrize("policy", ["shortest-first", "longest-first"])

@@ -9,8 +9,9 @@ An engine is anything with vLLM's add/step/abort shape:
     has_unfinished() -> bool
     shutdown()
     max_num_seqs, max_model_len, supports_priority, kv_cache_tokens, num_preemptions
-    kv_per_weight                     # optional: a token's keys and values over the weights (the step cost's
-                                      # context term; VllmEngine's from the model's config, else 0)
+    context_term                      # optional: (rho, on), what a token of context costs a step against the
+                                      # weights and the part it scales (StepCost; VllmEngine's from the model's
+                                      # config, else no term)
 
 ``run_job(cfg, engine_factory=...)`` takes a factory, ``factory(job) -> engine``: the one seam through which
 tests, benchmarks and scale-out workers hand the loop an engine. Without one, ``engine.kind`` chooses.

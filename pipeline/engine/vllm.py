@@ -116,11 +116,15 @@ def _request_errors() -> tuple:
     return (ValueError, VLLMClientError)
 
 
-def kv_per_weight(model_config) -> float:
-    """The numbers in one token's keys and values over those in the weights a decode step reads (every layer's and
-    the output head's): a step reads the weights once and each running sequence's keys and values once per token
-    of its context, so a token of context costs this much of the step's fixed part (StepCost's rho). SmolLM2-135M:
-    2 x 30 layers x 3 heads x 64 over 134.5M, 8.6e-5. 0 where the model's config does not say (no context term)."""
+def context_term(model_config, cpu: bool) -> tuple[float, str]:
+    """What a token of context costs a decode step against the weights, and which part of the step it scales
+    (StepCost's rho and on), from the model's config. Where a step is bound by memory (a GPU), it reads the weights
+    once and each running sequence's keys and values once per context token: the numbers in one token's keys and
+    values over those in the weights (every layer's and the output head's), on the fixed part (SmolLM2-135M: 2 x 30
+    layers x 3 heads x 64 over 134.5M, 8.57e-5). Where it is bound by compute (a CPU), each sequence's token goes
+    through the weights and attends to each context token, once per query head: the multiply-adds of a context
+    token's attention over those of a token through the weights, on the per-sequence part (SmolLM2-135M: 2 x 30
+    layers x 9 heads x 64 over 134.5M, 2.57e-4). (0, "fixed") where the config does not say: no term."""
     try:
         hf = model_config.hf_text_config
         layers, h, heads = int(hf.num_hidden_layers), int(hf.hidden_size), int(hf.num_attention_heads)
@@ -128,9 +132,10 @@ def kv_per_weight(model_config) -> float:
         hd = int(getattr(hf, "head_dim", None) or h // heads)
         experts = int(getattr(hf, "num_local_experts", None) or getattr(hf, "num_experts", None) or 1)
         per_layer = 2 * h * heads * hd + 2 * h * kv * hd + 3 * h * int(hf.intermediate_size) * experts
-        return 2 * layers * kv * hd / (layers * per_layer + int(hf.vocab_size) * h)
+        weights = layers * per_layer + int(hf.vocab_size) * h
+        return (2 * layers * heads * hd / weights, "per_seq") if cpu else (2 * layers * kv * hd / weights, "fixed")
     except (AttributeError, TypeError, ValueError, ZeroDivisionError):
-        return 0.0
+        return 0.0, "fixed"
 
 
 class VllmEngine:
@@ -150,7 +155,7 @@ class VllmEngine:
         self.kv_cache_tokens: Optional[int] = getattr(cache, "kv_cache_size_tokens", None) or (
             (cache.num_gpu_blocks or 0) * cache.block_size or None)
         self.max_num_seqs: int = vcfg.scheduler_config.max_num_seqs
-        self.kv_per_weight: float = kv_per_weight(vcfg.model_config)
+        self.context_term: tuple[float, str] = context_term(vcfg.model_config, is_cpu_platform())
         self.max_num_batched_tokens: int = vcfg.scheduler_config.max_num_batched_tokens
         # vLLM refuses a non-zero priority unless its scheduler runs the priority policy.
         self.supports_priority: bool = str(getattr(vcfg.scheduler_config, "policy", "fcfs")).endswith("priority")

