@@ -21,10 +21,11 @@ log = logging.getLogger("overnight")
 
 TICK_S, FORECAST_S = 1.0, 2.0  # how often the loop measures, and how often it forecasts
 # Seconds from the last row to `overnight run`'s return: the last writes, the engine's processes' exit (jobs/cli.py
-# ENGINE_EXIT_S) and the interpreter's (about 1 s after importing vLLM). 2.7-3.3 s on this 2-core machine
-# (docs/BENCHMARKS.md); the ETA shown counts them, the deadline's forecast (rows done by the stop) does not. An
-# engine that knows its own (EchoEngine.finish_s: no vLLM to exit) gives it instead.
-FINISH_S = 3.0
+# ENGINE_EXIT_S) and the interpreter's (about 1 s after importing vLLM). 1.8-2.3 s, median 2.0, over 12 runs on this
+# 2-core machine at stop 71 (2.7-3.3 s at stop 30; docs/BENCHMARKS.md); the ETA shown counts them, the deadline's
+# forecast (rows done by the stop) does not. An engine that knows its own (EchoEngine.finish_s: no vLLM to exit)
+# gives it instead.
+FINISH_S = 2.0
 
 
 def forecast_spacing(cpu_s: float, time_left: float = math.inf, elapsed: float = math.inf) -> float:

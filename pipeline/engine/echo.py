@@ -20,7 +20,7 @@ from overnight.pipeline.records import Finished, Sample
 
 class EchoEngine:
     supports_priority = True
-    # Seconds from the last row to `overnight run`'s return (clockwork.FINISH_S is vLLM's, 3 s): the last writes
+    # Seconds from the last row to `overnight run`'s return (clockwork.FINISH_S is vLLM's, 2 s): the last writes
     # and the interpreter's exit, with no vLLM to shut down. 0.13-0.18 s for 2,000 rows on this 2-core machine.
     finish_s = 0.2
 
